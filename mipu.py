@@ -112,7 +112,7 @@ class Config:
     prompts_per_step: int = _arg(16, "training prompts per step (batch = prompts_per_step * num_generations)")
     val_prompts: int = _arg(32, "Step-2 acceptance prompts per step, G responses each (paper: |D_val| not stated)")
     target_holdout: int = _arg(4, "prompts of each step held out of the gradient to estimate G_k (target rule only)")
-    epochs: int = _arg(2, "passes of Step 1 over the step's rollouts")
+    epochs: int = _arg(1, "passes of Step 1 over the step's rollouts (verl's default ppo_epochs=1)")
     mini_batch_size: int = _arg(64, "responses per optimizer step in Step 1")
     clip_eps: float = _arg(0.2, "PPO clip epsilon for r = pi_theta/pi_k (paper: 0.2)")
     w_max: float = _arg(2.0, "truncation cap of w = pi_k/mu_k in TIS (paper: 2)")
@@ -123,17 +123,45 @@ class Config:
     reject_rate: float = _arg(0.0, "rejection probability of --method random-rollback")
     steps: int = _arg(100, "training iterations")
     seed: int = _arg(0, "random seed (toy: bit-for-bit reproducible)")
+    # ---- LLM path (python mipu.py train / eval) ----
+    model: str = _arg("", "HF model id or local model dir (training engine and vLLM)", "llm")
+    train_data: str = _arg("", "training prompts: .jsonl / .parquet file, or HF dataset id[:split]", "llm")
+    val_data: str = _arg("", "Step-2 acceptance prompts (same formats); required by step2/mipu", "llm")
+    eval_data: str = _arg("", "comma-separated datasets for `eval` / --eval-every (same formats)", "llm")
+    prompt_key: str = _arg("prompt", "field holding the problem text", "llm")
+    answer_key: str = _arg("answer", "field holding the reference answer", "llm")
+    learning_rate: float = _arg(1e-6, "AdamW LR of the LLM (1e-6: common GRPO setting for 1-4B models)", "llm")
+    weight_decay: float = _arg(0.0, "AdamW weight decay", "llm")
+    max_grad_norm: float = _arg(1.0, "gradient-norm clip of each Step-1 optimizer step", "llm")
+    micro_batch_size: int = _arg(8, "responses per trainer forward/backward (memory knob; no effect on the math)", "llm")
+    max_new_tokens: int = _arg(1024, "response length cap", "llm")
+    temperature: float = _arg(1.0, "sampling temperature; the trainer divides its logits by the same value", "llm")
+    eval_samples: int = _arg(4, "samples per problem for pass@1 in eval", "llm")
+    eval_temperature: float = _arg(0.6, "sampling temperature of eval (Qwen3's recommended thinking setting)", "llm")
+    rollout_dtype: str = _arg("bfloat16", "vLLM weights/activations dtype", "llm", choices=("bfloat16", "float16", "float32"))
+    rollout_quant: str = _arg("none", "rollout weights: none, fp8 (vLLM native, GPU only), fp8-sim (rounded through FP8 before sync)",
+                              "llm", choices=("none", "fp8", "fp8-sim"))
+    train_dtype: str = _arg("float32", "training-engine dtype (float32 on CPU; bfloat16 on GPU)", "llm",
+                            choices=("float32", "bfloat16"))
+    device: str = _arg("cpu", "training-engine device: cpu or cuda", "llm", choices=("cpu", "cuda"))
+    gpu_memory_utilization: float = _arg(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)", "llm")
+    max_model_len: int = _arg(2048, "vLLM context length (prompt + response)", "llm")
+    sync_tol: float = _arg(1.0, "max |log pi - log mu| on the probe after a sync; above it the sync failed", "llm")
+    eval_every: int = _arg(0, "evaluate J(mu) on --eval-data every N steps (0 = never)", "llm")
+    save_every: int = _arg(10, "write a checkpoint every N steps (and at the end)", "llm")
+    output_dir: str = _arg("runs/mipu", "metrics.jsonl and checkpoints go here", "llm")
+    resume: bool = _arg(False, "continue from the latest checkpoint in --output-dir", "llm")
     # ---- toy simulator (python mipu.py toy) ----
     toy_preset: str = _arg("default", "mismatch preset(s): none, fp8, severe, default (none+severe), all", "toy",
                            choices=("default", "all", "none", "fp8", "severe"))
     toy_seeds: int = _arg(5, "seeds per method and preset in the demo", "toy")
-    toy_prompts: int = _arg(64, "prompts in the toy task", "toy")
+    toy_prompts: int = _arg(32, "prompts in the toy task", "toy")
     toy_vocab: int = _arg(8, "toy vocabulary size", "toy")
     toy_horizon: int = _arg(8, "tokens per toy response", "toy")
     toy_dim: int = _arg(32, "width of the toy policy's shared hidden layer", "toy")
     toy_tolerance: int = _arg(2, "reward 1 iff at most this many tokens differ from the prompt's target", "toy")
     toy_init_prob: float = _arg(0.5, "warm start: supervised steps until the mean target-token prob reaches this", "toy")
-    toy_lr: float = _arg(0.01, "Adam learning rate of the toy policy", "toy")
+    toy_lr: float = _arg(0.02, "Adam learning rate of the toy policy (0.03 is unstable even without mismatch)", "toy")
     toy_mismatch: float = _arg(-1.0, "mismatch scale alpha: mu_logits = pi + alpha*(fp8/bf16 engine - pi); <0 = preset's", "toy")
     toy_out: str = _arg("toy", "folder for the demo's tables and curves", "toy")
     toy_workers: int = _arg(2, "processes running demo runs in parallel (results do not depend on it)", "toy")
@@ -378,20 +406,23 @@ def toy_reward(targets, prompt, tokens, tolerance: int) -> torch.Tensor:
     return ((tokens != targets[prompt]).sum(1) <= tolerance).float()
 
 
-def toy_exact_J(logp_table: torch.Tensor, targets: torch.Tensor, tolerance: int) -> float:
-    """Exact expected reward, averaged over all prompts, by DP over (prev token, errors so far)."""
-    probs = logp_table.detach().double().exp()                                  # [P, H, V+1, V]
-    P, H = targets.shape
+def toy_exact_J(logp_table: torch.Tensor, targets: torch.Tensor, tolerance: int) -> np.ndarray:
+    """Exact expected reward of each prompt [P], by DP over (prev token, errors so far).
+    (numpy float64: the tables are small and numpy's per-call overhead is lower than torch's.)"""
+    probs = np.exp(logp_table.detach().double().numpy())                       # [P, H, V+1, V]
+    tgt = targets.numpy()
+    P, H = tgt.shape
     V, E = probs.shape[-1], tolerance + 2                                       # errors 0..tol, tol+1 = failed
-    state = torch.zeros(P, V + 1, E, dtype=torch.float64)
+    state = np.zeros((P, V + 1, E))
     state[:, V, 0] = 1.0                                                        # start token, no errors
+    hit = np.arange(V)[None, :] == tgt[:, :, None]                              # [P, H, V]
     for t in range(H):
-        nxt = torch.einsum("pae,pav->pve", state, probs[:, t])                 # [P, V, E]
-        missed = torch.cat([torch.zeros(P, V, 1, dtype=nxt.dtype), nxt[..., :-1]], -1)
+        nxt = np.einsum("pae,pav->pve", state, probs[:, t])                    # [P, V, E]
+        missed = np.concatenate([np.zeros((P, V, 1)), nxt[..., :-1]], -1)
         missed[..., -1] += nxt[..., -1]                                         # failed stays failed
-        hit = torch.nn.functional.one_hot(targets[:, t], V).bool()[:, :, None]  # [P, V, 1]
-        state = torch.cat([torch.where(hit, nxt, missed), torch.zeros(P, 1, E, dtype=nxt.dtype)], 1)
-    return state[..., : tolerance + 1].sum((1, 2)).mean().item()
+        state = np.zeros((P, V + 1, E))
+        state[:, :V] = np.where(hit[:, t, :, None], nxt, missed)
+    return state[..., : tolerance + 1].sum((1, 2))
 
 
 def toy_warm_start(policy: ToyPolicy, targets: torch.Tensor, init_prob: float) -> int:
@@ -428,7 +459,7 @@ def toy_init(cfg: Config, alpha: float) -> ToyRun:
     targets = torch.randint(cfg.toy_vocab, (cfg.toy_prompts, cfg.toy_horizon), generator=gen)
     policy = ToyPolicy(cfg, gen)
     toy_warm_start(policy, targets, cfg.toy_init_prob)
-    opt = torch.optim.Adam(policy.parameters(), lr=cfg.toy_lr)
+    opt = torch.optim.Adam(policy.parameters(), lr=cfg.toy_lr, foreach=True)
     run = ToyRun(cfg, alpha, gen, targets, policy, opt, tables=(), J=())
     toy_sync(run)
     return run
@@ -438,7 +469,12 @@ def toy_sync(run: ToyRun) -> tuple:
     """'Weight sync': rebuild both engines' tables from the current θ; returns (tables, exact J)."""
     with torch.no_grad():
         tables = toy_tables(run.policy, run.alpha)
-    J = tuple(toy_exact_J(t, run.targets, run.cfg.toy_tolerance) for t in tables)
+    if tables[1] is tables[0]:
+        J_pi = float(toy_exact_J(tables[0], run.targets, run.cfg.toy_tolerance).mean())
+        J = (J_pi, J_pi)
+    else:   # both engines in one DP: [2P] prompts
+        both = toy_exact_J(torch.cat(tables), run.targets.repeat(2, 1), run.cfg.toy_tolerance)
+        J = tuple(float(x.mean()) for x in np.split(both, 2))
     run.tables, run.J = tables, J
     return tables, J
 
@@ -457,6 +493,16 @@ def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator) 
         order = held_out + torch.randperm(n - held_out, generator=gen)
         batches += list(order.split(cfg.mini_batch_size))
     return batches
+
+
+def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple:
+    """Copies of θ and the optimizer state (restored with load_state_dict for an exact rollback)."""
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    opt_state = opt.state_dict()
+    opt_state["state"] = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                          for i, st in opt_state["state"].items()}
+    opt_state["param_groups"] = copy.deepcopy(opt_state["param_groups"])
+    return weights, opt_state
 
 
 def mean_metrics(items: list[dict], prefix: str) -> dict:
@@ -482,7 +528,7 @@ def toy_step(run: ToyRun, k: int, probe_prompts: tuple = ()) -> dict:
     metrics = {"step": k, "rollout/reward": rewards.mean().item()}
     metrics.update({f"mismatch/{n}": v for n, v in mismatch_metrics(logp_old, logp_mu, mask).items()})
     # Step 1: candidate θ_{k+1} from θ_k (snapshot for rollback first)
-    snapshot = copy.deepcopy((run.policy.state_dict(), run.opt.state_dict()))
+    snapshot = clone_state(run.policy, run.opt)
     held = cfg.target_holdout * G if cfg.accept_rule == "target" else 0
     for group in run.opt.param_groups:
         group["lr"] = current_lr(cfg, cfg.toy_lr, k)
@@ -629,10 +675,10 @@ def toy_demo(cfg: Config) -> None:
     alphas = {p: (cfg.toy_mismatch if cfg.toy_mismatch >= 0 else TOY_PRESETS[p]) for p in presets}
     seeds = [cfg.seed + i for i in range(cfg.toy_seeds)]
     keys = [(p, label, s) for p in presets for label in TOY_DEMO_METHODS for s in seeds]
-    jobs = [({**base, **TOY_DEMO_METHODS[label], "seed": s}, alphas[p], ()) for p, label, s in keys]
-    # gap study: grpo trajectories with T̂_post probed at several acceptance batch sizes
-    keys += [(p, "gap-study", s) for p in presets for s in seeds]
-    jobs += [({**base, "method": "grpo", "seed": s}, alphas[p], TOY_PROBE_PROMPTS) for p in presets for s in seeds]
+    # the grpo runs also probe T̂_post at several acceptance batch sizes (the gap study);
+    # the probes draw from their own generator, so the grpo trajectories are unchanged
+    jobs = [({**base, **TOY_DEMO_METHODS[label], "seed": s}, alphas[p], TOY_PROBE_PROMPTS if label == "grpo" else ())
+            for p, label, s in keys]
     results = dict(zip(keys, run_toy_jobs(jobs, cfg.toy_workers)))
     rates = {p: 1 - np.mean([m["step2/accepted"] for s in seeds for m in results[(p, "mipu", s)][1:]])
              for p in presets}
@@ -647,7 +693,7 @@ def toy_demo(cfg: Config) -> None:
         for label in labels:
             rows.append({"preset": f"{p} (alpha={alphas[p]:g})", "method": label,
                          **toy_summary([results[(p, label, s)] for s in seeds])})
-        study += gap_study_rows([results[(p, "gap-study", s)] for s in seeds], p, cfg.num_generations)
+        study += gap_study_rows([results[(p, "grpo", s)] for s in seeds], p, cfg.num_generations)
     wall = time.time() - t0
     write_toy_outputs(cfg, rows, study, results, presets, labels, seeds, wall)
 

@@ -172,6 +172,7 @@ def test_same_gradients_at_zero_mismatch():
 def test_exact_J_matches_monte_carlo():
     run = mipu.toy_init(small_cfg(), 8.0)
     for table, exact in zip(run.tables, run.J):
+        assert exact == pytest.approx(mipu.toy_exact_J(table, run.targets, 2).mean(), abs=1e-12)
         n = 400
         prompt, tokens, _ = mipu.toy_sample(table, torch.arange(16).repeat(n), 1, run.gen)
         est = mipu.toy_reward(run.targets, prompt, tokens, 2).mean().item()
