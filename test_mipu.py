@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -221,6 +222,393 @@ def test_bad_config(kw, message):
         mipu.Config(**kw).validate()
 
 
+
+N_PROMPTS, N_SAMPLES, MAX_NEW = 16, 8, 16  # the rollout shape timed in the report
+TEMPERATURE = 1.0
+# bf16 engine vs fp32 trainer on the tiny model measured max 0.0096 / mean 0.0016 (step 0);
+# the bounds leave ~5x headroom for other CPUs (AVX2 vs AVX-512 kernels)
+MAX_TOL, MEAN_TOL = 0.05, 0.01
+
+
+# ---------------------------------------------------------------- LLM path: fixtures (one vLLM engine per session)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("tiny_qwen3"))
+    mipu.build_tiny_model(out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def llm(model_dir):
+    return mipu.make_sampler(model_dir, "bfloat16", seed=0, gpu_memory_utilization=0.5,
+                          max_model_len=256, rollout_quant="none")
+
+
+@pytest.fixture(scope="session")
+def trainer(model_dir):
+    return mipu.load_trainer(model_dir, "float32", "cpu")
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    rows = mipu.make_arith_rows(N_PROMPTS, seed=0)
+    return [mipu.build_prompt_ids(tokenizer, r["prompt"]) for r in rows]
+
+
+@pytest.fixture()
+def restore(llm, trainer):
+    """Give the test a snapshot of the step-0 weights; put them back in both engines after."""
+    snapshot = [(n, p.detach().clone()) for n, p in trainer.named_parameters()]
+    yield snapshot
+    with torch.no_grad():
+        for (_, p), (_, old) in zip(trainer.named_parameters(), snapshot):
+            p.copy_(old)
+    mipu.sync_weights(llm, snapshot, "none")
+
+
+def _mismatch(samples: list[dict], model) -> tuple[float, float]:
+    """(max, mean) |sampler logprob - trainer logprob| over all sampled tokens."""
+    with torch.no_grad():
+        logp, mask = mipu.token_logprobs(model, [s["prompt_ids"] for s in samples],
+                                      [s["completion_ids"] for s in samples],
+                                      TEMPERATURE, micro_batch=64)  # [B, T]
+    sampler = torch.zeros_like(logp)
+    for i, s in enumerate(samples):
+        sampler[i, :len(s["sampler_logprobs"])] = torch.tensor(s["sampler_logprobs"])
+    diff = (logp - sampler).abs() * mask
+    return diff.max().item(), (diff.sum() / mask.sum()).item()
+
+
+def _perturb(model, seed: int, scale: float = 0.02) -> None:
+    """Add N(0, scale) noise to every parameter (0.02 = the init std of the tiny model)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+# ---------------------------------------------------------------- data & reward
+
+
+def _write(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_load_rows_ok_and_roundtrip(tmp_path):
+    rows = mipu.make_arith_rows(5, seed=1)
+    mipu.write_jsonl(rows, str(tmp_path / "a.jsonl"))
+    assert mipu.load_rows(str(tmp_path / "a.jsonl"), "prompt", "answer") == rows
+    src = _write(tmp_path / "b.jsonl", '{"q": "1+1=", "a": 2}\n\n{"q": "x", "a": "y"}\n')
+    assert mipu.load_rows(src, "q", "a") == [{"prompt": "1+1=", "answer": "2"},
+                                          {"prompt": "x", "answer": "y"}]
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"prompt": "a", "answer": "1"}\n{bad json\n', r"b\.jsonl:2: malformed JSON"),
+    ('[1, 2]\n', r"b\.jsonl:1: row is a list"),
+    ('{"prompt": "a", "ans": "1"}\n', r"b\.jsonl:1: missing key 'answer'; keys present: \['ans', 'prompt'\]"),
+    ('{"prompt": "  ", "answer": "1"}\n', r"b\.jsonl:1: prompt key 'prompt' is empty"),
+    ('{"prompt": "a", "answer": ""}\n', r"b\.jsonl:1: answer key 'answer' is empty"),
+    ('\n\n', r"is empty"),
+])
+def test_load_rows_errors(tmp_path, text, match):
+    src = _write(tmp_path / "b.jsonl", text)
+    with pytest.raises(mipu.MIPUError, match=match):
+        mipu.load_rows(src, "prompt", "answer")
+
+
+def test_load_rows_missing_file_and_missing_libs(tmp_path):
+    with pytest.raises(mipu.MIPUError, match="data file not found"):
+        mipu.load_rows(str(tmp_path / "nope.jsonl"), "prompt", "answer")
+    with pytest.raises(mipu.MIPUError, match="unsupported file type '.csv'"):
+        mipu.load_rows(_write(tmp_path / "d.csv", "prompt,answer\n"), "prompt", "answer")
+    pq = tmp_path / "x.parquet"
+    pq.write_bytes(b"PAR1")
+    try:
+        import pandas  # noqa: F401
+    except ImportError:
+        with pytest.raises(mipu.MIPUError, match="pandas"):
+            mipu.load_rows(str(pq), "prompt", "answer")
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(mipu.MIPUError, match="pip install datasets"):
+            mipu.load_rows("someorg/somedata:train", "prompt", "answer")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("so \\boxed{19}", "19"),
+    ("\\boxed{1} then \\boxed{\\frac{3}{4}}", "\\frac{3}{4}"),
+    ("\\boxed{unclosed 12", "12"),
+    ("it is 12, no wait -7", "-7"),
+    ("x = 3.25.", "3.25"),
+    ("ratio 3/4", "3/4"),
+    ("5-3", "3"),
+    ("(2)-1 or 4*-2", "-2"),
+    ("1,000 or 12, then", "12"),
+    ("1,000 apples", "1000"),
+    ("no digits", None),
+    ("", None),
+])
+def test_extract_answer(text, expected):
+    assert mipu.extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("completion, answer, reward", [
+    ("12+7=19", "19", 1.0),
+    ("19<eos>", "19", 1.0),
+    ("the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{3/4}", "\\frac{3}{4}", 1.0),
+    ("-3", "-3", 1.0),
+    ("18", "19", 0.0),
+    ("", "19", 0.0),
+    ("\\boxed{\\frac{", "1", 0.0),
+    ("}}}{{{ \\boxed{\\sqrt{", "2", 0.0),
+    ("abc", "abc", 0.0),  # no number and no box: nothing to compare
+])
+def test_math_reward(completion, answer, reward):
+    assert mipu.math_reward(completion, answer) == reward
+
+
+def test_math_reward_off_main_thread():
+    """math_verify's SIGALRM timeouts fail off the main thread; math_reward must not."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(mipu.math_reward("\\boxed{0.5}", "1/2")))
+    thread.start()
+    thread.join()
+    assert out == [1.0]
+
+
+def test_make_arith_rows():
+    rows = mipu.make_arith_rows(50, seed=3)
+    assert rows == mipu.make_arith_rows(50, seed=3)
+    for r in rows:
+        a, op, b = r["prompt"][:-1].partition("+") if "+" in r["prompt"] else \
+            r["prompt"][:-1].partition("-")
+        assert str(int(a) + int(b) if op == "+" else int(a) - int(b)) == r["answer"]
+
+
+def test_tokenizer_and_prompt_ids(tokenizer, model_dir):
+    ids = mipu.build_prompt_ids(tokenizer, "12+7=")
+    assert len(ids) == 5 and tokenizer.decode(ids) == "12+7="
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    assert config.eos_token_id == tokenizer.eos_token_id
+    tokenizer.chat_template = "{% for m in messages %}q:{{ m['content'] }}{% endfor %}a:"
+    try:
+        assert tokenizer.decode(mipu.build_prompt_ids(tokenizer, "1+1=")) == "q:1+1=a:"
+    finally:
+        tokenizer.chat_template = None
+
+
+def test_fp8_roundtrip_per_row():
+    x = torch.randn(64, 128, dtype=torch.bfloat16) * 0.02
+    q = mipu.fp8_roundtrip(x, per_row=True)
+    assert q.dtype == x.dtype and q.shape == x.shape
+    rel = ((q.float() - x.float()).norm() / x.float().norm()).item()
+    assert 0 < rel < 0.05  # e4m3 has 3 mantissa bits: ~2-3 % relative error
+    rows = torch.tensor([[1000.0, -500.0], [1e-3, -2e-3]])  # per-row scale: the tiny row
+    torch.testing.assert_close(mipu.fp8_roundtrip(rows, per_row=True), rows, rtol=0.07, atol=0)  # is not flushed
+
+
+# ---------------------------------------------------------------- engines (real vLLM)
+
+
+def test_bad_model_path_and_fp8_on_cpu(tmp_path):
+    for bad in (str(tmp_path / "missing"), "not-a-model", "no-such-org/no-such-model"):
+        with pytest.raises(mipu.MIPUError, match="unknown model path"):
+            mipu.make_sampler(bad, "bfloat16", 0, 0.5, 256, "none")
+        with pytest.raises(mipu.MIPUError, match="unknown model path"):
+            mipu.load_trainer(bad, "float32", "cpu")
+    with pytest.raises(mipu.MIPUError, match="trainer dtype"):
+        mipu.load_trainer(str(tmp_path), "fp8", "cpu")
+    with pytest.raises(mipu.MIPUError, match="no config.json"):
+        mipu.load_trainer(str(tmp_path), "float32", "cpu")
+    with pytest.raises(mipu.MIPUError, match="must be one of"):
+        mipu.make_sampler(str(tmp_path), "bfloat16", 0, 0.5, 256, "int4")
+    if not torch.cuda.is_available():
+        with pytest.raises(mipu.MIPUError, match="fp8 needs a GPU.*fp8-sim"):
+            mipu.make_sampler(str(tmp_path), "bfloat16", 0, 0.5, 256, "fp8")
+
+
+def test_generate_layout_and_determinism(llm, prompt_ids):
+    samples = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
+    assert len(samples) == N_PROMPTS * N_SAMPLES
+    assert [s["prompt_idx"] for s in samples] == \
+        [i for i in range(N_PROMPTS) for _ in range(N_SAMPLES)]
+    for s in samples:
+        assert s["prompt_ids"] == prompt_ids[s["prompt_idx"]]
+        assert 1 <= len(s["completion_ids"]) <= MAX_NEW
+        assert len(s["sampler_logprobs"]) == len(s["completion_ids"])
+        assert all(lp <= 0 for lp in s["sampler_logprobs"])
+    group = {tuple(s["completion_ids"]) for s in samples[:N_SAMPLES]}
+    assert len(group) == N_SAMPLES  # the n samples of a prompt differ
+    again = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
+    assert again == samples
+    other = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=1)
+    assert other != samples
+    # the same prompt twice in one batch gets different samples (per-prompt seeds)
+    twice = mipu.generate(llm, [prompt_ids[0], prompt_ids[0]], 2, MAX_NEW, TEMPERATURE, seed=0)
+    assert twice[0]["completion_ids"] != twice[2]["completion_ids"]
+
+
+def test_token_logprobs_padding_and_grad(trainer, prompt_ids):
+    prompts = [prompt_ids[0], prompt_ids[1] + [5, 6], prompt_ids[2][:2]]  # ragged prompts
+    completions = [[7, 8, 9], [10], [11, 12, 13, 14, 15]]  # ragged completions
+    batched, mask = mipu.token_logprobs(trainer, prompts, completions, 0.7, micro_batch=3)
+    assert batched.shape == mask.shape == (3, 5)
+    assert mask.sum(1).tolist() == [3, 1, 5]
+    assert (batched[mask == 0] == 0).all()
+    for i in range(3):
+        alone, _ = mipu.token_logprobs(trainer, [prompts[i]], [completions[i]], 0.7, 1)
+        n = len(completions[i])
+        torch.testing.assert_close(batched[i, :n], alone[0, :n], atol=1e-5, rtol=0)
+    batched.sum().backward()
+    grads = [p.grad for p in trainer.parameters()]
+    assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    trainer.zero_grad(set_to_none=True)
+
+
+def test_step0_sampler_matches_trainer(llm, trainer, prompt_ids):
+    samples = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
+    max_d, mean_d = _mismatch(samples, trainer)
+    print(f"step-0 bf16 vLLM vs fp32 trainer: max {max_d:.4g} mean {mean_d:.4g}")
+    assert max_d < MAX_TOL and mean_d < MEAN_TOL
+    assert mipu.check_sync(llm, trainer, prompt_ids[0], samples[0]["completion_ids"],
+                        TEMPERATURE, tol=MAX_TOL) < MAX_TOL
+
+
+def test_sync_takes_effect_and_restores_exactly(llm, trainer, prompt_ids, restore):
+    probe_p = prompt_ids[0]
+    probe_c = mipu.generate(llm, [probe_p], 1, MAX_NEW, TEMPERATURE, seed=0)[0]["completion_ids"]
+    before = mipu.vllm_prompt_logprobs(llm, probe_p + probe_c)
+    samples0 = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
+
+    _perturb(trainer, seed=1)
+    with pytest.raises(mipu.MIPUError, match="weight sync did not take effect"):
+        mipu.check_sync(llm, trainer, probe_p, probe_c, TEMPERATURE, tol=MAX_TOL)
+    mipu.sync_weights(llm, list(trainer.named_parameters()), "none")
+    mipu.check_sync(llm, trainer, probe_p, probe_c, TEMPERATURE, tol=MAX_TOL)
+    samples1 = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
+    max_d, mean_d = _mismatch(samples1, trainer)
+    assert max_d < MAX_TOL and mean_d < MEAN_TOL
+    assert mipu.vllm_prompt_logprobs(llm, probe_p + probe_c) != before
+
+    mipu.sync_weights(llm, restore, "none")  # roll back to the step-0 weights
+    assert mipu.vllm_prompt_logprobs(llm, probe_p + probe_c) == before  # bit for bit
+    assert mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0) == samples0
+
+
+def test_fp8_sim_gives_larger_mismatch(llm, trainer, prompt_ids, restore):
+    samples = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
+    base_max, base_mean = _mismatch(samples, trainer)
+    mipu.sync_weights(llm, list(trainer.named_parameters()), "fp8-sim")
+    samples = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
+    fp8_max, fp8_mean = _mismatch(samples, trainer)
+    print(f"mismatch none: max {base_max:.4g} mean {base_mean:.4g}; "
+          f"fp8-sim: max {fp8_max:.4g} mean {fp8_mean:.4g}")
+    assert fp8_mean > 2 * base_mean and fp8_max > base_max  # measured ~6.7x / ~4.7x
+
+
+def test_checkpoint_tensors_match_trainer(model_dir, trainer):
+    """fp8-sim engines are quantized at load by syncing these (HF-named) checkpoint tensors."""
+    ckpt = dict(mipu._checkpoint_tensors(model_dir))
+    params = dict(trainer.named_parameters())
+    assert set(ckpt) - {"lm_head.weight"} == set(params)  # tied lm_head may be saved or not
+    assert all(torch.equal(ckpt[n], params[n].detach()) for n in params)
+
+
+def test_sync_preserves_tied_embeddings(llm, trainer, prompt_ids, restore):
+    """Changing only the (tied) embedding must change vLLM's lm_head too."""
+    emb = trainer.get_input_embeddings().weight
+    with torch.no_grad():
+        emb.add_(torch.randn(emb.shape, generator=torch.Generator().manual_seed(2)) * 0.02)
+    mipu.sync_weights(llm, list(trainer.named_parameters()), "none")
+    probe_c = [5, 6, 7, 8, 9, 10]
+    mipu.check_sync(llm, trainer, prompt_ids[0], probe_c, TEMPERATURE, tol=MAX_TOL)
+
+
+# ---------------------------------------------------------------- the LLM training step
+
+ARITH = HERE / "toy" / "arith_train.jsonl"
+ARITH_VAL = HERE / "toy" / "arith_val.jsonl"
+
+
+def llm_cfg(model_dir, tmp_path, **kw) -> mipu.Config:
+    base = dict(model=model_dir, train_data=str(ARITH), val_data=str(ARITH_VAL), prompts_per_step=4,
+                num_generations=4, val_prompts=4, mini_batch_size=8, micro_batch_size=8, max_new_tokens=8,
+                learning_rate=1e-3, output_dir=str(tmp_path), sync_tol=MAX_TOL)
+    return mipu.Config(**{**base, **kw}).validate()
+
+
+def _probe_logprobs(run):
+    return mipu.vllm_prompt_logprobs(run.llm, run.probe[0] + run.probe[1])
+
+
+def _opt_state(run):
+    return {i: {k: v.clone() for k, v in s.items()} for i, s in run.opt.state_dict()["state"].items()}
+
+
+def test_step1_changes_weights_and_sync_matches(llm, model_dir, tmp_path, restore):
+    # the untrained tiny model rarely earns a reward, so every advantage may be 0: AdamW's
+    # decoupled weight decay then still moves θ, which is what the sync check needs
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", weight_decay=0.1), llm=llm)
+    before = [p.detach().clone() for p in run.model.parameters()]
+    probe_before = _probe_logprobs(run)
+    m = mipu.mipu_step(run)
+    assert m["step2/accepted"] == 1.0 and m["step1/finite"] == 1.0
+    assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
+    assert _probe_logprobs(run) != probe_before                       # vLLM now has θ_{k+1}
+    assert mipu.check_sync(run.llm, run.model, *run.probe, 1.0, tol=MAX_TOL) < MAX_TOL
+    for key in ("mismatch/k3", "step1/loss", "step1/clip_frac", "step1/weight_mean", "time/rollout",
+                "time/recompute", "time/update", "time/sync", "time/gap_check", "time/rollback"):
+        assert key in m
+
+
+def test_forced_rejection_restores_trainer_and_vllm_exactly(llm, model_dir, tmp_path, restore):
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu", c=1e9, weight_decay=0.1), llm=llm)
+    mipu.mipu_step(run)                                                # accepted: fills AdamW state
+    run.cfg.c = -1e9                                                   # accept iff T_post >= 1e9: never
+    weights = {k: v.clone() for k, v in run.model.state_dict().items()}
+    opt_state, probe_before = _opt_state(run), _probe_logprobs(run)
+    m = mipu.mipu_step(run)
+    assert m["step2/accepted"] == 0.0 and m["step2/rejections"] == 1 and math.isfinite(m["step2/t_post"])
+    assert all(torch.equal(weights[k], v) for k, v in run.model.state_dict().items())
+    after = _opt_state(run)
+    assert all(torch.equal(opt_state[i][k], after[i][k]) for i in opt_state for k in opt_state[i])
+    assert _probe_logprobs(run) == probe_before                        # vLLM back to μ_k, bit for bit
+
+
+def test_target_rule_and_random_rollback_run(llm, model_dir, tmp_path, restore):
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu", accept_rule="target", target_holdout=1),
+                             llm=llm)
+    m = mipu.mipu_step(run)
+    assert math.isfinite(m["step2/g_k"]) and math.isfinite(m["step2/t_post"])
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="random-rollback", reject_rate=0.99), llm=llm)
+    assert mipu.mipu_step(run)["step2/accepted"] in (0.0, 1.0)
+
+
+def test_nonfinite_loss_rejects_candidate(llm, model_dir, tmp_path, restore):
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="tis"), llm=llm)
+    weights = {k: v.clone() for k, v in run.model.state_dict().items()}
+    run.opt.param_groups[0]["lr"] = float("nan")
+    run.cfg.learning_rate = float("nan")                               # NaN update -> NaN weights
+    m = mipu.mipu_step(run)
+    assert m["step2/accepted"] == 0.0 and m["step1/finite"] == 0.0
+    assert all(torch.equal(weights[k], v) for k, v in run.model.state_dict().items())
+
+
 # ---------------------------------------------------------------- command line
 
 def run_cli(*args, timeout=600):
@@ -249,4 +637,47 @@ def test_cli_toy_tiny_budget(tmp_path):
 def test_cli_bad_input_one_clear_error(args, message):
     p = run_cli(*args)
     assert p.returncode == 2
+    assert message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_cli_train_resume_eval(model_dir, tmp_path):
+    out = tmp_path / "run"
+    common = ["--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL), "--output-dir", str(out),
+              "--prompts-per-step", "4", "--num-generations", "4", "--val-prompts", "4", "--mini-batch-size", "16",
+              "--max-new-tokens", "6", "--rollout-quant", "fp8-sim", "--learning-rate", "1e-3"]
+    p = run_cli("train", *common, "--steps", "3")
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2]
+    assert (out / "latest").read_text() == "checkpoint-000003"
+    assert (out / "checkpoint-000003" / "trainer_state.pt").exists()
+    p = run_cli("train", *common, "--steps", "4", "--resume")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed from" in p.stdout and "at step 3" in p.stdout
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    p = run_cli("eval", "--model", str(out / "checkpoint-000004"), "--data", f"{ARITH_VAL},{ARITH}",
+                "--eval-samples", "2", "--max-new-tokens", "4")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "| arith_val |" in p.stdout and "| arith_train |" in p.stdout and "pass@1" in p.stdout
+
+
+@pytest.mark.parametrize("make_file, extra, message", [
+    ('{"prompt": "1+1=", "answer": "2"}\n{oops\n', [], "bad.jsonl:2: malformed JSON"),
+    ('{"question": "1+1=", "answer": "2"}\n', [], "bad.jsonl:1: missing key 'prompt'"),
+    ('{"prompt": "1+1=", "solution": "2"}\n', [], "bad.jsonl:1: missing key 'answer'"),
+    ("", [], "is empty"),
+    (None, ["--num-generations", "1"], "error: --num-generations must be >= 2"),
+    (None, ["--rollout-quant", "fp8"], "--rollout-quant fp8 needs a GPU"),
+    (None, ["--model", "no/such-model"], "unknown model path"),
+    (None, ["--method", "mipu", "--val-data", ""], "train needs --val-data"),
+    (None, ["--resume", "--output-dir", "/nonexistent/run"], "--resume: no checkpoint"),
+])
+def test_cli_train_bad_input(tmp_path, model_dir, make_file, extra, message):
+    data = str(ARITH)
+    if make_file is not None:
+        (tmp_path / "bad.jsonl").write_text(make_file)
+        data = str(tmp_path / "bad.jsonl")
+    p = run_cli("train", "--model", model_dir, "--train-data", data, "--val-data", str(ARITH_VAL), "--steps", "1",
+                "--output-dir", str(tmp_path / "out"), *extra)
+    assert p.returncode == 2, p.stderr[-2000:]
     assert message in p.stderr and "Traceback" not in p.stderr
