@@ -132,6 +132,9 @@ class Config:
     model: str = _arg("", "HF model id or local model dir (training engine and vLLM)", "llm")
     train_data: str = _arg("", "training prompts: .jsonl / .parquet file, or HF dataset id[:split]", "llm")
     val_data: str = _arg("", "Step-2 acceptance prompts (same formats); required by step2/mipu", "llm")
+    gap_batch: str = _arg("heldout", "Step-2 prompts: heldout = --val-data (paper); next = the next step's training "
+                          "prompts, whose mu_{k+1} rollouts become step k+1's batch when accepted", "llm",
+                          choices=("heldout", "next"))
     eval_data: str = _arg("", "comma-separated datasets for `eval` / --eval-every (same formats)", "llm")
     prompt_key: str = _arg("prompt", "field holding the problem text", "llm")
     answer_key: str = _arg("answer", "field holding the reference answer", "llm")
@@ -718,6 +721,10 @@ def write_toy_outputs(cfg, rows, study, results, presets, labels, seeds, wall) -
         writer.writeheader()
         writer.writerows(rows)
     plot_toy_curves(out / "demo_curves.png", results, presets, labels, seeds)
+    with open(out / "demo_metrics.jsonl", "w") as f:                # every step of every run (not in git)
+        for (preset, label, seed), history in results.items():
+            for m in history:
+                f.write(json.dumps({"preset": preset, "method": label, "seed": seed, **m}) + "\n")
     print(md)
     print(f"toy demo: {wall:.1f} s wall; wrote {out}/demo_results.md, demo_results.csv, demo_curves.png")
 
@@ -1268,6 +1275,8 @@ class LLMRun:
     order: list                               # shuffled training-row order of the current pass
     data_pos: int = 0                         # next row of `order`
     val_pos: int = 0
+    pending_rows: list = None                 # --gap-batch next: the prompts of step k+1's batch
+    pending: tuple = None                     # --gap-batch next, accepted: (Rollout from μ_{k+1}, log π_{k+1})
     step: int = 0
     rejections: int = 0
 
@@ -1366,10 +1375,16 @@ def mipu_step(run: LLMRun) -> dict:
     loss_kind, accept_kind = METHOD_SPEC[cfg.method]
     m, t = {"step": k}, time.perf_counter
     t0 = t()
-    ro = rollout(run, next_rows(run, cfg.prompts_per_step), seed=cfg.seed * 1_000_003 + 2 * k)
-    t1 = t()
-    logp_old = trainer_logp(run, ro)                                            # π_k, [B, T]
-    t2 = t()
+    if run.pending is not None:             # --gap-batch next: step k-1's acceptance batch, sampled by μ_k
+        (ro, logp_old), run.pending, run.pending_rows = run.pending, None, None
+        t1 = t2 = t()
+    else:
+        rows = run.pending_rows or next_rows(run, cfg.prompts_per_step)
+        run.pending_rows = None
+        ro = rollout(run, rows, seed=cfg.seed * 1_000_003 + 2 * k)
+        t1 = t()
+        logp_old = trainer_logp(run, ro)                                        # π_k, [B, T]
+        t2 = t()
     m.update({"rollout/reward": ro.rewards.mean().item(),
               "rollout/response_len": ro.mask.sum(1).mean().item()})
     m.update({f"mismatch/{n}": v for n, v in mismatch_metrics(logp_old, ro.logp_sampler, ro.mask).items()})
@@ -1387,7 +1402,8 @@ def mipu_step(run: LLMRun) -> dict:
     if not finite:
         accepted = False
     elif accept_kind == "gap":
-        val = rollout(run, next_val_rows(run, cfg.val_prompts), seed=cfg.seed * 1_000_003 + 2 * k + 1)
+        rows = next_rows(run, cfg.prompts_per_step) if cfg.gap_batch == "next" else next_val_rows(run, cfg.val_prompts)
+        val = rollout(run, rows, seed=cfg.seed * 1_000_003 + 2 * k + 1)
         logp_new = trainer_logp(run, val)                                       # π_{k+1} on y ~ μ_{k+1}
         t_post = gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item()
         m["step2/val_reward"] = val.rewards.mean().item()
@@ -1396,6 +1412,8 @@ def mipu_step(run: LLMRun) -> dict:
             heldout = ro.select(torch.arange(held))
             g_k = surrogate_gain(trainer_logp(run, heldout), heldout.logp_sampler, heldout.adv, heldout.mask).item()
         accepted = accept_candidate(cfg.accept_rule, t_post, g_k, cfg.c)
+        if cfg.gap_batch == "next":         # accepted: these ARE step k+1's batch; rejected: re-sampled from μ_k
+            run.pending_rows, run.pending = rows, ((val, logp_new) if accepted else None)
     elif accept_kind == "random":
         accepted = torch.rand((), generator=torch.Generator().manual_seed(cfg.seed * 31 + k)).item() >= cfg.reject_rate
     else:
@@ -1431,7 +1449,7 @@ def save_checkpoint(run: LLMRun) -> Path:
     run.model.save_pretrained(tmp)
     run.tokenizer.save_pretrained(tmp)
     torch.save({"optimizer": run.opt.state_dict(), "step": run.step, "rejections": run.rejections,
-                "order": run.order, "data_pos": run.data_pos, "val_pos": run.val_pos,
+                "order": run.order, "data_pos": run.data_pos, "val_pos": run.val_pos, "pending_rows": run.pending_rows,
                 "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(),
                 "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
     if final.exists():                        # a re-run of this step after a resume: replace it
@@ -1466,6 +1484,7 @@ def load_trainer_state(run: LLMRun, ckpt: Path) -> None:
     run.opt.load_state_dict(state["optimizer"])
     run.step, run.rejections = state["step"], state["rejections"]
     run.order, run.data_pos, run.val_pos = state["order"], state["data_pos"], state["val_pos"]
+    run.pending_rows = state["pending_rows"]   # a pending batch is re-sampled from the resumed μ, never reused
     torch.set_rng_state(state["torch_rng"])
     np.random.set_state(state["numpy_rng"])
 
@@ -1563,8 +1582,10 @@ def eval_command(cfg: Config) -> None:
 def check_llm_flags(cfg: Config, command: str) -> None:
     """Flag combinations of the LLM commands, checked before anything heavy is loaded."""
     needs = {"train": ["model", "train_data"], "eval": ["model", "eval_data"]}[command]
-    if command == "train" and METHOD_SPEC[cfg.method][1] == "gap":
+    if command == "train" and METHOD_SPEC[cfg.method][1] == "gap" and cfg.gap_batch == "heldout":
         needs.append("val_data")
+    if cfg.gap_batch == "next" and METHOD_SPEC[cfg.method][1] != "gap":
+        raise MIPUError(f"--gap-batch next needs a method with Step 2 (step2, mipu), not {cfg.method}")
     if command == "train" and cfg.eval_every:
         needs.append("eval_data")
     for name in needs:

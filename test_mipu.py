@@ -599,6 +599,37 @@ def test_target_rule_and_random_rollback_run(llm, model_dir, tmp_path, restore):
     assert mipu.mipu_step(run)["step2/accepted"] in (0.0, 1.0)
 
 
+def test_gap_batch_next_reuses_accepted_batch_once(llm, model_dir, tmp_path, restore):
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu", gap_batch="next", c=1e9, weight_decay=0.1,
+                                     val_data=""), llm=llm)
+    m0 = mipu.mipu_step(run)                                           # accepted: its Step-2 batch is pending
+    assert m0["step2/accepted"] == 1.0 and run.pending is not None
+    ro, logp = run.pending
+    # sampled by the inference policy it will be trained against: μ_{k+1} = what vLLM holds now
+    # (vLLM re-scores the sequence through its prefill path: equal within kernel rounding)
+    seq = ro.prompt_ids[0] + ro.completion_ids[0]
+    rescored = mipu.vllm_prompt_logprobs(run.llm, seq)[len(ro.prompt_ids[0]):]
+    n = len(ro.completion_ids[0])
+    assert max(abs(a - b) for a, b in zip(rescored, ro.logp_sampler[0, :n].tolist())) < 0.02
+    # and its π log-probs are the trainer's at θ_{k+1}, the θ that step k+1 starts from
+    assert torch.equal(logp, mipu.trainer_logp(run, ro))
+    m1 = mipu.mipu_step(run)                                           # consumes it: no rollout, no recompute
+    assert m1["mismatch/k3"] == pytest.approx(m0["mismatch_post/k3"])
+    assert run.pending is not None and run.pending[0] is not ro         # a new batch, never the same one twice
+    run.cfg.c = -1e9                                                   # now reject
+    m2 = mipu.mipu_step(run)
+    assert m2["step2/accepted"] == 0.0 and run.pending is None and run.pending_rows is not None
+    rejected_rows = run.pending_rows
+    m3 = mipu.mipu_step(run)                                           # same prompts, sampled afresh from μ_k
+    assert m3["time/rollout"] > 0 and run.pending_rows is not rejected_rows
+
+
+def test_gap_batch_next_needs_step2():
+    cfg = mipu.Config(method="grpo", gap_batch="next", model="m", train_data="t").validate()
+    with pytest.raises(mipu.MIPUError, match="--gap-batch next needs a method with Step 2"):
+        mipu.check_llm_flags(cfg, "train")
+
+
 def test_nonfinite_loss_rejects_candidate(llm, model_dir, tmp_path, restore):
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="tis"), llm=llm)
     weights = {k: v.clone() for k, v in run.model.state_dict().items()}
