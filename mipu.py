@@ -126,7 +126,7 @@ class Config:
     lr_decay: bool = _arg(False, "decay the learning rate linearly to lr_final_frac of its start (LR-decay baseline)")
     lr_final_frac: float = _arg(0.1, "final LR as a fraction of the initial one when --lr-decay (paper: not stated)")
     reject_rate: float = _arg(0.0, "rejection probability of --method random-rollback")
-    steps: int = _arg(100, "training iterations")
+    steps: int = _arg(75, "training iterations (75: the toy demo default, sized to under a minute on 2 cores)")
     seed: int = _arg(0, "random seed (toy: bit-for-bit reproducible)")
     # ---- LLM path (python mipu.py train / eval) ----
     model: str = _arg("", "HF model id or local model dir (training engine and vLLM)", "llm")
@@ -155,6 +155,7 @@ class Config:
     gpu_memory_utilization: float = _arg(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)", "llm")
     max_model_len: int = _arg(0, "vLLM context length, prompt + response (0 = the model's own maximum)", "llm")
     sync_tol: float = _arg(0.5, "max |log pi - log mu| on the probe after a sync; above it the sync failed", "llm")
+    bench_toy: bool = _arg(True, "bench: also time the toy demo (python mipu.py toy with its defaults)", "bench")
     tiny_out: str = _arg("toy/tiny-qwen3", "make-tiny: where to write the tiny Qwen3 and char tokenizer", "tiny")
     eval_every: int = _arg(0, "evaluate J(mu) on --eval-data every N steps (0 = never)", "llm")
     save_every: int = _arg(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)", "llm")
@@ -359,14 +360,16 @@ class ToyPolicy(torch.nn.Module):
     def logits(self, engine: bool = False, prompt=None, prev=None) -> torch.Tensor:
         """Logits [P, H, V+1, V] of every context (the engines' tables), or [B, H, V] of the
         contexts of a batch: prompt [B], previous tokens prev [B, H]. engine=True: FP8/bf16."""
-        if prompt is None:
-            x = self.emb_prompt[:, None, None] + self.emb_pos[None, :, None] + self.emb_prev[None, None]
-        else:
-            x = self.emb_prompt[prompt][:, None] + self.emb_pos[None] + self.emb_prev[prev]
         w1, w2 = self.w_hidden, self.w_out
         if engine:
             w1, w2 = fp8_roundtrip(w1, per_row=False), fp8_roundtrip(w2, per_row=False)
-        out = torch.tanh(x @ w1) @ w2
+        # (E_p + E_t + E_v) W1 computed as E_p W1 + E_t W1 + E_v W1: same value, fewer FLOPs
+        hp, ht, hv = self.emb_prompt @ w1, self.emb_pos @ w1, self.emb_prev @ w1          # [P|H|V+1, d]
+        if prompt is None:
+            h = hp[:, None, None] + ht[None, :, None] + hv[None, None]                     # [P, H, V+1, d]
+        else:
+            h = hp[prompt][:, None] + ht[None] + hv[prev]                                  # [B, H, d]
+        out = torch.tanh(h) @ w2
         return out.to(torch.bfloat16).float() if engine else out
 
 
@@ -569,7 +572,7 @@ def toy_step(run: ToyRun, k: int, probe_prompts: tuple = ()) -> dict:
     else:
         accepted = True
     probe_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + k)   # independent of run.gen
-    for n in probe_prompts:
+    for n in probe_prompts if k % TOY_PROBE_EVERY == 0 else ():
         metrics[f"probe/t_post_{n}"] = toy_gap_check(run, n, probe_gen)
     # rollback: restore θ_k and the optimizer state, re-sync μ_k
     if not accepted:
@@ -615,6 +618,7 @@ TOY_DEMO_METHODS = {
 }
 TOY_DROP = 0.02               # a "drop" is a step whose J(μ) falls by more than this (issue spec)
 TOY_PROBE_PROMPTS = (4, 16, 64, 256)   # acceptance batches (prompts × G) of the gap study
+TOY_PROBE_EVERY = 2                    # probe every 2nd candidate (keeps the demo near a minute)
 
 
 def _toy_job(job: tuple) -> list[dict]:
@@ -622,13 +626,19 @@ def _toy_job(job: tuple) -> list[dict]:
     return toy_run(Config(**cfg_dict), alpha, probe)
 
 
-def run_toy_jobs(jobs: list[tuple], workers: int) -> list[list[dict]]:
-    """Run (cfg dict, alpha, probe sizes) jobs, in worker processes when workers > 1."""
+def run_toy_jobs(jobs: list[tuple], pool) -> list[list[dict]]:
+    """Run (cfg dict, alpha, probe sizes) jobs, in a process pool when one is given."""
+    return pool.map(_toy_job, jobs, chunksize=1) if pool else [_toy_job(j) for j in jobs]
+
+
+def toy_pool(workers: int):
+    """A fork pool whose workers inherit a warmed-up torch (its first op costs ~2.5 s per process)."""
+    torch.set_num_threads(1)
+    toy_run(Config(steps=1, toy_prompts=2, prompts_per_step=2, val_prompts=1, mini_batch_size=4), 1.0)
     if workers <= 1:
-        return [_toy_job(j) for j in jobs]
+        return None
     import multiprocessing
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
-        return pool.map(_toy_job, jobs, chunksize=1)
+    return multiprocessing.get_context("fork").Pool(workers)
 
 
 def toy_summary(histories: list[list[dict]]) -> dict:
@@ -658,10 +668,11 @@ def toy_summary(histories: list[list[dict]]) -> dict:
 
 def gap_study_rows(histories: list[list[dict]], preset: str, group_size: int) -> list[dict]:
     """T̂_post sign agreement and correlation with the exact gap, per acceptance batch size."""
-    gap = np.concatenate([[m["exact/cand_gap"] for m in h[1:]] for h in histories])
+    probed = [[m for m in h[1:] if f"probe/t_post_{TOY_PROBE_PROMPTS[0]}" in m] for h in histories]
+    gap = np.concatenate([[m["exact/cand_gap"] for m in ms] for ms in probed])
     rows = []
     for n in TOY_PROBE_PROMPTS:
-        t = np.concatenate([[m[f"probe/t_post_{n}"] for m in h[1:]] for h in histories])
+        t = np.concatenate([[m[f"probe/t_post_{n}"] for m in ms] for ms in probed])
         ok = (t != 0) & (gap != 0)
         corr = np.corrcoef(t[ok], gap[ok])[0, 1] if ok.sum() > 2 else float("nan")
         rows.append({"preset": preset, "acceptance prompts": n, "samples": n * group_size,
@@ -686,23 +697,28 @@ def toy_demo(cfg: Config) -> None:
     keys = [(p, label, s) for p in presets for label in TOY_DEMO_METHODS for s in seeds]
     # the grpo runs also probe T̂_post at several acceptance batch sizes (the gap study);
     # the probes draw from their own generator, so the grpo trajectories are unchanged
-    jobs = [({**base, **TOY_DEMO_METHODS[label], "seed": s}, alphas[p], TOY_PROBE_PROMPTS if label == "grpo" else ())
+    jobs = [({**base, **TOY_DEMO_METHODS[label], "seed": s}, alphas[p],
+             TOY_PROBE_PROMPTS if label == "grpo" and alphas[p] > 0 else ())    # at α = 0, T̂_post ≡ 0
             for p, label, s in keys]
-    results = dict(zip(keys, run_toy_jobs(jobs, cfg.toy_workers)))
+    pool = toy_pool(cfg.toy_workers)
+    results = dict(zip(keys, run_toy_jobs(jobs, pool)))
     rates = {p: 1 - np.mean([m["step2/accepted"] for s in seeds for m in results[(p, "mipu", s)][1:]])
              for p in presets}
     rr_label = "random-rollback (mipu's rate)"
     rr_keys = [(p, rr_label, s) for p in presets for s in seeds]
     rr_jobs = [({**base, "method": "random-rollback", "reject_rate": min(rates[p], 0.99), "seed": s}, alphas[p], ())
                for p, _, s in rr_keys]
-    results.update(zip(rr_keys, run_toy_jobs(rr_jobs, cfg.toy_workers)))
+    results.update(zip(rr_keys, run_toy_jobs(rr_jobs, pool)))
+    if pool:
+        pool.close()
     labels = list(TOY_DEMO_METHODS) + [rr_label]
     rows, study = [], []
     for p in presets:
         for label in labels:
             rows.append({"preset": f"{p} (alpha={alphas[p]:g})", "method": label,
                          **toy_summary([results[(p, label, s)] for s in seeds])})
-        study += gap_study_rows([results[(p, "grpo", s)] for s in seeds], p, cfg.num_generations)
+        if alphas[p] > 0:
+            study += gap_study_rows([results[(p, "grpo", s)] for s in seeds], p, cfg.num_generations)
     wall = time.time() - t0
     write_toy_outputs(cfg, rows, study, results, presets, labels, seeds, wall)
 
@@ -1579,9 +1595,77 @@ def eval_command(cfg: Config) -> None:
     print(markdown_table(evaluate(llm, AutoTokenizer.from_pretrained(cfg.model), eval_sets, cfg)))
 
 
+PHASES = ("rollout", "recompute", "update", "sync", "gap_check", "rollback", "step")
+BENCH_VARIANTS = {   # label -> Config overrides; c = ±1e9 makes every candidate accepted / rejected
+    "grpo": {"method": "grpo"},
+    "mipu heldout (val batch = train batch)": {"method": "mipu", "gap_batch": "heldout", "c": 1e9},
+    "mipu next": {"method": "mipu", "gap_batch": "next", "c": 1e9},
+    "mipu heldout, every step rejected": {"method": "mipu", "gap_batch": "heldout", "c": -1e9},
+}
+
+
+def bench(cfg: Config) -> None:
+    """`python mipu.py bench`: per-phase medians of grpo and mipu variants, interleaved step by step
+    in one process on one vLLM engine; the rollout wrapper against a bare LLM.generate; the toy demo."""
+    llm = make_sampler(cfg.model, cfg.rollout_dtype, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
+                       cfg.rollout_quant)
+    runs = {label: setup_llm_run(dataclasses.replace(cfg, val_prompts=cfg.prompts_per_step, **kw), llm=llm)
+            for label, kw in BENCH_VARIANTS.items()}
+    history = {label: [] for label in runs}
+    for _ in range(cfg.steps):
+        for label, run in runs.items():
+            sync(run)                        # the engine is shared: load this run's θ first (not timed)
+            history[label].append(mipu_step(run))
+    base = {p: float(np.median([m[f"time/{p}"] for m in history["grpo"]])) for p in PHASES}
+    rows = []
+    for label, ms in history.items():
+        med = {p: float(np.median([m[f"time/{p}"] for m in ms])) for p in PHASES}
+        rows.append({"variant": label, **{p: f"{med[p]:.3f}" for p in PHASES},
+                     "step / grpo step": f"{med['step'] / base['step']:.2f}",
+                     "(sync+rollback) / step": f"{(med['sync'] + med['rollback']) / med['step']:.2f}",
+                     "rejected": f"{1 - np.mean([m['step2/accepted'] for m in ms]):.2f}"})
+    wrapper, bare = bench_rollout(runs["grpo"], repeats=max(cfg.steps, 3))
+    lines = [f"`python mipu.py bench` on {cfg.model}: {cfg.steps} steps per variant, batch "
+             f"{cfg.prompts_per_step}x{cfg.num_generations}, max {cfg.max_new_tokens} new tokens, "
+             f"rollout-quant {cfg.rollout_quant}; median seconds per phase.", "", markdown_table(rows), "",
+             f"rollout wrapper `generate`: {wrapper:.4f} s; bare `LLM.generate`: {bare:.4f} s; "
+             f"throughput ratio wrapper/bare = {bare / wrapper:.3f}"]
+    if cfg.bench_toy:                        # as the user runs it: a fresh process, default flags
+        import subprocess
+        t0 = time.time()
+        subprocess.run([sys.executable, __file__, "toy", "--toy-out", str(Path(cfg.output_dir) / "bench-toy")],
+                       check=True, capture_output=True)
+        lines.append(f"toy demo (`python mipu.py toy`, defaults): {time.time() - t0:.1f} s wall")
+    report = "\n".join(lines) + "\n"
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.output_dir) / "bench.md").write_text(report)
+    print(report)
+
+
+def bench_rollout(run: LLMRun, repeats: int) -> tuple[float, float]:
+    """Median seconds of our `generate` (+ packing into a Rollout) vs a bare LLM.generate, same prompts."""
+    from vllm import SamplingParams, TokensPrompt
+    cfg = run.cfg
+    rows = run.train_rows[: cfg.prompts_per_step]
+    prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"]) for r in rows]
+    params = SamplingParams(n=cfg.num_generations, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                            seed=cfg.seed, logprobs=0)
+    wrapper, bare = [], []
+    for i in range(repeats):                 # interleaved, so machine noise hits both alike
+        t0 = time.perf_counter()
+        rollout(run, rows, seed=cfg.seed + i)
+        t1 = time.perf_counter()
+        run.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        t2 = time.perf_counter()
+        wrapper.append(t1 - t0)
+        bare.append(t2 - t1)
+    return float(np.median(wrapper)), float(np.median(bare))
+
+
 def check_llm_flags(cfg: Config, command: str) -> None:
     """Flag combinations of the LLM commands, checked before anything heavy is loaded."""
-    needs = {"train": ["model", "train_data"], "eval": ["model", "eval_data"]}[command]
+    needs = {"train": ["model", "train_data"], "bench": ["model", "train_data", "val_data"],
+             "eval": ["model", "eval_data"]}[command]
     if command == "train" and METHOD_SPEC[cfg.method][1] == "gap" and cfg.gap_batch == "heldout":
         needs.append("val_data")
     if cfg.gap_batch == "next" and METHOD_SPEC[cfg.method][1] != "gap":
@@ -1605,6 +1689,7 @@ SUBCOMMANDS = {   # name -> (Config groups it takes, help, function)
     "toy": (("algo", "toy"), "CPU demo: every method on the toy simulator, tables + curves into toy/", toy_demo),
     "train": (("algo", "llm"), "RL training of an LLM: vLLM rollouts, HF trainer, Step 1 / Step 2", train),
     "eval": (("llm",), "pass@1 of a model through vLLM on --eval-data (alias --data)", eval_command),
+    "bench": (("algo", "llm", "bench"), "timing: grpo vs mipu (heldout / next), per phase, on one vLLM engine", bench),
     "make-tiny": (("tiny",), "build the tiny CPU model (toy/tiny-qwen3) and the arithmetic data in toy/", make_tiny),
 }
 FLAG_ALIASES = {("eval", "eval_data"): ["--data"]}
@@ -1633,7 +1718,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.pop("command")
     try:
         cfg = Config(**args).validate()
-        if command in ("train", "eval"):
+        if command in ("train", "eval", "bench"):
             check_llm_flags(cfg, command)
         SUBCOMMANDS[command][2](cfg)
     except MIPUError as e:
