@@ -1561,6 +1561,12 @@ def make_tiny(cfg: Config) -> None:
     print(f"wrote {cfg.tiny_out} and toy/{', toy/'.join(TOY_DATA)}")
 
 
+def sampler_for(cfg: Config):
+    """The vLLM engine of cfg.model with cfg's rollout settings."""
+    return make_sampler(cfg.model, cfg.rollout_dtype, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
+                        cfg.rollout_quant)
+
+
 def load_eval_sets(cfg: Config) -> dict:
     return {Path(src).stem: load_rows(src, cfg.prompt_key, cfg.answer_key) for src in cfg.eval_data.split(",") if src}
 
@@ -1578,8 +1584,7 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
         model.gradient_checkpointing_enable()          # activations of long responses dominate memory
     tokenizer = AutoTokenizer.from_pretrained(weights)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    llm = llm or make_sampler(cfg.model, cfg.rollout_dtype, cfg.seed, cfg.gpu_memory_utilization,
-                              cfg.max_model_len, cfg.rollout_quant)
+    llm = llm or sampler_for(cfg)
     first = train_rows[0]
     probe = (build_prompt_ids(tokenizer, first["prompt"]),
              tokenizer.encode(first["answer"], add_special_tokens=False) or [tokenizer.eos_token_id])
@@ -1610,8 +1615,7 @@ def eval_command(cfg: Config) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
     from transformers import AutoTokenizer
     eval_sets = load_eval_sets(cfg)
-    llm = make_sampler(cfg.model, cfg.rollout_dtype, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
-                       cfg.rollout_quant)
+    llm = sampler_for(cfg)
     print(markdown_table(evaluate(llm, AutoTokenizer.from_pretrained(cfg.model), eval_sets, cfg)))
 
 
@@ -1642,8 +1646,8 @@ def sft_warm_start(cfg: Config) -> str:
 
 
 # The CPU LLM demo's settings (tiny model, 1-2 digit answers): they override the GPU-sized defaults.
-LLM_DEMO = dict(rollout_quant="fp8-sim", num_generations=8, prompts_per_step=16, val_prompts=16, mini_batch_size=64,
-                max_new_tokens=6, temperature=1.0, eval_samples=4, eval_temperature=1.0)
+LLM_DEMO = dict(rollout_quant="fp8-sim", num_generations=8, prompts_per_step=32, val_prompts=32, mini_batch_size=256,
+                micro_batch_size=64, max_new_tokens=6, temperature=1.0, eval_samples=4, eval_temperature=1.0)
 LLM_DEMO_METHODS = ("grpo", "mipu")
 
 
@@ -1656,11 +1660,9 @@ def llm_demo(cfg: Config) -> None:
         build_tiny_model(cfg.tiny_out, seed=cfg.seed)
     data = dict(train_data=str(toy / "arith_train.jsonl"), val_data=str(toy / "arith_val.jsonl"),
                 eval_data=str(toy / "arith_test.jsonl"))
-    if not (Path(cfg.sft_out) / "config.json").exists():
-        sft_warm_start(dataclasses.replace(cfg, model=cfg.tiny_out, **data))
+    sft_warm_start(dataclasses.replace(cfg, model=cfg.tiny_out, **data))     # always: deterministic, ~1 min
     base = dataclasses.replace(cfg, model=cfg.sft_out, **data, **LLM_DEMO)
-    llm = make_sampler(base.model, base.rollout_dtype, base.seed, base.gpu_memory_utilization, base.max_model_len,
-                       base.rollout_quant)
+    llm = sampler_for(base)
     eval_sets = load_eval_sets(base)
     curves = {}
     for method in LLM_DEMO_METHODS:
@@ -1722,8 +1724,7 @@ BENCH_VARIANTS = {   # label -> Config overrides; c = ±1e9 makes every candidat
 def bench(cfg: Config) -> None:
     """`python mipu.py bench`: per-phase medians of grpo and mipu variants, interleaved step by step
     in one process on one vLLM engine; the rollout wrapper against a bare LLM.generate; the toy demo."""
-    llm = make_sampler(cfg.model, cfg.rollout_dtype, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
-                       cfg.rollout_quant)
+    llm = sampler_for(cfg)
     runs = {label: setup_llm_run(dataclasses.replace(cfg, val_prompts=cfg.prompts_per_step, **kw), llm=llm)
             for label, kw in BENCH_VARIANTS.items()}
     history = {label: [] for label in runs}
