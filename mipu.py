@@ -217,6 +217,15 @@ class Config:
             (self.toy_vocab >= 2 and self.toy_horizon >= 1 and self.toy_prompts >= 1, "toy sizes must be positive"),
             (0 <= self.toy_tolerance < self.toy_horizon, "--toy-tolerance must be in [0, toy_horizon)"),
             (0 < self.toy_init_prob < 1, "--toy-init-prob must be in (0, 1)"),
+            (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
+                                   "greedy rollouts have no log-probs to learn from)"),
+            (self.eval_temperature >= 0, "--eval-temperature must be >= 0"),
+            (self.learning_rate > 0 and self.toy_lr > 0 and self.sft_lr > 0, "learning rates must be > 0"),
+            (self.micro_batch_size >= 1 and self.max_new_tokens >= 1 and self.eval_samples >= 1,
+             "--micro-batch-size, --max-new-tokens and --eval-samples must be >= 1"),
+            (self.save_every >= 1 and self.eval_every >= 0, "--save-every must be >= 1, --eval-every >= 0"),
+            (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
+            (self.sync_tol > 0, "--sync-tol must be > 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -216,6 +216,8 @@ def test_random_rollback_rate():
     (dict(method="grpo", accept_rule="target"), "accept-rule target"),
     (dict(method="tis", reject_rate=0.3), "reject-rate"),
     (dict(w_max=0.5), "w-max"),
+    (dict(temperature=0.0), "--temperature must be > 0"),
+    (dict(gpu_memory_utilization=1.5), "gpu-memory-utilization"),
 ])
 def test_bad_config(kw, message):
     with pytest.raises(mipu.MIPUError, match=message):
