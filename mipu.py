@@ -66,7 +66,7 @@ COMMANDS
           --micro-batch-size 64 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/bench
   GPU math training (one GPU, Qwen3-1.7B; see README for the full recipe):
       python mipu.py train --model Qwen/Qwen3-1.7B --train-data <math.jsonl> \
-          --val-data <val.jsonl> --rollout-quant fp8 --train-dtype bfloat16 --device cuda \
+          --val-data <val.jsonl> --rollout-quant fp8 --train-dtype float32 --device cuda \
           --gpu-memory-utilization 0.35 --output-dir runs/qwen3-1.7b-mipu
   Tests:  python -m pytest -q test_mipu.py
 """
@@ -160,7 +160,8 @@ class Config:
     rollout_dtype: str = _arg("bfloat16", "vLLM weights/activations dtype", "llm", choices=("bfloat16", "float16", "float32"))
     rollout_quant: str = _arg("none", "rollout weights: none, fp8 (vLLM native, GPU only), fp8-sim (rounded through FP8 before sync)",
                               "llm", choices=("none", "fp8", "fp8-sim"))
-    train_dtype: str = _arg("float32", "training-engine dtype (float32 on CPU; bfloat16 on GPU)", "llm",
+    train_dtype: str = _arg("float32", "training-engine weights/optimizer dtype (bfloat16 has no fp32 master copy: "
+                            "updates of a ~1e-6 LR round away)", "llm",
                             choices=("float32", "bfloat16"))
     device: str = _arg("cpu", "training-engine device: cpu or cuda", "llm", choices=("cpu", "cuda"))
     gpu_memory_utilization: float = _arg(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)", "llm")
@@ -684,7 +685,7 @@ def toy_summary(histories: list[list[dict]]) -> dict:
         "final J(pi)": f"{final_pi.mean():.3f}",
         "J(mu) drops > 0.02 per run": f"{np.mean(drops):.1f}",
         "accept rate": f"{np.mean(np.concatenate([col(h, 'step2/accepted') for h in histories])):.2f}",
-        "P(J(mu) down | J(pi) up)": f"{((d_mu < 0) & (d_pi > 0)).sum() / max((d_pi > 0).sum(), 1):.2f}",
+        "P(J(mu) down given J(pi) up)": f"{((d_mu < 0) & (d_pi > 0)).sum() / max((d_pi > 0).sum(), 1):.2f}",
         "T_post sign agreement": f"{(np.sign(t_post[valid]) == np.sign(gap[valid])).mean():.2f}" if valid.any() else "-",
         "mean k3": f"{np.mean(np.concatenate([col(h, 'mismatch/k3') for h in histories])):.4f}",
     }
