@@ -1331,7 +1331,7 @@ def pad_right(rows: list, value: float) -> torch.Tensor:
 
 
 def next_rows(run: LLMRun, n: int) -> list:
-    """The next n training rows; a new shuffled pass (seeded by pass number) when one runs out."""
+    """The next n training rows; a new shuffled pass (seeded by seed + step) when one runs out."""
     rows = []
     while len(rows) < n:
         if run.data_pos >= len(run.order):
@@ -1618,9 +1618,9 @@ def train(cfg: Config) -> None:
         m = mipu_step(run)
         if eval_sets and run.step % cfg.eval_every == 0:
             m.update({f"eval/{r['dataset']}/pass@1": r["pass@1"] for r in evaluate(run.llm, run.tokenizer, eval_sets, cfg)})
-        log_metrics(out / "metrics.jsonl", m)
         if run.step % cfg.save_every == 0 or run.step == cfg.steps:
-            save_checkpoint(run)
+            save_checkpoint(run)             # before the log line: a resumed run never logs a step twice
+        log_metrics(out / "metrics.jsonl", m)
 
 
 def eval_command(cfg: Config) -> None:
