@@ -1537,8 +1537,8 @@ def log_metrics(path: Path, m: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(m) + "\n")
     keys = ["rollout/reward", "mismatch/k3", "step1/loss", "step1/clip_frac", "step2/t_post", "step2/accepted",
-            "step2/rejections", "eval/pass@1", "time/step"]
-    print(f"step {m['step']:>4} " + " ".join(f"{k.split('/')[-1]}={m[k]:.4g}" for k in keys if k in m), flush=True)
+            "step2/rejections", "time/step"] + [k for k in m if k.startswith("eval/")]
+    print(f"step {m['step']:>4} " + " ".join(f"{k.split('/', 1)[-1]}={m[k]:.4g}" for k in keys if k in m), flush=True)
 
 
 def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
@@ -1571,6 +1571,11 @@ def make_tiny(cfg: Config) -> None:
         seen |= {r["prompt"] for r in rows} if name == "arith_train.jsonl" else set()
         write_jsonl(rows, str(Path(__file__).parent / "toy" / name))
     print(f"wrote {cfg.tiny_out} and toy/{', toy/'.join(TOY_DATA)}")
+
+
+def eval_metrics(run: LLMRun, eval_sets: dict) -> dict:
+    """{"eval/<dataset>/pass@1": ...} of the inference engine's current weights."""
+    return {f"eval/{r['dataset']}/pass@1": r["pass@1"] for r in evaluate(run.llm, run.tokenizer, eval_sets, run.cfg)}
 
 
 def sampler_for(cfg: Config):
@@ -1617,7 +1622,7 @@ def train(cfg: Config) -> None:
     while run.step < cfg.steps:
         m = mipu_step(run)
         if eval_sets and run.step % cfg.eval_every == 0:
-            m.update({f"eval/{r['dataset']}/pass@1": r["pass@1"] for r in evaluate(run.llm, run.tokenizer, eval_sets, cfg)})
+            m.update(eval_metrics(run, eval_sets))
         if run.step % cfg.save_every == 0 or run.step == cfg.steps:
             save_checkpoint(run)             # before the log line: a resumed run never logs a step twice
         log_metrics(out / "metrics.jsonl", m)
@@ -1661,6 +1666,7 @@ def sft_warm_start(cfg: Config) -> str:
 LLM_DEMO = dict(rollout_quant="fp8-sim", num_generations=8, prompts_per_step=32, val_prompts=32, mini_batch_size=256,
                 micro_batch_size=64, max_new_tokens=6, temperature=1.0, eval_samples=4, eval_temperature=1.0)
 LLM_DEMO_METHODS = ("grpo", "mipu")
+LLM_DEMO_EVAL = "eval/arith_test/pass@1"      # J(μ) on the held-out problems
 
 
 def llm_demo(cfg: Config) -> None:
@@ -1680,16 +1686,16 @@ def llm_demo(cfg: Config) -> None:
     for method in LLM_DEMO_METHODS:
         run = setup_llm_run(dataclasses.replace(base, method=method, output_dir=f"{cfg.output_dir}/{method}"), llm=llm)
         Path(run.cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        curves[method] = [{"step": -1, "eval/pass@1": evaluate(llm, run.tokenizer, eval_sets, base)[0]["pass@1"]}]
+        curves[method] = [{"step": -1, **eval_metrics(run, eval_sets)}]
         while run.step < base.steps:
             m = mipu_step(run)
             if run.step % base.eval_every == 0 or run.step == base.steps:
-                m["eval/pass@1"] = evaluate(llm, run.tokenizer, eval_sets, base)[0]["pass@1"]
+                m.update(eval_metrics(run, eval_sets))
             log_metrics(Path(run.cfg.output_dir) / "metrics.jsonl", m)
             curves[method].append(m)
     plot_llm_demo(out / "llm_demo.png", curves)
-    rows = [{"method": meth, "J(mu) held-out, start": f"{c[0]['eval/pass@1']:.3f}",
-             "J(mu) held-out, end": f"{c[-1]['eval/pass@1']:.3f}",
+    rows = [{"method": meth, "J(mu) held-out, start": f"{c[0][LLM_DEMO_EVAL]:.3f}",
+             "J(mu) held-out, end": f"{c[-1][LLM_DEMO_EVAL]:.3f}",
              "train reward, first 5 steps": f"{np.mean([m['rollout/reward'] for m in c[1:6]]):.3f}",
              "train reward, last 5 steps": f"{np.mean([m['rollout/reward'] for m in c[1:][-5:]]):.3f}",
              "mean k3": f"{np.mean([m['mismatch/k3'] for m in c[1:]]):.2e}",
@@ -1707,7 +1713,7 @@ def plot_llm_demo(path: Path, curves: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = [("rollout/reward", "train reward (mu samples)"), ("eval/pass@1", "J(mu) on held-out problems"),
+    panels = [("rollout/reward", "train reward (mu samples)"), (LLM_DEMO_EVAL, "J(mu) on held-out problems"),
               ("mismatch/k3", "mismatch k3 KL(mu||pi)"), ("step2/accepted", "accepted (cumulative rate)")]
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.6))
     for ax, (key, title) in zip(axes, panels):
@@ -1716,7 +1722,7 @@ def plot_llm_demo(path: Path, curves: dict) -> None:
             x, y = np.array(pts).T if pts else ([], [])
             if key == "step2/accepted":
                 y = np.cumsum(y) / np.arange(1, len(y) + 1)
-            ax.plot(x, y, label=method, marker="." if key == "eval/pass@1" else None)
+            ax.plot(x, y, label=method, marker="." if key == LLM_DEMO_EVAL else None)
         ax.set_title(title)
         ax.set_xlabel("step")
     axes[0].legend()
