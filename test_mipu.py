@@ -661,6 +661,14 @@ def test_cli_toy_tiny_budget(tmp_path):
     assert "random-rollback" in table and "sign agreement" in table
 
 
+def test_cli_toy_without_mismatch_has_no_gap_study(tmp_path):
+    p = run_cli("toy", "--steps", "2", "--toy-seeds", "1", "--toy-preset", "none", "--toy-workers", "1",
+                "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8", "--toy-out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    table = (tmp_path / "demo_results.md").read_text()
+    assert "| none (alpha=0) | grpo |" in table and "Gap study" not in table
+
+
 @pytest.mark.parametrize("args, message", [
     (["toy", "--num-generations", "1"], "error: --num-generations must be >= 2"),
     (["toy", "--method", "ppo"], "invalid choice: 'ppo'"),
