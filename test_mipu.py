@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import mipu
+from toy import bench, demo
+from toy.make_tiny import build_tiny_model, make_arith_rows, write_jsonl
 
 HERE = Path(__file__).resolve().parent
 L = math.log
@@ -193,7 +195,8 @@ def test_rejection_restores_theta_and_optimizer_bit_for_bit():
     assert m["step2/accepted"] == 0.0 and m["step2/rejections"] == 1
     assert m["exact/cand_J_pi"] != J_before[0]             # the candidate did move
     assert all(torch.equal(a, b) for a, b in zip(before, run.policy.parameters()))
-    assert json.dumps({k: [v.tolist() for v in s.values()] for k, s in run.opt.state_dict()["state"].items()}) == opt_before
+    opt_after = json.dumps({k: [v.tolist() for v in s.values()] for k, s in run.opt.state_dict()["state"].items()})
+    assert opt_after == opt_before
     assert run.J == J_before
 
 
@@ -238,7 +241,7 @@ MAX_TOL, MEAN_TOL = 0.05, 0.01
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("tiny_qwen3"))
-    mipu.build_tiny_model(out, seed=0)
+    build_tiny_model(out, seed=0)
     return out
 
 
@@ -262,7 +265,7 @@ def trainer(model_dir):
 
 @pytest.fixture(scope="session")
 def prompt_ids(tokenizer) -> list[list[int]]:
-    rows = mipu.make_arith_rows(N_PROMPTS, seed=0)
+    rows = make_arith_rows(N_PROMPTS, seed=0)
     return [mipu.build_prompt_ids(tokenizer, r["prompt"]) for r in rows]
 
 
@@ -307,8 +310,8 @@ def _write(path, text: str) -> str:
 
 
 def test_load_rows_ok_and_roundtrip(tmp_path):
-    rows = mipu.make_arith_rows(5, seed=1)
-    mipu.write_jsonl(rows, str(tmp_path / "a.jsonl"))
+    rows = make_arith_rows(5, seed=1)
+    write_jsonl(rows, str(tmp_path / "a.jsonl"))
     assert mipu.load_rows(str(tmp_path / "a.jsonl"), "prompt", "answer") == rows
     src = _write(tmp_path / "b.jsonl", '{"q": "1+1=", "a": 2}\n\n{"q": "x", "a": "y"}\n')
     assert mipu.load_rows(src, "q", "a") == [{"prompt": "1+1=", "answer": "2"},
@@ -392,8 +395,8 @@ def test_math_reward_off_main_thread():
 
 
 def test_make_arith_rows():
-    rows = mipu.make_arith_rows(50, seed=3)
-    assert rows == mipu.make_arith_rows(50, seed=3)
+    rows = make_arith_rows(50, seed=3)
+    assert rows == make_arith_rows(50, seed=3)
     for r in rows:
         a, op, b = r["prompt"][:-1].partition("+") if "+" in r["prompt"] else \
             r["prompt"][:-1].partition("-")
@@ -487,8 +490,7 @@ def test_step0_sampler_matches_trainer(llm, trainer, prompt_ids):
     max_d, mean_d = _mismatch(samples, trainer)
     print(f"step-0 bf16 vLLM vs fp32 trainer: max {max_d:.4g} mean {mean_d:.4g}")
     assert max_d < MAX_TOL and mean_d < MEAN_TOL
-    assert mipu.check_sync(llm, trainer, prompt_ids[0], samples[0]["completion_ids"],
-                        TEMPERATURE, tol=MAX_TOL) < MAX_TOL
+    assert mipu.check_sync(llm, trainer, prompt_ids[0], samples[0]["completion_ids"], tol=MAX_TOL) < MAX_TOL
 
 
 def test_sync_takes_effect_and_restores_exactly(llm, trainer, prompt_ids, restore):
@@ -499,9 +501,9 @@ def test_sync_takes_effect_and_restores_exactly(llm, trainer, prompt_ids, restor
 
     _perturb(trainer, seed=1)
     with pytest.raises(mipu.MIPUError, match="weight sync did not take effect"):
-        mipu.check_sync(llm, trainer, probe_p, probe_c, TEMPERATURE, tol=MAX_TOL)
+        mipu.check_sync(llm, trainer, probe_p, probe_c, tol=MAX_TOL)
     mipu.sync_weights(llm, list(trainer.named_parameters()), "none")
-    mipu.check_sync(llm, trainer, probe_p, probe_c, TEMPERATURE, tol=MAX_TOL)
+    mipu.check_sync(llm, trainer, probe_p, probe_c, tol=MAX_TOL)
     samples1 = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
     max_d, mean_d = _mismatch(samples1, trainer)
     assert max_d < MAX_TOL and mean_d < MEAN_TOL
@@ -538,7 +540,7 @@ def test_sync_preserves_tied_embeddings(llm, trainer, prompt_ids, restore):
         emb.add_(torch.randn(emb.shape, generator=torch.Generator().manual_seed(2)) * 0.02)
     mipu.sync_weights(llm, list(trainer.named_parameters()), "none")
     probe_c = [5, 6, 7, 8, 9, 10]
-    mipu.check_sync(llm, trainer, prompt_ids[0], probe_c, TEMPERATURE, tol=MAX_TOL)
+    mipu.check_sync(llm, trainer, prompt_ids[0], probe_c, tol=MAX_TOL)
 
 
 # ---------------------------------------------------------------- the LLM training step
@@ -572,7 +574,7 @@ def test_step1_changes_weights_and_sync_matches(llm, model_dir, tmp_path, restor
     assert m["step2/accepted"] == 1.0 and m["step1/finite"] == 1.0
     assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
     assert _probe_logprobs(run) != probe_before                       # vLLM now has θ_{k+1}
-    assert mipu.check_sync(run.llm, run.model, *run.probe, 1.0, tol=MAX_TOL) < MAX_TOL
+    assert mipu.check_sync(run.llm, run.model, *run.probe, tol=MAX_TOL) < MAX_TOL
     for key in ("mismatch/k3", "step1/loss", "step1/clip_frac", "step1/weight_mean", "time/rollout",
                 "time/recompute", "time/update", "time/sync", "time/gap_check", "time/rollback"):
         assert key in m
@@ -645,25 +647,35 @@ def test_nonfinite_loss_rejects_candidate(llm, model_dir, tmp_path, restore):
 # ---------------------------------------------------------------- command line
 
 def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, str(HERE / "mipu.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=HERE)
+    """`python mipu.py ARGS`, or `python -m toy.SCRIPT ARGS` when the first arg is "-m", from the repo root."""
+    cmd = [sys.executable, *args] if args[0] == "-m" else [sys.executable, str(HERE / "mipu.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE)
 
 
-def test_cli_toy_tiny_budget(tmp_path):
-    p = run_cli("toy", "--steps", "3", "--toy-seeds", "2", "--toy-preset", "severe", "--toy-workers", "1",
-                "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8", "--toy-out", str(tmp_path))
+def test_cli_toy_one_run():
+    p = run_cli("toy", "--toy-preset", "severe", "--method", "mipu", "--steps", "3", "--toy-prompts", "16",
+                "--prompts-per-step", "8", "--val-prompts", "8")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("toy run: alpha=8, method mipu")
+    assert [x.split()[1] for x in lines[1:]] == ["0", "1", "2"] and all("t_post=" in x for x in lines[1:])
+
+
+def test_cli_toy_demo_tiny_budget(tmp_path):
+    p = run_cli("-m", "toy.demo", "--steps", "3", "--seeds", "2", "--presets", "severe", "--workers", "1",
+                "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     for name in ("demo_results.md", "demo_results.csv", "demo_curves.png"):
         assert (tmp_path / name).stat().st_size > 0
     table = (tmp_path / "demo_results.md").read_text()
-    for label in mipu.TOY_DEMO_METHODS:
+    for label in demo.TOY_DEMO_METHODS:
         assert f"| {label} |" in table
     assert "random-rollback" in table and "sign agreement" in table
 
 
-def test_cli_toy_without_mismatch_has_no_gap_study(tmp_path):
-    p = run_cli("toy", "--steps", "2", "--toy-seeds", "1", "--toy-preset", "none", "--toy-workers", "1",
-                "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8", "--toy-out", str(tmp_path))
+def test_cli_toy_demo_without_mismatch_has_no_gap_study(tmp_path):
+    p = run_cli("-m", "toy.demo", "--steps", "2", "--seeds", "1", "--presets", "none", "--workers", "1",
+                "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     table = (tmp_path / "demo_results.md").read_text()
     assert "| none (alpha=0) | grpo |" in table and "Gap study" not in table
@@ -674,6 +686,8 @@ def test_cli_toy_without_mismatch_has_no_gap_study(tmp_path):
     (["toy", "--method", "ppo"], "invalid choice: 'ppo'"),
     (["toy", "--steps", "many"], "invalid int value: 'many'"),
     (["toy", "--method", "tis", "--accept-rule", "target"], "error: --accept-rule target only applies"),
+    (["-m", "toy.demo", "--presets", "none,bad"], "error: unknown --presets bad"),
+    (["-m", "toy.demo", "--num-generations", "1"], "error: --num-generations must be >= 2"),
 ])
 def test_cli_bad_input_one_clear_error(args, message):
     p = run_cli(*args)
@@ -690,7 +704,7 @@ def test_cli_train_resume_eval(model_dir, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2]
-    assert (out / "latest").read_text() == "checkpoint-000003"
+    assert mipu.latest_checkpoint(str(out)).name == "checkpoint-000003"
     assert (out / "checkpoint-000003" / "trainer_state.pt").exists()
     p = run_cli("train", *common, "--steps", "4", "--resume")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -725,19 +739,19 @@ def test_cli_train_bad_input(tmp_path, model_dir, make_file, extra, message):
 
 
 def test_cli_bench_tiny_budget(model_dir, tmp_path):
-    p = run_cli("bench", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL),
+    p = run_cli("-m", "toy.bench", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL),
                 "--steps", "2", "--prompts-per-step", "4", "--num-generations", "4", "--mini-batch-size", "16",
                 "--max-new-tokens", "4", "--no-bench-toy", "--output-dir", str(tmp_path))
     assert p.returncode == 0, p.stderr[-3000:]
     report = (tmp_path / "bench.md").read_text()
-    for label in mipu.BENCH_VARIANTS:
+    for label in bench.BENCH_VARIANTS:
         assert f"| {label} |" in report
     assert "throughput ratio wrapper/bare" in report
 
 
 def test_cli_llm_demo_tiny_budget(tmp_path):
-    p = run_cli("llm-demo", "--tiny-out", str(tmp_path / "tiny"), "--sft-out", str(tmp_path / "sft"),
-                "--sft-steps", "3", "--steps", "2", "--eval-every", "1", "--toy-out", str(tmp_path / "out"),
+    p = run_cli("-m", "toy.llm_demo", "--tiny", str(tmp_path / "tiny"), "--sft-out", str(tmp_path / "sft"),
+                "--sft-steps", "3", "--steps", "2", "--eval-every", "1", "--out", str(tmp_path / "out"),
                 "--output-dir", str(tmp_path / "runs"))
     assert p.returncode == 0, p.stderr[-3000:]
     table = (tmp_path / "out" / "llm_demo.md").read_text()

@@ -1,0 +1,93 @@
+"""The step benchmark: `python -m toy.bench --model toy/tiny-qwen3 ...` (from the repo root).
+
+Runs grpo and mipu variants interleaved step by step in one process on one vLLM engine and
+prints median seconds per phase, the rollout wrapper against a bare LLM.generate, and the wall
+time of the toy demo; the report also goes to <--output-dir>/bench.md.
+"""
+import argparse
+import dataclasses
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import mipu
+
+PHASES = ("rollout", "recompute", "update", "sync", "gap_check", "rollback", "step")
+BENCH_VARIANTS = {   # label -> Config overrides; c = ±1e9 makes every candidate accepted / rejected
+    "grpo": {"method": "grpo"},
+    "mipu heldout (val batch = train batch)": {"method": "mipu", "gap_batch": "heldout", "c": 1e9},
+    "mipu next": {"method": "mipu", "gap_batch": "next", "c": 1e9},
+    "mipu heldout, every step rejected": {"method": "mipu", "gap_batch": "heldout", "c": -1e9},
+}
+
+
+def bench(args: dict) -> None:
+    """Per-phase medians of grpo and mipu variants, interleaved step by step on one vLLM engine."""
+    cfg = mipu.config_from(args)
+    mipu.check_llm_flags(cfg, "train")
+    llm = mipu.sampler_for(cfg)
+    runs = {label: mipu.setup_llm_run(dataclasses.replace(cfg, val_prompts=cfg.prompts_per_step, **kw), llm=llm)
+            for label, kw in BENCH_VARIANTS.items()}
+    history = {label: [] for label in runs}
+    for _ in range(cfg.steps):
+        for label, run in runs.items():
+            mipu.sync(run)                   # the engine is shared: load this run's θ first (not timed)
+            history[label].append(mipu.mipu_step(run))
+    base = {p: float(np.median([m[f"time/{p}"] for m in history["grpo"]])) for p in PHASES}
+    rows = []
+    for label, ms in history.items():
+        med = {p: float(np.median([m[f"time/{p}"] for m in ms])) for p in PHASES}
+        rows.append({"variant": label, **{p: f"{med[p]:.3f}" for p in PHASES},
+                     "step / grpo step": f"{med['step'] / base['step']:.2f}",
+                     "(sync+rollback) / step": f"{(med['sync'] + med['rollback']) / med['step']:.2f}",
+                     "rejected": f"{1 - np.mean([m['step2/accepted'] for m in ms]):.2f}"})
+    wrapper, bare = bench_rollout(runs["grpo"], repeats=max(cfg.steps, 3))
+    lines = [f"`python -m toy.bench` on {cfg.model}: {cfg.steps} steps per variant, batch "
+             f"{cfg.prompts_per_step}x{cfg.num_generations}, max {cfg.max_new_tokens} new tokens, "
+             f"rollout-quant {cfg.rollout_quant}; median seconds per phase.", "", mipu.markdown_table(rows), "",
+             f"rollout wrapper `generate`: {wrapper:.4f} s; bare `LLM.generate`: {bare:.4f} s; "
+             f"throughput ratio wrapper/bare = {bare / wrapper:.3f}"]
+    if args["bench_toy"]:                    # as the user runs it: a fresh process, default flags
+        t0 = time.time()
+        subprocess.run([sys.executable, "-m", "toy.demo", "--out", str(Path(cfg.output_dir) / "bench-toy")],
+                       check=True, capture_output=True, cwd=Path(__file__).resolve().parent.parent)
+        lines.append(f"toy demo (`python -m toy.demo`, defaults): {time.time() - t0:.1f} s wall")
+    report = "\n".join(lines) + "\n"
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.output_dir) / "bench.md").write_text(report)
+    print(report)
+
+
+def bench_rollout(run: mipu.LLMRun, repeats: int) -> tuple[float, float]:
+    """Median seconds of our `generate` (+ packing into a Rollout) vs a bare LLM.generate, same prompts."""
+    from vllm import SamplingParams, TokensPrompt
+    cfg = run.cfg
+    rows = run.train_rows[: cfg.prompts_per_step]
+    prompt_ids = [mipu.build_prompt_ids(run.tokenizer, r["prompt"]) for r in rows]
+    params = SamplingParams(n=cfg.num_generations, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                            seed=cfg.seed, logprobs=0)
+    wrapper, bare = [], []
+    for i in range(repeats):                 # interleaved, so machine noise hits both alike
+        t0 = time.perf_counter()
+        mipu.rollout(run, rows, seed=cfg.seed + i)
+        t1 = time.perf_counter()
+        run.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        t2 = time.perf_counter()
+        wrapper.append(t1 - t0)
+        bare.append(t2 - t1)
+    return float(np.median(wrapper)), float(np.median(bare))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m toy.bench", description=__doc__.split("\n")[0])
+    mipu.add_config_flags(parser, ("algo", "llm"))
+    parser.add_argument("--bench-toy", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the toy demo (python -m toy.demo with its defaults)")
+    return mipu.report_errors(bench, vars(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
