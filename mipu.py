@@ -828,6 +828,11 @@ def _reload_in_worker(model, weights: list[tuple[str, torch.Tensor]], model_conf
     initialize_layerwise_reload(model)
     model.load_weights(iter(weights))  # HF names; vLLM fuses qkv / gate_up itself
     finalize_layerwise_reload(model, model_config)
+    # Tied embeddings (Qwen3 up to 4B): load_weights skips lm_head, so the reload restores lm_head's
+    # *old* processed kernel ("ParallelLMHead: Failed to load weights"): on CPUs with AMX/AVX-512-BF16
+    # that is a GEMM pre-packed from the old weights. Re-process it from the (shared, new) weight.
+    if getattr(model_config.hf_config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
 def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
