@@ -1150,7 +1150,7 @@ def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
             ds = datasets.load_from_disk(name)
         else:
             ds = datasets.load_dataset(name, split=split)
-    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:   # not found, offline, bad split/file
+    except (OSError, ValueError, IndexError, datasets.exceptions.DatasetsError) as e:  # IndexError: 0-row save_to_disk
         raise MIPUError(f"could not load dataset {name!r} (split {split!r}): {e}") from e
     if isinstance(ds, datasets.DatasetDict) and split not in ds:
         raise MIPUError(f"{name}: no split {split!r}; splits present: {sorted(ds)}")
