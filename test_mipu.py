@@ -357,7 +357,8 @@ def offline_datasets(monkeypatch, tmp_path):
     import huggingface_hub.constants
 
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
-        monkeypatch.setenv(var, "1")
+        monkeypatch.setenv(var, "1")                                            # for the CLI subprocesses too
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
