@@ -134,7 +134,8 @@ class Config:
     seed: int = _arg(0, "random seed (toy: bit-for-bit reproducible)")
     # ---- LLM path (python mipu.py train / eval) ----
     model: str = _arg("", "HF model id or local model dir (training engine and vLLM)", "llm")
-    train_data: str = _arg("", "training prompts: .jsonl / .parquet file, or HF dataset id[:split]", "llm")
+    train_data: str = _arg("", "training prompts: .jsonl, .parquet, dataset folder (save_to_disk or hub layout) or "
+                           "HF dataset id; all but .jsonl take :split (default train)", "llm")
     val_data: str = _arg("", "Step-2 acceptance prompts (same formats); required by step2/mipu", "llm")
     gap_batch: str = _arg("heldout", "Step-2 prompts: heldout = --val-data (paper); next = the next step's "
                           "training prompts, whose mu_{k+1} rollouts become step k+1's batch when accepted",
@@ -166,6 +167,8 @@ class Config:
     save_every: int = _arg(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)", "llm")
     output_dir: str = _arg("runs/mipu", "metrics.jsonl and checkpoints go here", "llm")
     resume: bool = _arg(False, "continue from the newest checkpoint in --output-dir", "llm")
+    report_to: str = _arg("", "also send each step's metrics to: tensorboard (<output-dir>/tensorboard) and/or "
+                          "wandb, comma-separated (WANDB_MODE=offline needs no network)", "llm")
     # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
     toy_preset: str = _arg("severe", "mismatch preset: none, fp8 or severe (TOY_PRESETS)", "toy",
                            choices=tuple(TOY_PRESETS))
@@ -216,6 +219,7 @@ class Config:
             (self.save_every >= 1 and self.eval_every >= 0, "--save-every must be >= 1, --eval-every >= 0"),
             (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
             (self.sync_tol > 0, "--sync-tol must be > 0"),
+            (set(self.report_to.split(",")) <= {"", "tensorboard", "wandb"}, "--report-to takes tensorboard, wandb"),
         ]
         for ok, message in checks:
             if not ok:
@@ -1136,50 +1140,34 @@ def _read_jsonl(path: Path) -> list[tuple[str, object]]:
     return items
 
 
-def _read_parquet(path: Path) -> list[tuple[str, object]]:
-    """Read a .parquet file with pandas (+ pyarrow) into (location, row) pairs."""
+def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
+    """(location, row) pairs of a .parquet file, a save_to_disk or hub-layout folder, or an HF id, via `datasets`."""
+    import datasets                               # here: importing it takes seconds, JSONL runs skip it
     try:
-        import pandas as pd
-    except ImportError as e:
-        raise MIPUError(f"{path}: reading parquet needs pandas and pyarrow: "
-                        "pip install pandas pyarrow") from e
-    try:
-        frame = pd.read_parquet(path)
-    except ImportError as e:
-        raise MIPUError(f"{path}: reading parquet needs pyarrow: pip install pyarrow") from e
-    return [(f"{path}:row {i}", row) for i, row in enumerate(frame.to_dict("records"))]
-
-
-def _read_hf_dataset(source: str) -> list[tuple[str, object]]:
-    """Load an HF dataset id "name[:split]" (default split "train") via `datasets`."""
-    try:
-        import datasets
-    except ImportError as e:
-        raise MIPUError(f"{source!r} is not a local file; loading it as a Hugging Face "
-                        "dataset needs `pip install datasets`") from e
-    name, _, split = source.partition(":")
-    try:
-        ds = datasets.load_dataset(name, split=split or "train")
-    except Exception as e:  # datasets raises many types (FileNotFoundError, ValueError, ...)
-        raise MIPUError(f"could not load dataset {source!r}: {e}") from e
-    return [(f"{source}:row {i}", row) for i, row in enumerate(ds)]
+        if Path(name).suffix == ".parquet":
+            ds = datasets.load_dataset("parquet", data_files=name, split=split)
+        elif any((Path(name) / f).is_file() for f in ("state.json", "dataset_dict.json")):   # save_to_disk
+            ds = datasets.load_from_disk(name)
+        else:
+            ds = datasets.load_dataset(name, split=split)
+    except (OSError, ValueError, IndexError, datasets.exceptions.DatasetsError) as e:  # IndexError: 0-row save_to_disk
+        raise MIPUError(f"could not load dataset {name!r} (split {split!r}): {e}") from e
+    if isinstance(ds, datasets.DatasetDict) and split not in ds:
+        raise MIPUError(f"{name}: no split {split!r}; splits present: {sorted(ds)}")
+    ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+    return [(f"{name}:row {i}", row) for i, row in enumerate(ds)]
 
 
 def load_rows(source: str, prompt_key: str, answer_key: str) -> list[dict]:
-    """Load [{"prompt", "answer"}] from a local .jsonl/.parquet or an HF id "name[:split]"."""
-    path = Path(source)
-    if path.suffix in (".jsonl", ".json", ".parquet") or path.exists():
-        if not path.is_file():
-            raise MIPUError(f"data file not found: {source}")
-        if path.suffix == ".jsonl":
-            items = _read_jsonl(path)
-        elif path.suffix == ".parquet":
-            items = _read_parquet(path)
-        else:
-            raise MIPUError(f"{source}: unsupported file type {path.suffix!r} "
-                            "(expected .jsonl or .parquet)")
-    else:
-        items = _read_hf_dataset(source)
+    """[{"prompt", "answer"}] of a .jsonl, a .parquet[:split], a dataset folder[:split] or an HF id[:split]."""
+    name, _, split = source.rpartition(":") if ":" in source and not Path(source).exists() else (source, "", "")
+    path = Path(name)
+    if path.suffix in (".jsonl", ".parquet") and not path.is_file():
+        raise MIPUError(f"data file not found: {name}")
+    if (path.is_file() and path.suffix not in (".jsonl", ".parquet")) or (path.suffix == ".jsonl" and split):
+        raise MIPUError(f"{source}: unsupported file type {path.suffix!r} (expected .jsonl, .parquet, a dataset "
+                        "folder or an HF id; all but .jsonl may end in :split)")
+    items = _read_jsonl(path) if path.suffix == ".jsonl" else _read_dataset(name, split or "train")
     rows = [_check_row(row, where, prompt_key, answer_key) for where, row in items]
     if not rows:
         raise MIPUError(f"dataset {source!r} is empty")
@@ -1323,17 +1311,39 @@ def load_trainer_state(run: LLMRun, ckpt: Path) -> None:
     np.random.set_state(state["numpy_rng"])
 
 
+def open_reporter(cfg: Config):
+    """--report-to, imported only when asked: a SummaryWriter in <output-dir>/tensorboard, mirrored by wandb."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+        if "wandb" in cfg.report_to:
+            import wandb
+            wandb.init(project="mipu", name=Path(cfg.output_dir).name, dir=cfg.output_dir,
+                       config=dataclasses.asdict(cfg), sync_tensorboard=True)
+    except ImportError as e:
+        raise MIPUError(f"--report-to {cfg.report_to}: {e} (pip install tensorboard, and wandb for wandb)") from e
+    return SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"))
+
+
 LINE_KEYS = ("rollout/reward", "mismatch/k3", "step1/loss", "step1/clip_frac", "step2/t_post", "step2/accepted",
-             "step2/rejections", "exact/J_mu", "time/step")     # the compact line (every eval/* key too)
+             "step2/rejections", "exact/J_mu", "time/step", "perf/tokens_per_s")   # the line (+ every eval/* key)
 
 
-def log_metrics(path: Path | None, m: dict) -> None:
-    """Print one compact line; append the whole record to the JSONL file `path` (if given)."""
+def progress(done: int, total: int, first: int, start: float) -> str:
+    """'step k/N elapsed H:MM:SS eta H:MM:SS' (k steps done; the ETA assumes this process's mean step time)."""
+    elapsed = time.time() - start
+    eta = elapsed / max(done - first, 1) * (total - done)
+    hms = [f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" for s in (round(elapsed), round(eta))]
+    return f"step {done}/{total} elapsed {hms[0]} eta {hms[1]}"
+
+
+def log_metrics(path: Path | None, m: dict, head: str = "") -> None:
+    """Print one compact line (after `head`, default 'step k'); append the record to the JSONL file `path`."""
     if path is not None:
         with open(path, "a") as f:
             f.write(json.dumps(m) + "\n")
     keys = list(LINE_KEYS) + [k for k in m if k.startswith("eval/")]
-    print(f"step {m['step']:>4} " + " ".join(f"{k.split('/', 1)[-1]}={m[k]:.4g}" for k in keys if k in m), flush=True)
+    head = head or f"step {m['step']:>4}"
+    print(head, " ".join(f"{k.split('/', 1)[-1]}={m[k]:.4g}" for k in keys if k in m), flush=True)
 
 
 def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
@@ -1411,17 +1421,24 @@ def toy_command(cfg: Config) -> None:
 
 def train(cfg: Config) -> None:
     """`python mipu.py train`: the MIPU loop, one function per phase."""
-    run = setup_llm_run(cfg)
-    eval_sets = load_eval_sets(cfg) if cfg.eval_every else {}
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    writer = open_reporter(cfg) if cfg.report_to else None   # first: a missing backend fails at once
+    run = setup_llm_run(cfg)
+    eval_sets = load_eval_sets(cfg) if cfg.eval_every else {}
+    start, first = time.time(), run.step
     while run.step < cfg.steps:
         m = mipu_step(run)
+        m["perf/tokens_per_s"] = m["rollout/response_len"] * cfg.batch_size / m["time/step"]
         if eval_sets and run.step % cfg.eval_every == 0:
             m.update(eval_metrics(run, eval_sets))
         if run.step % cfg.save_every == 0 or run.step == cfg.steps:
             save_checkpoint(run)             # before the log line: a resumed run never logs a step twice
-        log_metrics(out / "metrics.jsonl", m)
+        log_metrics(out / "metrics.jsonl", m, progress(run.step, cfg.steps, first, start))
+        for key, value in m.items() if writer else ():
+            writer.add_scalar(key, value, m["step"])  # every JSONL key under its own name
+    if writer:
+        writer.close()
 
 
 def eval_command(cfg: Config) -> None:

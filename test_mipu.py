@@ -5,6 +5,7 @@ Run: python -m pytest -q test_mipu.py
 """
 import json
 import math
+import re
 import subprocess
 import sys
 import threading
@@ -332,23 +333,93 @@ def test_load_rows_errors(tmp_path, text, match):
         mipu.load_rows(src, "prompt", "answer")
 
 
-def test_load_rows_missing_file_and_missing_libs(tmp_path):
+def test_load_rows_missing_file_and_bad_types(tmp_path, offline_datasets):
     with pytest.raises(mipu.MIPUError, match="data file not found"):
         mipu.load_rows(str(tmp_path / "nope.jsonl"), "prompt", "answer")
+    with pytest.raises(mipu.MIPUError, match="data file not found"):
+        mipu.load_rows(str(tmp_path / "nope.parquet"), "prompt", "answer")
     with pytest.raises(mipu.MIPUError, match="unsupported file type '.csv'"):
         mipu.load_rows(_write(tmp_path / "d.csv", "prompt,answer\n"), "prompt", "answer")
+    with pytest.raises(mipu.MIPUError, match="unsupported file type '.jsonl'.*all but .jsonl may end in :split"):
+        mipu.load_rows(_write(tmp_path / "e.jsonl", '{"prompt": "a", "answer": "1"}\n') + ":test", "prompt", "answer")
     pq = tmp_path / "x.parquet"
     pq.write_bytes(b"PAR1")
-    try:
-        import pandas  # noqa: F401
-    except ImportError:
-        with pytest.raises(mipu.MIPUError, match="pandas"):
-            mipu.load_rows(str(pq), "prompt", "answer")
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        with pytest.raises(mipu.MIPUError, match="pip install datasets"):
-            mipu.load_rows("someorg/somedata:train", "prompt", "answer")
+    with pytest.raises(mipu.MIPUError, match=r"could not load dataset '.*x\.parquet'.*[Pp]arquet"):
+        mipu.load_rows(str(pq), "prompt", "answer")
+    with pytest.raises(mipu.MIPUError, match="could not load dataset 'someorg/somedata' \\(split 'test'\\)"):
+        mipu.load_rows("someorg/somedata:test", "prompt", "answer")   # offline: no hub
+
+
+@pytest.fixture()
+def offline_datasets(monkeypatch, tmp_path):
+    """`datasets` with no hub access and its cache under tmp_path (the tests write every file they load)."""
+    import datasets
+    import huggingface_hub.constants
+
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(var, "1")                                            # for the CLI subprocesses too
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    return datasets
+
+
+def write_formats(datasets, rows_by_split: dict, root: Path) -> dict:
+    """Write the same rows in every promised format; returns {format: source string for load_rows}."""
+    dd = datasets.DatasetDict({s: datasets.Dataset.from_list(r) for s, r in rows_by_split.items()})
+    (root / "hub" / "data").mkdir(parents=True)
+    for split, ds in dd.items():
+        ds.to_parquet(str(root / "hub" / "data" / f"{split}-00000-of-00001.parquet"))   # the hub's file layout
+    dd["train"].to_parquet(str(root / "train.parquet"))
+    dd["train"].save_to_disk(str(root / "one"))                                   # a Dataset: no splits
+    dd.save_to_disk(str(root / "dict"))                                           # a DatasetDict: splits
+    return {"parquet": str(root / "train.parquet"), "save_to_disk": str(root / "one"),
+            "save_to_disk dict": str(root / "dict"), "hub folder": str(root / "hub")}
+
+
+def test_load_rows_datasets_formats_and_splits(tmp_path, offline_datasets):
+    train = [{"q": "1+1=", "a": 2, "extra": "x"}, {"q": "x", "a": 7, "extra": "z"}]   # int answers -> str
+    test = [{"q": "2+2=", "a": 4, "extra": ""}]
+    sources = write_formats(offline_datasets, {"train": train, "test": test}, tmp_path)
+    want_train = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x", "answer": "7"}]
+    for fmt, src in sources.items():
+        assert mipu.load_rows(src, "q", "a") == want_train, fmt               # default split: train
+        assert mipu.load_rows(src + ":train", "q", "a") == want_train, fmt
+    for fmt in ("save_to_disk dict", "hub folder"):
+        assert mipu.load_rows(sources[fmt] + ":test", "q", "a") == [{"prompt": "2+2=", "answer": "4"}], fmt
+    with pytest.raises(mipu.MIPUError, match=r"dict: no split 'validation'; splits present: \['test', 'train'\]"):
+        mipu.load_rows(sources["save_to_disk dict"] + ":validation", "q", "a")
+    for fmt in ("parquet", "hub folder"):
+        with pytest.raises(mipu.MIPUError, match=r"could not load dataset .*split 'validation'.*Unknown split"):
+            mipu.load_rows(sources[fmt] + ":validation", "q", "a")
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([{"prompt": "a", "ans": "1"}], r":row 0: missing key 'answer'; keys present: \['ans', 'prompt'\]"),
+    ([{"prompt": "a", "answer": "1"}, {"prompt": "  ", "answer": "1"}], r":row 1: prompt key 'prompt' is empty"),
+    ([{"prompt": "a", "answer": ""}], r":row 0: answer key 'answer' is empty"),
+    ([{"prompt": "a", "answer": None}], r":row 0: answer key 'answer' is empty"),
+])
+@pytest.mark.parametrize("fmt", ["parquet", "save_to_disk", "save_to_disk dict", "hub folder"])
+def test_load_rows_datasets_errors_match_jsonl(tmp_path, offline_datasets, rows, match, fmt):
+    src = write_formats(offline_datasets, {"train": rows}, tmp_path)[fmt]
+    with pytest.raises(mipu.MIPUError, match=match):
+        mipu.load_rows(src, "prompt", "answer")
+
+
+def test_load_rows_datasets_empty(tmp_path, offline_datasets):
+    empty = offline_datasets.Dataset.from_dict({"prompt": [], "answer": []})
+    empty.save_to_disk(str(tmp_path / "empty"))
+    with pytest.raises(mipu.MIPUError, match="could not load dataset '.*empty'"):   # datasets fails on 0 rows
+        mipu.load_rows(str(tmp_path / "empty"), "prompt", "answer")
+    empty.to_parquet(str(tmp_path / "empty.parquet"))
+    with pytest.raises(mipu.MIPUError, match="could not load dataset .*empty.parquet.*no data"):
+        mipu.load_rows(str(tmp_path / "empty.parquet"), "prompt", "answer")
+    (tmp_path / "hub").mkdir()
+    empty.to_parquet(str(tmp_path / "hub" / "train.parquet"))
+    with pytest.raises(mipu.MIPUError, match="could not load dataset .*hub"):
+        mipu.load_rows(str(tmp_path / "hub"), "prompt", "answer")
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -714,6 +785,59 @@ def test_cli_train_resume_eval(model_dir, tmp_path):
                 "--eval-samples", "2", "--max-new-tokens", "4")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "| arith_val |" in p.stdout and "| arith_train |" in p.stdout and "pass@1" in p.stdout
+
+
+def test_cli_train_datasets_tensorboard_progress_plot(model_dir, tmp_path, offline_datasets):
+    """A run a user would watch: parquet / save_to_disk / hub-folder data, --report-to tensorboard, the
+    progress line, and toy.plot_run on its metrics.jsonl."""
+    rows = mipu.load_rows(str(ARITH), "prompt", "answer")
+    val = [{"question": r["prompt"], "answer": int(r["answer"])} for r in mipu.load_rows(str(ARITH_VAL), "prompt",
+                                                                                            "answer")]
+    data = write_formats(offline_datasets, {"train": rows, "test": rows[:8]}, tmp_path / "data")
+    offline_datasets.Dataset.from_list(val).save_to_disk(str(tmp_path / "val"))
+    out = tmp_path / "run"
+    p = run_cli("train", "--model", model_dir, "--train-data", data["parquet"], "--val-data", str(tmp_path / "val"),
+                "--eval-data", f"{data['hub folder']}:test,{ARITH_VAL}", "--eval-every", "2", "--steps", "3",
+                "--prompt-key", "prompt", "--prompts-per-step", "4", "--num-generations", "4", "--val-prompts", "4",
+                "--mini-batch-size", "16", "--max-new-tokens", "4", "--output-dir", str(out),
+                "--report-to", "tensorboard")
+    assert p.returncode == 2 and "val:row 0: missing key 'prompt'; keys present: ['answer', 'question']" in p.stderr
+    offline_datasets.Dataset.from_list([{"prompt": r["question"], "answer": r["answer"]} for r in val]).save_to_disk(
+        str(tmp_path / "val2"))
+    p = run_cli("train", "--model", model_dir, "--train-data", data["parquet"], "--val-data", str(tmp_path / "val2"),
+                "--eval-data", f"{data['hub folder']}:test,{ARITH_VAL}", "--eval-every", "2", "--steps", "3",
+                "--prompts-per-step", "4", "--num-generations", "4", "--val-prompts", "4",
+                "--mini-batch-size", "16", "--max-new-tokens", "4", "--output-dir", str(out),
+                "--report-to", "tensorboard")
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [x for x in p.stdout.splitlines() if x.startswith("step ")]
+    assert [x.split()[1] for x in lines] == ["1/3", "2/3", "3/3"]
+    assert re.match(r"step 3/3 elapsed \d+:\d\d:\d\d eta 0:00:00 reward=.* tokens_per_s=\d", lines[-1]), lines[-1]
+    assert "hub:test/pass@1=" in lines[1] and "arith_val/pass@1=" in lines[1]
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in records] == [0, 1, 2] and all(m["perf/tokens_per_s"] > 0 for m in records)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    assert set(events.Tags()["scalars"]) == {k for m in records for k in m}      # every JSONL key, same names
+    for m in records:
+        for key, value in m.items():
+            logged = {e.step: e.value for e in events.Scalars(key)}
+            assert logged[m["step"]] == pytest.approx(value, rel=1e-6, nan_ok=True), key
+    p = run_cli("-m", "toy.plot_run", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    p = run_cli("-m", "toy.plot_run", str(tmp_path))
+    assert p.returncode == 2 and "error: no metrics.jsonl in" in p.stderr
+
+
+def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
+    with pytest.raises(mipu.MIPUError, match="--report-to takes tensorboard, wandb"):
+        mipu.Config(report_to="mlflow").validate()
+    monkeypatch.setitem(sys.modules, "wandb", None)                             # as if not installed
+    cfg = mipu.Config(report_to="tensorboard,wandb", output_dir=str(tmp_path)).validate()
+    with pytest.raises(mipu.MIPUError, match="--report-to tensorboard,wandb: .*wandb.*pip install"):
+        mipu.open_reporter(cfg)
 
 
 @pytest.mark.parametrize("make_file, extra, message", [

@@ -1,0 +1,109 @@
+"""Curves of a training run from its files alone: `python -m toy.plot_run RUN_DIR` (from the repo root).
+
+Reads RUN_DIR/metrics.jsonl (what `python mipu.py train --output-dir RUN_DIR` appends, one record per
+step) and writes RUN_DIR/metrics.png (or --out): rollout reward, J(mu) on each --eval-data set,
+mismatch k3 before/after the update, T_post with accepted/rejected steps, the acceptance rate, and
+the seconds per phase of a step. Copy metrics.jsonl off a remote GPU machine and plot it here.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import mipu
+
+PHASES = ("rollout", "recompute", "update", "sync", "gap_check", "rollback")   # mipu.Laps.times()
+WINDOW = 10   # steps in the running acceptance rate: long enough to smooth 0/1 decisions, short enough to show trends
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of RUN_DIR/metrics.jsonl in step order (a resumed run's repeated steps: the last one wins)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise mipu.MIPUError(f"no metrics.jsonl in {run_dir}")
+    by_step = {}
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                m = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise mipu.MIPUError(f"{path}:{lineno}: malformed JSON ({e.msg})") from e
+            by_step[m["step"]] = m
+    if not by_step:
+        raise mipu.MIPUError(f"{path} is empty")
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def series(ms: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the records that have `key`."""
+    pts = [(m["step"], m[key]) for m in ms if key in m]
+    return (np.array([p[0] for p in pts]), np.array([p[1] for p in pts], dtype=float))
+
+
+def draw_panels(axes, ms: list[dict]) -> None:
+    """The six panels, each titled; a panel whose keys the run lacks says so."""
+    panels = {
+        "rollout reward (mu_k samples)": [("rollout/reward", "train"), ("step2/val_reward", "Step-2 samples")],
+        "J(mu): eval pass@1": [(k, k.split("/")[1]) for k in sorted({k for m in ms for k in m if k[:5] == "eval/"})],
+        "mismatch k3 KL(mu||pi)": [("mismatch/k3", "before update"), ("mismatch_post/k3", "after (Step 2)")],
+        "T_post (x = rejected)": [("step2/t_post", "T_post")],
+    }
+    for ax, (title, keys) in zip(axes[:4], panels.items()):
+        for key, label in keys:
+            x, y = series(ms, key)
+            if len(x) and not np.isnan(y).all():
+                ax.plot(x, y, label=label, marker="." if len(x) < 50 else None)
+        ax.set_title(title)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not in this run", ha="center", va="center", transform=ax.transAxes)
+    x, t_post = series(ms, "step2/t_post")
+    _, accepted = series(ms, "step2/accepted")
+    rejected = accepted == 0
+    axes[3].scatter(x[rejected], np.nan_to_num(t_post[rejected]), marker="x", color="red", zorder=3)
+    rate = np.convolve(accepted, np.ones(WINDOW), "full")[:len(accepted)] / np.minimum(np.arange(1, len(x) + 1), WINDOW)
+    axes[4].plot(x, rate)
+    axes[4].set_ylim(-0.05, 1.05)
+    axes[4].set_title(f"acceptance rate (last {WINDOW} steps)")
+    bottom = np.zeros(len(ms))
+    for phase in PHASES:
+        y = np.array([m.get(f"time/{phase}", 0.0) for m in ms])
+        axes[5].fill_between([m["step"] for m in ms], bottom, bottom + y, label=phase, step="mid")
+        bottom += y
+    axes[5].set_title("seconds per step, by phase")
+    axes[5].legend(fontsize=7)
+
+
+def plot_run(run_dir: Path, out: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ms = read_metrics(run_dir)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
+    draw_panels(axes.ravel(), ms)
+    for ax in axes.ravel():
+        ax.set_xlabel("step")
+    fig.suptitle(f"{run_dir.name}: {len(ms)} steps")
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
+
+
+def plot_command(args: argparse.Namespace) -> None:
+    print(f"wrote {plot_run(args.run_dir, args.out or args.run_dir / 'metrics.png')}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path, help="a --output-dir of `python mipu.py train`")
+    parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
+    args = parser.parse_args()
+    return mipu.report_errors(plot_command, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
