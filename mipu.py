@@ -56,9 +56,9 @@ COMMANDS (the README has the rest: demos, benchmark, the GPU recipe)
   python -m toy.demo                           # the toy demo: every method x 5 seeds (~1 min)
   python -m toy.make_tiny                      # tiny Qwen3 + arithmetic data for a CPU LLM run
   python mipu.py train --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
-      --val-data toy/arith_val.jsonl --steps 3 --prompts-per-step 8 --val-prompts 8 \
+      --val-data toy/arith_val.jsonl --steps 3 --prompts-per-step 8 --val-prompts 8 --answer-format last-number \
       --mini-batch-size 32 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/smoke
-  python mipu.py eval --model runs/smoke/checkpoint-000003 --data toy/arith_val.jsonl
+  python mipu.py eval --model runs/smoke/checkpoint-000003 --data toy/arith_val.jsonl --answer-format last-number
   python -m pytest -q test_mipu.py             # the tests
 """
 from __future__ import annotations
