@@ -66,6 +66,7 @@ import argparse
 import copy
 import dataclasses
 import functools
+import gc
 import json
 import math
 import os
@@ -80,6 +81,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 class MIPUError(ValueError):
@@ -446,7 +449,7 @@ def mipu_step(run: LLMRun) -> dict:
     run.step += 1
     m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
               "step2/rejections": run.rejections, "lr": current_lr(cfg, cfg.learning_rate, k), **lap.times()})
-    return m
+    return global_metrics(m)
 
 
 # ---- helpers both iterations share ----------------------------------------------
@@ -478,7 +481,7 @@ def mean_metrics(items: list[dict], prefix: str) -> dict:
 
 def holdout_size(cfg: Config) -> int:
     """Responses at the start of the batch kept out of Step 1 to estimate Ĝ_k (target rule only)."""
-    return cfg.target_holdout * cfg.num_generations if cfg.accept_rule == "target" else 0
+    return cfg.target_holdout * cfg.num_generations // rank_world()[1] if cfg.accept_rule == "target" else 0
 
 
 def current_lr(cfg: Config, base_lr: float, k: int) -> float:
@@ -493,12 +496,13 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator) -> list[torch.Tensor]:
-    """Index mini-batches of Step 1: epochs × shuffled slices of the responses not held out."""
+def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator, ranks: int = 1) -> list[torch.Tensor]:
+    """Index mini-batches of Step 1: epochs × shuffled slices of the responses not held out
+    (under torchrun each of `ranks` ranks takes 1/ranks of every mini-batch from its own share)."""
     batches = []
     for _ in range(cfg.epochs):
         order = held_out + torch.randperm(n - held_out, generator=gen)
-        batches += list(order.split(cfg.mini_batch_size))
+        batches += list(order.split(cfg.mini_batch_size // ranks))
     return batches
 
 
@@ -756,13 +760,15 @@ def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization:
     llm = LLM(
         model=model_path,
         dtype=dtype,
-        seed=seed,
+        seed=seed + rank_world()[0],
         gpu_memory_utilization=gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
         max_model_len=max_model_len or None,  # None: the model config's maximum
         quantization="fp8" if rollout_quant == "fp8" else None,
         enforce_eager=on_cpu,  # no CUDA graphs / torch.compile warm-up on CPU
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
+        # under torchrun: one engine per rank in the trainer's process (TP = 1), as TRL's colocate mode
+        distributed_executor_backend="external_launcher" if torchrun() else None,
     )
     if rollout_quant == "fp8-sim":  # the first rollouts must already see FP8 weights
         sync_weights(llm, _checkpoint_tensors(model_path), "fp8-sim")
@@ -845,7 +851,7 @@ def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_qua
     model_config = llm.llm_engine.vllm_config.model_config
     weights = []
     for name, t in named_tensors:
-        t = t.detach()
+        t = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
         if rollout_quant == "fp8-sim" and _is_fp8_target(name, t):
             t = fp8_roundtrip(t, per_row=True)
         weights.append((name, t.to(model_config.dtype)))  # engine dtype (bf16): no cast warnings
@@ -947,11 +953,96 @@ def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: li
     with torch.no_grad():
         hf_lp, _ = token_logprobs(model, [list(probe_prompt_ids)], [list(probe_completion_ids)],
                                   temperature=1.0, micro_batch=1)  # [1, C]
+    reshard(model)
     gap = (vllm_lp - hf_lp[0].float().cpu()).abs().max().item()
     if not gap <= tol:                      # NaN fails too
         raise MIPUError(f"weight sync did not take effect: max |vLLM - trainer| log-prob "
                         f"on the probe is {gap:.4g} > tol {tol:.4g}")
     return gap
+
+
+# =============================================================================
+# SEVERAL GPUS: under torchrun, one process per GPU. FSDP2 shards the trainer; each rank runs
+# its own vLLM engine on an equal share of whole prompt groups. Without torchrun all are no-ops.
+# =============================================================================
+
+def torchrun() -> bool:
+    """Started by torchrun (its environment), whatever process groups vLLM may have made itself."""
+    return "WORLD_SIZE" in os.environ
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) in a plain process."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def dist_init(device: str) -> None:
+    """Under torchrun: join the process group (gloo on CPU, NCCL on GPU, one GPU per rank)."""
+    if torchrun() and not dist.is_initialized():
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+
+
+def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    """Element-wise reduction of a few numbers over ranks (float64); the values themselves in one process."""
+    if rank_world()[1] == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op)
+    return t.tolist()
+
+
+def all_mean(x: float) -> float:
+    """Mean over ranks: with equal shares per rank, the global mean of per-response means."""
+    return all_reduce([x])[0] / rank_world()[1]
+
+
+def all_true(flag: bool) -> bool:
+    return all_reduce([float(flag)], dist.ReduceOp.MIN)[0] == 1.0
+
+
+def shard_model(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """FSDP2: fully_shard each decoder layer, then the root (embeddings, final norm, lm_head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device, (rank_world()[1],))
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """After a no-grad forward: FSDP2 keeps the root's parameters gathered (awaiting a backward); free them
+    so optimizer, snapshot and sync see the shards again."""
+    if hasattr(model, "reshard"):       # FSDPModule
+        model.reshard()
+
+
+def rank_share(rows: list) -> tuple[list, int]:
+    """This rank's contiguous, equal share of a step's prompts, and the global index of its first."""
+    rank, world = rank_world()
+    n = len(rows) // world
+    return rows[rank * n:(rank + 1) * n], rank * n
+
+
+def dist_close(run: "LLMRun") -> None:
+    """Shutdown order: vLLM's engine shutdown destroys process groups itself, so the engine goes first."""
+    run.llm = None
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def global_metrics(m: dict) -> dict:
+    """One record for all ranks: each value's mean over ranks, the max for *_max keys."""
+    if rank_world()[1] == 1:
+        return m
+    keys = [k for k in m if k != "step"]
+    mean, mx = (all_reduce([float(m[k]) for k in keys], op) for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX))
+    return {"step": m["step"], **{k: mx[i] if k.endswith("_max") else mean[i] / rank_world()[1]
+                                  for i, k in enumerate(keys)}}
 
 
 # =============================================================================
@@ -1014,10 +1105,13 @@ def next_val_rows(run: LLMRun, n: int) -> list:
 
 
 def rollout(run: LLMRun, rows: list, seed: int) -> Rollout:
-    """Sample G responses per prompt from μ (vLLM), score them, group advantages."""
+    """Sample G responses per prompt from μ (vLLM), score them, group advantages. Under torchrun, of this
+    rank's share of `rows`, seeded as the one-process run would seed those prompts (so ranks differ)."""
     cfg = run.cfg
+    rows, first = rank_share(rows)
     prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"]) for r in rows]
-    samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature, seed)
+    samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature,
+                       seed + first * cfg.num_generations)
     rewards = torch.tensor([math_reward(s["text"], rows[s["prompt_idx"]]["answer"]) for s in samples])
     logp_sampler = pad_right([s["sampler_logprobs"] for s in samples], 0.0)
     mask = pad_right([[1.0] * len(s["completion_ids"]) for s in samples], 0.0)
@@ -1030,6 +1124,7 @@ def trainer_logp(run: LLMRun, ro: Rollout) -> torch.Tensor:
     with torch.no_grad():
         logp, _ = token_logprobs(run.model, ro.prompt_ids, ro.completion_ids, run.cfg.temperature,
                                  run.cfg.micro_batch_size)
+    reshard(run.model)
     return logp.float().cpu()[:, : ro.mask.shape[1]]   # token_logprobs pads to >= 1 column
 
 
@@ -1054,9 +1149,10 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
     cfg, device = run.cfg, run.cfg.device
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
     stats, grad_norms = [], []
-    for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen):
+    for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen, rank_world()[1]):
         run.opt.zero_grad(set_to_none=True)
-        n_tokens = ro.mask[idx].sum().clamp(min=1)
+        # FSDP averages gradients over ranks: dividing by the mean token count per rank gives the global token mean
+        n_tokens = max(all_mean(ro.mask[idx].sum().item()), 1.0)
         for micro in idx.split(cfg.micro_batch_size):
             mb = ro.select(micro)
             logp, _ = token_logprobs(run.model, mb.prompt_ids, mb.completion_ids, cfg.temperature, len(micro))
@@ -1066,12 +1162,14 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
                                   cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
             (loss * mb.mask.sum() / n_tokens).backward()       # token mean over the mini-batch
             stats.append(s)
-        grad_norms.append(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm).item())
-        finite = math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats)
+        norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)   # global norm
+        grad_norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
+        finite = all_true(math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats))
         if not finite:
             break
         run.opt.step()
-    finite = finite and all(torch.isfinite(p).all() for p in run.model.parameters())  # e.g. an overflowing update
+    finite = all_true(finite and all(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
+                                     for p in run.model.parameters()))  # e.g. an overflowing update
     return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)),
             "step1/finite": float(finite)}
 
@@ -1084,13 +1182,14 @@ def step2_estimates(run: LLMRun, ro: Rollout, held: int, m: dict) -> tuple[float
     rows = next_rows(run, cfg.prompts_per_step) if cfg.gap_batch == "next" else next_val_rows(run, cfg.val_prompts)
     val = rollout(run, rows, seed=cfg.seed * 1_000_003 + 2 * run.step + 1)
     logp_new = trainer_logp(run, val)                                       # π_{k+1} on y ~ μ_{k+1}
-    t_post = gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item()
+    t_post = all_mean(gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item())   # the same on every rank
     m["step2/val_reward"] = val.rewards.mean().item()
     m.update(prefixed(mismatch_metrics(logp_new, val.logp_sampler, val.mask), "mismatch_post"))
     g_k = float("nan")
     if held:
         heldout = ro.select(torch.arange(held))
-        g_k = surrogate_gain(trainer_logp(run, heldout), heldout.logp_sampler, heldout.adv, heldout.mask).item()
+        g_k = all_mean(surrogate_gain(trainer_logp(run, heldout), heldout.logp_sampler, heldout.adv,
+                                      heldout.mask).item())
     if cfg.gap_batch == "next":
         run.pending_rows, run.pending = rows, (val, logp_new)
     return t_post, g_k
@@ -1284,24 +1383,39 @@ CHECKPOINT_PREFIX = "checkpoint-"
 def save_checkpoint(run: LLMRun) -> Path:
     """Atomic: written to a temp dir, then renamed to checkpoint-<step>; older ones are deleted after.
     A kill at any moment leaves the newest checkpoint-* folder complete (no `latest` file needed:
-    the rename is the commit point, and the step number in the name orders them)."""
+    the rename is the commit point, and the step number in the name orders them). Under torchrun the
+    full weights and optimizer state (by parameter name) are gathered to rank 0, which writes them:
+    a checkpoint resumes with any number of ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)       # collectives: every rank calls them
+    weights, opt_state = get_model_state_dict(run.model, options=full), get_optimizer_state_dict(
+        run.model, run.opt, options=full)
     out = Path(run.cfg.output_dir)
     final = out / f"{CHECKPOINT_PREFIX}{run.step:06d}"
-    tmp = out / f".tmp-{final.name}-{os.getpid()}"
+    if rank_world()[0] == 0:
+        write_checkpoint(run, weights, opt_state, final)
+    if torchrun():
+        dist.barrier()                        # every rank returns once the checkpoint is complete
+    return final
+
+
+def write_checkpoint(run: LLMRun, weights: dict, opt_state: dict, final: Path) -> None:
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    run.model.save_pretrained(tmp)
+    run.model.save_pretrained(tmp, state_dict=weights)
     run.tokenizer.save_pretrained(tmp)
-    torch.save({"optimizer": run.opt.state_dict(), "step": run.step, "rejections": run.rejections,
+    torch.save(opt_state, tmp / "optimizer.pt")
+    torch.save({"step": run.step, "rejections": run.rejections,
                 "order": run.order, "data_pos": run.data_pos, "val_pos": run.val_pos, "pending_rows": run.pending_rows,
                 "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(),
                 "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
     if final.exists():                        # a re-run of this step after a resume: replace it
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for old in out.glob(f"{CHECKPOINT_PREFIX}*"):
+    for old in final.parent.glob(f"{CHECKPOINT_PREFIX}*"):
         if old != final:
             shutil.rmtree(old)
-    return final
 
 
 def latest_checkpoint(output_dir: str) -> Path:
@@ -1314,8 +1428,13 @@ def latest_checkpoint(output_dir: str) -> Path:
 
 def load_trainer_state(run: LLMRun, ckpt: Path) -> None:
     """Optimizer, counters, data position and RNG states of a checkpoint (weights load with the model)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    run.opt.load_state_dict(state["optimizer"])
+    sharded = torchrun()                      # rank 0 reads the optimizer state and sends each rank its shards
+    opt_state = torch.load(ckpt / "optimizer.pt", weights_only=False) if rank_world()[0] == 0 else {}
+    set_optimizer_state_dict(run.model, run.opt, opt_state, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True) if sharded else None)
     run.step, run.rejections = state["step"], state["rejections"]
     run.order, run.data_pos, run.val_pos = state["order"], state["data_pos"], state["val_pos"]
     run.pending_rows = state["pending_rows"]   # a pending batch is re-sampled from the resumed μ, never reused
@@ -1339,12 +1458,14 @@ def log_metrics(path: Path | None, m: dict) -> None:
 def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
     """pass@1 per dataset, averaged over cfg.eval_samples samples per problem, from vLLM (μ)."""
     rows = []
+    rank, world = rank_world()
     for name, data in datasets.items():
-        prompt_ids = [build_prompt_ids(tokenizer, r["prompt"]) for r in data]
+        mine = data[rank::world]              # under torchrun each rank scores every world-th problem
+        prompt_ids = [build_prompt_ids(tokenizer, r["prompt"]) for r in mine]
         samples = generate(llm, prompt_ids, cfg.eval_samples, cfg.max_new_tokens, cfg.eval_temperature, cfg.seed)
-        correct = [math_reward(s["text"], data[s["prompt_idx"]]["answer"]) for s in samples]
-        rows.append({"dataset": name, "problems": len(data), "samples": cfg.eval_samples,
-                     "pass@1": float(np.mean(correct))})
+        correct, n = all_reduce([sum(math_reward(s["text"], mine[s["prompt_idx"]]["answer"]) for s in samples),
+                                 len(samples)])
+        rows.append({"dataset": name, "problems": len(data), "samples": cfg.eval_samples, "pass@1": correct / n})
     return rows
 
 
@@ -1378,6 +1499,7 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     """Data, training engine, optimizer, vLLM engine (resumed from the latest checkpoint with --resume).
     llm: an existing engine of cfg.model to reuse (tests run one engine per session)."""
     from transformers import AutoTokenizer
+    dist_init(cfg.device)
     train_rows = load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
     val_rows = load_rows(cfg.val_data, cfg.prompt_key, cfg.answer_key) if cfg.val_data else []
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
@@ -1385,6 +1507,8 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     model = load_trainer(weights, cfg.train_dtype, cfg.device)
     if cfg.device == "cuda":
         model.gradient_checkpointing_enable()          # activations of long responses dominate memory
+    if torchrun():
+        model = shard_model(model, cfg.device)         # before the optimizer: it must hold the shards
     tokenizer = AutoTokenizer.from_pretrained(weights)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     llm = llm or sampler_for(cfg)
@@ -1421,7 +1545,10 @@ def train(cfg: Config) -> None:
             m.update(eval_metrics(run, eval_sets))
         if run.step % cfg.save_every == 0 or run.step == cfg.steps:
             save_checkpoint(run)             # before the log line: a resumed run never logs a step twice
-        log_metrics(out / "metrics.jsonl", m)
+        if rank_world()[0] == 0:
+            log_metrics(out / "metrics.jsonl", m)
+    if torchrun():
+        dist_close(run)
 
 
 def eval_command(cfg: Config) -> None:
@@ -1448,6 +1575,11 @@ def check_llm_flags(cfg: Config, command: str) -> None:
     require_gpu_for_fp8(cfg.rollout_quant)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise MIPUError("--device cuda but no GPU is visible")
+    world = rank_world()[1]
+    if command == "train" and any(n % world for n in (cfg.prompts_per_step, cfg.val_prompts, cfg.mini_batch_size,
+                                                      cfg.target_holdout if cfg.accept_rule == "target" else 0)):
+        raise MIPUError(f"under torchrun --prompts-per-step, --val-prompts, --mini-batch-size (and --target-holdout) "
+                        f"must divide by the {world} ranks: each rank takes an equal share of whole prompt groups")
     if cfg.resume:
         latest_checkpoint(cfg.output_dir)
 
