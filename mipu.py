@@ -150,6 +150,8 @@ class Config:
     max_grad_norm: float = _arg(1.0, "gradient-norm clip of each Step-1 optimizer step", "llm")
     micro_batch_size: int = _arg(8, "responses per trainer forward/backward (memory knob; no effect on the math)",
                                  "llm")
+    logprob_chunk: int = _arg(512, "response tokens per log-softmax chunk over the vocabulary (memory knob: "
+                              "~4 x chunk x vocab fp32 floats at once; 512 x 151,936 = 0.3 GB each)", "llm")
     max_new_tokens: int = _arg(1024, "response length cap", "llm")
     temperature: float = _arg(1.0, "sampling temperature; the trainer divides its logits by the same value", "llm")
     eval_samples: int = _arg(4, "samples per problem for pass@1 in eval", "llm")
@@ -219,6 +221,7 @@ class Config:
             (self.save_every >= 1 and self.eval_every >= 0, "--save-every must be >= 1, --eval-every >= 0"),
             (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
             (self.sync_tol > 0, "--sync-tol must be > 0"),
+            (self.logprob_chunk >= 1, "--logprob-chunk must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -882,8 +885,29 @@ def pad_right(rows: list, value, dtype=torch.float32) -> torch.Tensor:
     return torch.tensor([list(r) + [value] * (T - len(r)) for r in rows], dtype=dtype).reshape(len(rows), T)
 
 
+def selective_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
+                       temperature: float, chunk: int) -> torch.Tensor:
+    """log softmax(h W^T / temperature)[target] per row, `chunk` rows at a time: hidden [N, H],
+    head_weight [V, H], targets [N] -> [N] fp32. Never holds more than [chunk, V] fp32 logits; with
+    gradients each chunk is recomputed in backward (checkpoint), so no [N, V] tensor is kept either."""
+    out = []
+    for s in range(0, hidden.shape[0], chunk):
+        args = (hidden[s:s + chunk], head_weight, targets[s:s + chunk], temperature)
+        if torch.is_grad_enabled():
+            out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            out.append(_chunk_logprobs(*args))
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def _chunk_logprobs(h, weight, targets, temperature: float) -> torch.Tensor:
+    """One chunk: logits [c, V] in fp32 (after the autocast matmul, as lm_head would give them). [c]"""
+    logits = torch.nn.functional.linear(h, weight).float() / temperature
+    return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, 1)
+
+
 def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
-                          temperature: float, width: int) -> torch.Tensor:
+                          temperature: float, width: int, chunk: int) -> torch.Tensor:
     """Completion-token log-probs for one micro-batch, right-padded to `width`: [b, width]."""
     device = next(model.parameters()).device
     seqs = [p + c for p, c in zip(prompts, completions)]
@@ -892,27 +916,27 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
     # right padding: real tokens sit at positions 0..len-1 and never attend to the pads
     # (causal), so position ids are a plain arange
     pos = torch.arange(ids.shape[1], device=device).expand_as(ids)  # [b, L]
-    # decoder + lm_head called separately (no logit soft-capping: fine for Qwen/Llama)
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
-    # logits at position P-1+t predict completion token t; gather those rows only, so the
-    # [b, width, V] logits never include the prompt (saves memory for a big vocab)
-    t = torch.arange(width, device=device)  # [width]
-    start = torch.tensor([len(p) - 1 for p in prompts], device=device)  # [b]
-    rows = (start[:, None] + t[None, :]).clamp(max=ids.shape[1] - 1)  # [b, width]
-    h = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))  # [b, width, H]
-    logits = head(h).float() / temperature  # [b, width, V]
-    targets = ids.gather(1, (rows + 1).clamp(max=ids.shape[1] - 1))  # [b, width]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-    return logp  # [b, width]; entries past each completion are garbage, masked by caller
+    # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head there, and
+    # keep them gathered until backward); logits_to_keep=1: its own lm_head scores one position only
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1]  # [b, L, H], after the final norm
+    # position len(p)-1+t predicts completion token t: score only real completion tokens
+    b_idx, t_idx = torch.nonzero(pad_right([[1] * len(c) for c in completions], 0, torch.long), as_tuple=True)
+    rows = torch.tensor([len(p) - 1 for p in prompts])[b_idx] + t_idx  # [N]
+    b_idx, t_idx, rows = b_idx.to(device), t_idx.to(device), rows.to(device)
+    lp = selective_logprobs(hidden[b_idx, rows], model.get_output_embeddings().weight, ids[b_idx, rows + 1],
+                            temperature, chunk)  # [N]
+    return torch.zeros(len(prompts), width, device=device).index_put((b_idx, t_idx), lp)  # [b, width]
 
 
 def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                   temperature: float, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   temperature: float, micro_batch: int, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of completion tokens under `model` with logits / temperature.
 
     Matches vLLM's processed_logprobs (temperature only, no top-p/top-k). Returns logp [B, T]
     and mask [B, T] (T = longest completion, right-padded with 0). Differentiable.
+    chunk: positions per log-softmax chunk (selective_logprobs); 0 = Config's default.
     """
     if any(len(p) == 0 for p in prompt_ids):
         raise MIPUError("token_logprobs: every prompt needs at least one token")
@@ -923,7 +947,7 @@ def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list
     for s in range(0, len(prompt_ids), micro_batch):
         chunks.append(_micro_batch_logprobs(model, prompt_ids[s:s + micro_batch],
                                             completion_ids[s:s + micro_batch],
-                                            temperature, width))
+                                            temperature, width, chunk or Config.logprob_chunk))
     logp = torch.cat(chunks, dim=0)  # [B, T]
     mask = mask.to(logp.device)
     return logp.masked_fill(mask == 0, 0.0), mask
@@ -1123,7 +1147,7 @@ def trainer_logp(run: LLMRun, ro: Rollout) -> torch.Tensor:
     """Training-engine log-probs of a rollout's tokens, no gradient, on the CPU. [B, T]"""
     with torch.no_grad():
         logp, _ = token_logprobs(run.model, ro.prompt_ids, ro.completion_ids, run.cfg.temperature,
-                                 run.cfg.micro_batch_size)
+                                 run.cfg.micro_batch_size, run.cfg.logprob_chunk)
     reshard(run.model)
     return logp.float().cpu()[:, : ro.mask.shape[1]]   # token_logprobs pads to >= 1 column
 
@@ -1155,7 +1179,8 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
         n_tokens = max(all_mean(ro.mask[idx].sum().item()), 1.0)
         for micro in idx.split(cfg.micro_batch_size):
             mb = ro.select(micro)
-            logp, _ = token_logprobs(run.model, mb.prompt_ids, mb.completion_ids, cfg.temperature, len(micro))
+            logp, _ = token_logprobs(run.model, mb.prompt_ids, mb.completion_ids, cfg.temperature, len(micro),
+                                     cfg.logprob_chunk)
             T = logp.shape[1]
             loss, s = policy_loss(logp.float(), logp_old[micro, :T].to(device), mb.logp_sampler[:, :T].to(device),
                                   mb.adv.to(device), mb.mask[:, :T].to(device), loss_kind,

@@ -486,6 +486,45 @@ def test_token_logprobs_padding_and_grad(trainer, prompt_ids):
     trainer.zero_grad(set_to_none=True)
 
 
+def _naive_logprobs(model, prompts, completions, temperature):
+    """The reference: full [1, L, V] fp32 logits of each sequence, log_softmax, gather. [B, T] lists"""
+    out = []
+    for p, c in zip(prompts, completions):
+        logits = model(input_ids=torch.tensor([p + c])).logits[0].float() / temperature       # [L, V]
+        lp = torch.log_softmax(logits, -1)[len(p) - 1:-1].gather(1, torch.tensor(c)[:, None])[:, 0]
+        out.append(lp)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4096])
+def test_chunked_logprobs_equal_naive_values_and_grads(trainer, prompt_ids, chunk):
+    prompts = [prompt_ids[0], prompt_ids[1] + [5, 6], prompt_ids[2][:2]]
+    completions = [[7, 8, 9], [10], [11, 12, 13, 14, 15]]
+    calls = []
+    hook = trainer.register_forward_pre_hook(lambda mod, args: calls.append(1))   # the ROOT module's forward
+    logp, mask = mipu.token_logprobs(trainer, prompts, completions, 0.7, micro_batch=2, chunk=chunk)
+    hook.remove()
+    assert len(calls) == 2                                                        # one per micro-batch
+    (logp * torch.arange(1.0, 6.0)).sum().backward()                             # position-dependent weights
+    grads = [p.grad.clone() for p in trainer.parameters()]
+    trainer.zero_grad(set_to_none=True)
+    naive = _naive_logprobs(trainer, prompts, completions, 0.7)
+    sum((lp * torch.arange(1.0, len(lp) + 1)).sum() for lp in naive).backward()
+    for i, lp in enumerate(naive):
+        torch.testing.assert_close(logp[i, :len(lp)], lp, atol=1e-5, rtol=1e-5)
+    for g, p in zip(grads, trainer.parameters()):
+        torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
+    trainer.zero_grad(set_to_none=True)
+
+
+def test_selective_logprobs_hand_values():
+    h = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])                      # [N=3, H=2]
+    w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])                      # [V=3, H=2]
+    lp = mipu.selective_logprobs(h, w, torch.tensor([0, 1, 2]), 1.0, chunk=2)
+    expected = [1 - math.log(math.e + 2), 2 - math.log(math.e ** 2 + 2), -math.log(2 * math.e + 1)]
+    torch.testing.assert_close(lp, torch.tensor(expected))
+
+
 def test_step0_sampler_matches_trainer(llm, trainer, prompt_ids):
     samples = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
     max_d, mean_d = _mismatch(samples, trainer)
