@@ -66,7 +66,6 @@ import argparse
 import copy
 import dataclasses
 import functools
-import gc
 import json
 import math
 import os
@@ -1052,9 +1051,9 @@ def rank_share(rows: list) -> tuple[list, int]:
 
 
 def dist_close(run: "LLMRun") -> None:
-    """Shutdown order: vLLM's engine shutdown destroys process groups itself, so the engine goes first."""
-    run.llm = None
-    gc.collect()
+    """Shutdown order: vLLM's engine shutdown destroys the process groups itself (at exit, if not called
+    here: after ours are gone, it fails), so the engine goes first (vllm 0.32's in-process engine core)."""
+    run.llm.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
 

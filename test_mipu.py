@@ -841,6 +841,7 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     mipu.step1_update(run, ro, mipu.trainer_logp(run, ro), 0, "tis")
     weights = {n: p.detach().full_tensor() for n, p in run.model.named_parameters()}      # every rank, same order
     mipu.sync(run)
+    run.cfg.method = "mipu"
     # 2. MIPU steps: accepted (c = 1e9), the paper's rule (c = 0), then a forced rejection (c = -1e9)
     decisions = []
     for c in (1e9, 0.0):
@@ -874,10 +875,11 @@ def test_two_ranks_step1_equals_one_process(two_ranks, llm, model_dir, tokenizer
     ro = _fixed_batch(tokenizer)
     mipu.step1_update(run, ro, mipu.trainer_logp(run, ro), 0, "tis")
     sharded = torch.load(two_ranks / "step1_weights.pt")
-    diff = max((sharded[n] - p.detach()).abs().max().item() for n, p in run.model.named_parameters())
-    # the same loss, gradient, clip and AdamW steps; only the order of fp32 sums differs (per-rank partial
-    # sums, reduce-scatter): the weights agree to float32 rounding, far below one update (lr = 1e-3)
-    assert diff < 1e-6, diff
+    diff = torch.cat([(sharded[n] - p.detach()).abs().flatten() for n, p in run.model.named_parameters()])
+    # the same loss, gradient, clip and two AdamW steps (lr 1e-3); only the order of fp32 sums differs (per-rank
+    # partial sums, reduce-scatter), so gradients differ by float32 rounding. Adam's step g/(|g| + 1e-8) magnifies
+    # that where |g| ~ its eps: measured max 2.9e-6 there (28 of 3e5 weights above 1e-7), the rest within 1e-7
+    assert diff.max() < 1e-5 and (diff > 1e-7).float().mean() < 1e-3, (diff.max(), (diff > 1e-7).sum())
 
 
 def test_two_ranks_same_decisions_and_exact_rollback(two_ranks):
@@ -893,7 +895,7 @@ def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(HERE / "mipu.py"), "train",
            "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL), "--output-dir", str(out),
            "--prompts-per-step", "4", "--num-generations", "4", "--val-prompts", "4", "--mini-batch-size", "16",
-           "--max-new-tokens", "6", "--learning-rate", "1e-3"]
+           "--max-new-tokens", "6", "--learning-rate", "1e-3", "--gap-batch", "next"]
     p = subprocess.run(cmd + ["--steps", "2"], capture_output=True, text=True, timeout=600, cwd=HERE)
     assert p.returncode == 0, p.stderr[-4000:]
     p = subprocess.run(cmd + ["--steps", "3", "--resume"], capture_output=True, text=True, timeout=600, cwd=HERE)
