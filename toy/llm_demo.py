@@ -19,7 +19,8 @@ from toy.make_tiny import build_tiny_model
 HERE = Path(__file__).resolve().parent
 # The demo's settings (tiny model, 1-2 digit answers): they override the GPU-sized defaults.
 LLM_DEMO = dict(rollout_quant="fp8-sim", num_generations=8, prompts_per_step=32, val_prompts=32, mini_batch_size=256,
-                micro_batch_size=64, max_new_tokens=6, temperature=1.0, eval_samples=4, eval_temperature=1.0)
+                micro_batch_size=64, max_new_tokens=6, temperature=1.0, eval_samples=4, eval_temperature=1.0,
+                answer_format="last-number")          # the tiny model answers with a bare number
 LLM_DEMO_METHODS = ("grpo", "mipu")
 LLM_DEMO_EVAL = "eval/arith_test/pass@1"      # J(μ) on the held-out problems
 SFT_DEFAULTS = dict(sft_steps=1500, sft_lr=1e-3, sft_batch_size=64)   # tiny model from random init
