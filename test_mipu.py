@@ -893,7 +893,8 @@ def test_cli_llm_demo_tiny_budget(tmp_path):
 def _two_rank_cfg(model_dir, out, **kw) -> mipu.Config:
     """One Step-1 optimizer step per epoch over the whole fixed batch (16 responses, 8 per rank)."""
     return llm_cfg(model_dir, out, **{"method": "tis", "epochs": 2, "mini_batch_size": 16, "micro_batch_size": 4,
-                                      "weight_decay": 0.1, **kw})
+                                      "weight_decay": 0.1, "answer_format": "last-number", "score_truncated": True,
+                                      **kw})
 
 
 def _fixed_batch(tokenizer) -> tuple[mipu.Rollout, torch.Tensor]:
@@ -906,7 +907,8 @@ def _fixed_batch(tokenizer) -> tuple[mipu.Rollout, torch.Tensor]:
     mask = mipu.pad_right([[1.0] * n for n in lengths], 0.0)
     logp_sampler = -torch.rand(mask.shape, generator=gen) * 4 * mask
     rewards = torch.randint(0, 2, (16,), generator=gen).float()
-    return mipu.Rollout(prompt_ids, completions, logp_sampler, mask, rewards, mipu.group_advantages(rewards, 4))
+    return mipu.Rollout(prompt_ids, completions, logp_sampler, mask, rewards, mipu.group_advantages(rewards, 4),
+                        torch.zeros(16))
 
 
 def _local_state(run) -> list[torch.Tensor]:
