@@ -153,8 +153,7 @@ class Config:
     max_grad_norm: float = _arg(1.0, "gradient-norm clip of each Step-1 optimizer step", "llm")
     micro_batch_size: int = _arg(8, "responses per trainer forward/backward (memory knob; no effect on the math)",
                                  "llm")
-    logprob_chunk: int = _arg(512, "response tokens per log-softmax chunk over the vocabulary (memory knob: "
-                              "~4 x chunk x vocab fp32 floats at once; 512 x 151,936 = 0.3 GB each)", "llm")
+    logprob_chunk: int = _arg(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)", "llm")
     max_new_tokens: int = _arg(1024, "response length cap", "llm")
     temperature: float = _arg(1.0, "sampling temperature; the trainer divides its logits by the same value", "llm")
     eval_samples: int = _arg(4, "samples per problem for pass@1 in eval", "llm")
@@ -163,10 +162,9 @@ class Config:
                               choices=("bfloat16", "float16", "float32"))
     rollout_quant: str = _arg("none", "rollout weights: none, fp8 (vLLM native, GPU only), fp8-sim (rounded "
                               "through FP8 before sync)", "llm", choices=("none", "fp8", "fp8-sim"))
-    train_dtype: str = _arg("auto", "trainer precision: float32 = fp32 everything (exact; CPU default); bf16-mixed "
-                            "= fp32 weights and AdamW, bf16 autocast compute (GPU default, as TRL/verl); bfloat16 = "
-                            "pure bf16, the memory saver (no fp32 master: ~1e-6 LR updates round away)", "llm",
-                            choices=("auto", "float32", "bf16-mixed", "bfloat16"))
+    train_dtype: str = _arg("auto", "float32 = exact (CPU default); bf16-mixed = fp32 weights + AdamW, bf16 autocast "
+                            "(GPU default, as TRL/verl); bfloat16 = pure bf16, saves memory (tiny updates round away)",
+                            "llm", choices=("auto", "float32", "bf16-mixed", "bfloat16"))
     grad_checkpointing: str = _arg("auto", "recompute each layer in backward (memory for time; auto = on on GPU)",
                                    "llm", choices=("auto", "on", "off"))
     vllm_sleep: str = _arg("auto", "vLLM sleep mode: free its KV cache and offload its weights during Step 1 "
@@ -178,11 +176,9 @@ class Config:
     sync_tol: float = _arg(4.0, "a sync failed if max |log pi - log mu| on the probe (a response vLLM sampled at "
                            "start-up) exceeds sync_tol x its start-up value (floor SYNC_GAP_FLOOR)", "llm")
     enable_thinking: bool = _arg(True, "chat template's thinking mode (Qwen3); --no-enable-thinking: off", "llm")
-    prompt_suffix: str = _arg("", "appended to every problem, e.g. ' Please reason step by step, and put your final "
-                              "answer within \\boxed{}.'", "llm")
-    answer_format: str = _arg("boxed", "boxed = only the last \\boxed{} counts (real math); last-number = else the "
-                              "last number of the text (the tiny arithmetic model)", "llm",
-                              choices=("boxed", "last-number"))
+    prompt_suffix: str = _arg("", "appended to every problem (README's GPU recipe: the \\boxed{} instruction)", "llm")
+    answer_format: str = _arg("boxed", "boxed = only \\boxed{} counts (real math); last-number = else the text's last "
+                              "number (tiny arithmetic model)", "llm", choices=("boxed", "last-number"))
     score_truncated: bool = _arg(False, "score responses cut by --max-new-tokens (default: reward 0)", "llm")
     eval_every: int = _arg(0, "evaluate J(mu) on --eval-data every N steps (0 = never)", "llm")
     save_every: int = _arg(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)", "llm")
@@ -468,8 +464,7 @@ def mipu_step(run: LLMRun) -> dict:
     # ---- 4. on rejection roll back: θ_k and the optimizer state, then μ_k
     if not accepted:
         if run.snapshot is None:
-            raise MIPUError(f"step {k}: non-finite update, and --method {cfg.method} keeps no rollback snapshot "
-                            "(lower --learning-rate, or resume from the last checkpoint)")
+            raise MIPUError(f"step {k}: non-finite update, and --method {cfg.method} keeps no rollback snapshot")
         restore_state(run.model, run.opt, run.snapshot)
         run.snapshot = None                      # load_state_dict may keep CPU buffers as the optimizer's state
         if finite:
@@ -537,8 +532,7 @@ def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator, 
 
 
 def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: tuple | None = None) -> tuple:
-    """Host (CPU) copies of θ and the optimizer state, for an exact rollback (restore_state). into: an earlier
-    snapshot whose buffers are reused; with a GPU they are pinned, so the device-to-host copies run async."""
+    """Host copies of θ and the optimizer state for restore_state, into `into`'s buffers (pinned with a GPU)."""
     pin = torch.cuda.is_available()
     old_w, old_opt = into or ({}, {"state": {}})
     weights = {k: _host_copy(old_w.get(k), v, pin) for k, v in model.state_dict().items()}
@@ -552,13 +546,11 @@ def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: tuple 
 
 
 def _host_copy(buf: torch.Tensor | None, t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """t copied into the CPU tensor buf; a new (pinned if `pin`) one when buf is missing or does not fit.
-    An FSDP2 shard: this rank's part only, wrapped back as a DTensor so that load_state_dict takes it."""
-    t, shard, buf = local(t), t, None if buf is None else local(buf)
+    t, shard, buf = local(t), t, None if buf is None else local(buf)       # FSDP2: this rank's shard only
     if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
         buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
     buf.copy_(t.detach(), non_blocking=pin)
-    if isinstance(shard, DTensor):
+    if isinstance(shard, DTensor):          # as a DTensor again, which load_state_dict takes
         return DTensor.from_local(buf, shard.device_mesh, shard.placements, shape=shard.shape, stride=shard.stride())
     return buf
 
@@ -825,10 +817,8 @@ def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization:
 
 def engine_sleep(llm, enabled: bool, asleep: bool) -> None:
     """vLLM sleep mode (if enabled): level 1 drops the KV cache and offloads the weights to host RAM."""
-    if enabled and asleep:
-        llm.sleep(level=1)
-    elif enabled:
-        llm.wake_up()
+    if enabled:
+        llm.sleep(level=1) if asleep else llm.wake_up()
 
 
 def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
@@ -927,9 +917,8 @@ def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_qua
 
 
 def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool = False):
-    """HF AutoModelForCausalLM on `device` in `dtype` (bf16-mixed: fp32 weights, see train_autocast); sdpa
-    attention; eval mode (from_pretrained's default). HF recomputes layers (`checkpointing`) only in train
-    mode, which step1_update switches on around Step 1 (Qwen3 has no dropout: the modes compute the same)."""
+    """HF AutoModelForCausalLM on `device` in `dtype` (bf16-mixed: fp32 weights), sdpa attention, eval mode;
+    `checkpointing` acts in train mode only, which step1_update sets (Qwen3 has no dropout)."""
     if dtype not in ("float32", "bf16-mixed", "bfloat16", "float16"):
         raise MIPUError(f"trainer dtype must be float32, bf16-mixed, bfloat16 or float16, got {dtype!r}")
     _check_model_path(model_path)
@@ -950,6 +939,45 @@ def train_autocast(cfg: Config):
     return torch.autocast(cfg.device, torch.bfloat16, enabled=cfg.train_dtype == "bf16-mixed")
 
 
+PLAN_PROMPT_TOKENS = 512   # prompt length the memory plan assumes when --max-model-len is 0 (math prompts: ~100-300)
+
+
+def memory_plan(c, cfg: Config, gpu_bytes: float) -> dict:
+    """Estimated GiB per part of a training step on one GPU, from a transformers config `c` and the flags. Per layer
+    34·tokens·hidden bytes of 16-bit activations (Korthikanti et al. 2022; sdpa: no seq² term); checkpointing keeps
+    each layer's input + one layer. peak = max(rollout: weights, AdamW, vLLM; Step 1: + grads, activations)."""
+    H, L = c.hidden_size, c.num_hidden_layers
+    hd = getattr(c, "head_dim", None) or H // c.num_attention_heads
+    heads = c.num_attention_heads + c.num_key_value_heads                    # q and o; k and v
+    n = L * (2 * H * hd * heads + 3 * H * c.intermediate_size + 2 * hd + 2 * H)   # + MLP, q/k norms, 2 norms
+    n += c.vocab_size * H * (1 if c.tie_word_embeddings else 2) + H          # + embeddings (lm_head), final norm
+    b = 2 if cfg.train_dtype == "bfloat16" else 4                            # bytes per weight, grad, Adam moment
+    tokens = cfg.micro_batch_size * (cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS)
+    layer = 34 * tokens * H * (2 if cfg.train_dtype == "float32" else 1)
+    gib = {"weights": n * b, "grads": n * b, "optimizer": 2 * n * b,
+           "bf16_copies": 2 * n * (cfg.train_dtype == "bf16-mixed"),        # autocast's cached bf16 weights
+           "activations": L * tokens * H * b + layer if cfg.grad_checkpointing == "on" else L * layer,
+           "logprob_chunk": 4 * cfg.logprob_chunk * c.vocab_size * 4,        # ~4 fp32 [chunk, V] tensors
+           "vllm": cfg.gpu_memory_utilization * gpu_bytes,
+           "snapshot_host": 3 * n * b * (METHOD_SPEC[cfg.method][1] != "always")}   # host RAM, not the GPU's
+    gib = {"params_billion": n / 1e9, **{k: v / 2**30 for k, v in gib.items()}}
+    step1 = sum(gib[k] for k in ("weights", "grads", "optimizer", "bf16_copies", "activations", "logprob_chunk"))
+    gib["peak"] = max(gib["weights"] + gib["optimizer"] + gib["vllm"], step1 + gib["vllm"] * (cfg.vllm_sleep != "on"))
+    return gib
+
+
+def check_memory_plan(cfg: Config) -> None:
+    """At start-up on a GPU: print the memory plan; MIPUError when its peak exceeds the GPU's memory."""
+    from transformers import AutoConfig
+    gpu = torch.cuda.get_device_properties(0).total_memory
+    plan = memory_plan(AutoConfig.from_pretrained(cfg.model), cfg, gpu)
+    print("memory plan, GiB (estimated): " + ", ".join(f"{k} {v:.1f}" for k, v in plan.items()), flush=True)
+    if plan["peak"] > gpu / 2**30:
+        raise MIPUError(f"the memory plan needs ~{plan['peak']:.0f} GiB, the GPU has {gpu / 2**30:.0f}: "
+                        "lower --micro-batch-size or --gpu-memory-utilization, or use --grad-checkpointing on, "
+                        "--vllm-sleep on, --train-dtype bfloat16")
+
+
 def pad_right(rows: list, value, dtype=torch.float32) -> torch.Tensor:
     """B lists of numbers -> [B, longest] tensor, right-padded with `value`."""
     T = max((len(r) for r in rows), default=0)
@@ -958,23 +986,42 @@ def pad_right(rows: list, value, dtype=torch.float32) -> torch.Tensor:
 
 def selective_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
                        temperature: float, chunk: int) -> torch.Tensor:
-    """log softmax(h W^T / temperature)[target] per row, `chunk` rows at a time: hidden [N, H],
-    head_weight [V, H], targets [N] -> [N] fp32. Never holds more than [chunk, V] fp32 logits; with
-    gradients each chunk is recomputed in backward (checkpoint), so no [N, V] tensor is kept either."""
-    out = []
-    for s in range(0, hidden.shape[0], chunk):
-        args = (hidden[s:s + chunk], head_weight, targets[s:s + chunk], temperature)
-        if torch.is_grad_enabled():
-            out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-        else:
-            out.append(_chunk_logprobs(*args))
-    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+    """log softmax(h W^T / temperature)[target], `chunk` rows at a time: hidden [N, H], head_weight [V, H],
+    targets [N] -> [N] fp32. At most [chunk, V] logits exist, in forward and in backward (which recomputes
+    them); the matmuls run in the autocast dtype when autocast is on, as lm_head's would."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head_weight.dtype
+    return _SelectiveLogprobs.apply(hidden, head_weight, targets, temperature, chunk, dtype)
 
 
-def _chunk_logprobs(h, weight, targets, temperature: float) -> torch.Tensor:
-    """One chunk: logits [c, V] in fp32 (after the autocast matmul, as lm_head would give them). [c]"""
-    logits = torch.nn.functional.linear(h, weight).float() / temperature
-    return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, 1)
+class _SelectiveLogprobs(torch.autograd.Function):
+    """selective_logprobs with a hand-written backward: d log p_t / d logits = (onehot_t - softmax) / temperature."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, temperature: float, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+        hc, wc = h.to(dtype), weight.to(dtype)                                      # [N, H], [V, H]
+        lse = torch.empty(h.shape[0], device=h.device)                             # [N] fp32
+        out = torch.empty_like(lse)
+        for s in range(0, h.shape[0], chunk):
+            logits = (hc[s:s + chunk] @ wc.T).float().div_(temperature)             # [c, V]
+            lse[s:s + chunk] = torch.logsumexp(logits, 1)
+            out[s:s + chunk] = logits.gather(1, targets[s:s + chunk, None])[:, 0] - lse[s:s + chunk]
+        ctx.save_for_backward(hc, wc, targets, lse)
+        ctx.args = (temperature, chunk, h.dtype, weight.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hc, wc, targets, lse = ctx.saved_tensors
+        temperature, chunk, h_dtype, w_dtype = ctx.args
+        grad_h, grad_w = torch.empty_like(hc), torch.zeros(wc.shape, device=wc.device)
+        for s in range(0, hc.shape[0], chunk):
+            g = grad[s:s + chunk, None] / temperature                               # [c, 1]
+            d = (hc[s:s + chunk] @ wc.T).float().div_(temperature).sub_(lse[s:s + chunk, None]).exp_().mul_(-g)
+            d = d.scatter_add_(1, targets[s:s + chunk, None], g).to(hc.dtype)       # g (onehot - softmax), [c, V]
+            grad_h[s:s + chunk] = d @ wc
+            grad_w += (d.T @ hc[s:s + chunk]).float()
+        return grad_h.to(h_dtype), grad_w.to(w_dtype), None, None, None, None
 
 
 def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
@@ -1012,8 +1059,7 @@ def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list
     if any(len(p) == 0 for p in prompt_ids):
         raise MIPUError("token_logprobs: every prompt needs at least one token")
     width = max(1, max(len(c) for c in completion_ids))  # T
-    lengths = torch.tensor([len(c) for c in completion_ids])  # [B]
-    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # [B, T]
+    mask = pad_right([[1.0] * len(c) + [0.0] * (width - len(c)) for c in completion_ids], 0.0)  # [B, T]
     chunks = []
     for s in range(0, len(prompt_ids), micro_batch):
         chunks.append(_micro_batch_logprobs(model, prompt_ids[s:s + micro_batch],
@@ -1315,8 +1361,7 @@ PROBE_TOKENS = 64         # probe response length: enough to see a sync that did
 
 
 def sync(run: LLMRun, tol: float = 0.0) -> float:
-    """Push the trainer's weights into vLLM, then check on the probe that they took effect: its max
-    |log π - log μ| must stay within sync_tol × the start-up value (tol overrides that). Returns the gap."""
+    """Push θ into vLLM; check the probe's max |log π - log μ| <= tol or sync_tol × its start-up value."""
     sync_weights(run.llm, list(run.model.named_parameters()), run.cfg.rollout_quant)
     with train_autocast(run.cfg):
         return check_sync(run.llm, run.model, run.probe[0], run.probe[1],
@@ -1491,8 +1536,7 @@ def sample_reward(sample: dict, answer: str, cfg: Config) -> float:
 
 
 def build_prompt_ids(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> list[int]:
-    """Token ids of question + suffix, through the chat template when the tokenizer has one
-    (thinking: the template variable enable_thinking, Qwen3's switch; other templates ignore it)."""
+    """Token ids of question + suffix, through the chat template if any (enable_thinking: Qwen3's switch)."""
     question += suffix
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": question}]
@@ -1635,6 +1679,8 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     val_rows = load_rows(cfg.val_data, cfg.prompt_key, cfg.answer_key) if cfg.val_data else []
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
     weights = str(ckpt) if ckpt else cfg.model
+    if cfg.device == "cuda":
+        check_memory_plan(cfg)
     model = load_trainer(weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on")
     if torchrun():
         model = shard_model(model, cfg.device)         # before the optimizer: it must hold the shards
