@@ -82,6 +82,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
 
@@ -237,6 +241,10 @@ class Config:
             (self.save_every >= 1 and self.eval_every >= 0, "--save-every must be >= 1, --eval-every >= 0"),
             (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
             (self.sync_tol > 0, "--sync-tol must be > 0"),
+            (not any(n % rank_world()[1] for n in (self.prompts_per_step, self.val_prompts, self.mini_batch_size,
+                                                   self.target_holdout * (self.accept_rule == "target"))),
+             f"--prompts-per-step, --val-prompts, --mini-batch-size, --target-holdout: each must divide by the "
+             f"{rank_world()[1]} torchrun ranks (each rank takes an equal share of whole prompt groups)"),
             (self.logprob_chunk >= 1, "--logprob-chunk must be >= 1"),
         ]
         for ok, message in checks:
@@ -522,8 +530,7 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 
 def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator, ranks: int = 1) -> list[torch.Tensor]:
-    """Index mini-batches of Step 1: epochs × shuffled slices of the responses not held out
-    (under torchrun each of `ranks` ranks takes 1/ranks of every mini-batch from its own share)."""
+    """Index mini-batches of Step 1: epochs × shuffled slices of the responses not held out (1/ranks of each)."""
     batches = []
     for _ in range(cfg.epochs):
         order = held_out + torch.randperm(n - held_out, generator=gen)
@@ -807,8 +814,7 @@ def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization:
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
         enable_sleep_mode=sleep_mode,  # CUDA only: engine_sleep frees its GPU memory during Step 1
-        # under torchrun: one engine per rank in the trainer's process (TP = 1), as TRL's colocate mode
-        distributed_executor_backend="external_launcher" if torchrun() else None,
+        distributed_executor_backend="external_launcher" if torchrun() else None,  # an engine per rank (TRL colocate)
     )
     if rollout_quant == "fp8-sim":  # the first rollouts must already see FP8 weights
         sync_weights(llm, _checkpoint_tensors(model_path), "fp8-sim")
@@ -1103,40 +1109,28 @@ def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: li
 
 
 # =============================================================================
-# SEVERAL GPUS: under torchrun, one process per GPU. FSDP2 shards the trainer; each rank runs
-# its own vLLM engine on an equal share of whole prompt groups. Without torchrun all are no-ops.
+# SEVERAL GPUS: under torchrun (env WORLD_SIZE, RANK, LOCAL_RANK) FSDP2 shards the trainer, each rank's vLLM
+# engine samples an equal share of whole prompt groups, decisions use global means. Else all are no-ops.
 # =============================================================================
 
-def torchrun() -> bool:
-    """Started by torchrun (its environment), whatever process groups vLLM may have made itself."""
+def torchrun() -> bool:      # the environment decides: vLLM may have made a process group of its own
     return "WORLD_SIZE" in os.environ
 
 
 def rank_world() -> tuple[int, int]:
-    """(rank, world size) from torchrun's environment; (0, 1) in a plain process."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def dist_init(device: str) -> None:
-    """Under torchrun: join the process group (gloo on CPU, NCCL on GPU, one GPU per rank)."""
-    if torchrun() and not dist.is_initialized():
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of an FSDP2 shard (a collective: every rank calls it, in the same order)."""
+def full(t: torch.Tensor) -> torch.Tensor:   # an FSDP2 tensor gathered whole: a collective (every rank, same order)
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP2 tensor (no communication)."""
+def local(t: torch.Tensor) -> torch.Tensor:  # this rank's shard of an FSDP2 tensor
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-    """Element-wise reduction of a few numbers over ranks (float64); the values themselves in one process."""
+    """Element-wise reduction of a few numbers over the ranks (float64)."""
     if rank_world()[1] == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
@@ -1144,8 +1138,7 @@ def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     return t.tolist()
 
 
-def all_mean(x: float) -> float:
-    """Mean over ranks: with equal shares per rank, the global mean of per-response means."""
+def all_mean(x: float) -> float:  # equal shares per rank: the global mean of per-response means
     return all_reduce([x])[0] / rank_world()[1]
 
 
@@ -1154,10 +1147,11 @@ def all_true(flag: bool) -> bool:
 
 
 def shard_model(model: torch.nn.Module, device: str) -> torch.nn.Module:
-    """FSDP2: fully_shard each decoder layer, then the root (embeddings, final norm, lm_head)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
+    """Join torchrun's process group (gloo on CPU, NCCL on GPU: one per rank), then FSDP2: fully_shard each
+    decoder layer, then the root (embeddings, final norm, lm_head)."""
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
     mesh = init_device_mesh(device, (rank_world()[1],))
     for layer in model.get_decoder().layers:
         fully_shard(layer, mesh=mesh)
@@ -1165,29 +1159,21 @@ def shard_model(model: torch.nn.Module, device: str) -> torch.nn.Module:
 
 
 def reshard(model: torch.nn.Module) -> None:
-    """After a no-grad forward: FSDP2 keeps the root's parameters gathered (awaiting a backward); free them
-    so optimizer, snapshot and sync see the shards again."""
-    if hasattr(model, "reshard"):       # FSDPModule
+    """After a no-grad forward FSDP2 keeps the root gathered (for a backward): back to the shards."""
+    if isinstance(model, FSDPModule):
         model.reshard()
 
 
-def rank_share(rows: list) -> tuple[list, int]:
-    """This rank's contiguous, equal share of a step's prompts, and the global index of its first."""
-    rank, world = rank_world()
-    n = len(rows) // world
-    return rows[rank * n:(rank + 1) * n], rank * n
-
-
 def dist_close(run: "LLMRun") -> None:
-    """Shutdown order: vLLM's engine shutdown destroys the process groups itself (at exit, if not called
-    here: after ours are gone, it fails), so the engine goes first (vllm 0.32's in-process engine core)."""
+    """vLLM's engine shutdown destroys the process groups itself (at exit, after ours are gone, it fails):
+    so the engine first (vllm 0.32's in-process engine core), then the group."""
     run.llm.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def global_metrics(m: dict) -> dict:
-    """One record for all ranks: each value's mean over ranks, the max for *_max keys."""
+    """One record for all ranks: each value's mean over the ranks, the max for *_max keys."""
     if rank_world()[1] == 1:
         return m
     keys = [k for k in m if k != "step"]
@@ -1259,10 +1245,10 @@ def next_val_rows(run: LLMRun, n: int) -> list:
 
 
 def rollout(run: LLMRun, rows: list, seed: int) -> Rollout:
-    """Sample G responses per prompt from μ (vLLM), score them, group advantages. Under torchrun, of this
-    rank's share of `rows`, seeded as the one-process run would seed those prompts (so ranks differ)."""
-    cfg = run.cfg
-    rows, first = rank_share(rows)
+    """Sample G responses per prompt from μ (vLLM), score them, group advantages (torchrun: this rank's share)."""
+    cfg, (rank, world) = run.cfg, rank_world()
+    first = rank * len(rows) // world     # seeded as one process seeds these prompts: the ranks' samples differ
+    rows = rows[first:first + len(rows) // world]
     prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in rows]
     samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature,
                        seed + first * cfg.num_generations)
@@ -1321,8 +1307,7 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
                                   cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
             (loss * mb.mask.sum() / n_tokens).backward()       # token mean over the mini-batch
             stats.append(s)
-        norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)   # global norm
-        grad_norms.append(full(norm).item())
+        grad_norms.append(full(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)).item())
         finite = all_true(math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats))
         if not finite:
             break
@@ -1556,41 +1541,32 @@ CHECKPOINT_PREFIX = "checkpoint-"
 
 
 def save_checkpoint(run: LLMRun) -> Path:
-    """Atomic: written to a temp dir, then renamed to checkpoint-<step>; older ones are deleted after.
-    A kill at any moment leaves the newest checkpoint-* folder complete (no `latest` file needed:
-    the rename is the commit point, and the step number in the name orders them). Under torchrun the
-    full weights and optimizer state (by parameter name) are gathered to rank 0, which writes them:
-    a checkpoint resumes with any number of ranks."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)       # collectives: every rank calls them
-    weights, opt_state = get_model_state_dict(run.model, options=full), get_optimizer_state_dict(
-        run.model, run.opt, options=full)
+    """Atomic: a temp dir renamed to checkpoint-<step> (the commit point; the step orders them), older ones
+    deleted after. Under torchrun rank 0 writes the full weights and optimizer state: any number of ranks resumes."""
+    full_sd = StateDictOptions(full_state_dict=True, cpu_offload=True)       # collectives: every rank calls them
+    weights, opt_state = get_model_state_dict(run.model, options=full_sd), get_optimizer_state_dict(
+        run.model, run.opt, options=full_sd)
     out = Path(run.cfg.output_dir)
     final = out / f"{CHECKPOINT_PREFIX}{run.step:06d}"
+    tmp = out / f".tmp-{final.name}-{os.getpid()}"
     if rank_world()[0] == 0:
-        write_checkpoint(run, weights, opt_state, final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        run.model.save_pretrained(tmp, state_dict=weights)
+        run.tokenizer.save_pretrained(tmp)
+        torch.save(opt_state, tmp / "optimizer.pt")
+        torch.save({"step": run.step, "rejections": run.rejections, "order": run.order, "data_pos": run.data_pos,
+                    "val_pos": run.val_pos, "pending_rows": run.pending_rows, "torch_rng": torch.get_rng_state(),
+                    "numpy_rng": np.random.get_state(), "config": dataclasses.asdict(run.cfg)},
+                   tmp / "trainer_state.pt")
+        if final.exists():                    # a re-run of this step after a resume: replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in out.glob(f"{CHECKPOINT_PREFIX}*"):
+            if old != final:
+                shutil.rmtree(old)
     if torchrun():
         dist.barrier()                        # every rank returns once the checkpoint is complete
     return final
-
-
-def write_checkpoint(run: LLMRun, weights: dict, opt_state: dict, final: Path) -> None:
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    run.model.save_pretrained(tmp, state_dict=weights)
-    run.tokenizer.save_pretrained(tmp)
-    torch.save(opt_state, tmp / "optimizer.pt")
-    torch.save({"step": run.step, "rejections": run.rejections,
-                "order": run.order, "data_pos": run.data_pos, "val_pos": run.val_pos, "pending_rows": run.pending_rows,
-                "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(),
-                "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
-    if final.exists():                        # a re-run of this step after a resume: replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in final.parent.glob(f"{CHECKPOINT_PREFIX}*"):
-        if old != final:
-            shutil.rmtree(old)
 
 
 def latest_checkpoint(output_dir: str) -> Path:
@@ -1603,13 +1579,10 @@ def latest_checkpoint(output_dir: str) -> Path:
 
 def load_trainer_state(run: LLMRun, ckpt: Path) -> None:
     """Optimizer, counters, data position and RNG states of a checkpoint (weights load with the model)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    sharded = torchrun()                      # rank 0 reads the optimizer state and sends each rank its shards
     opt_state = torch.load(ckpt / "optimizer.pt", weights_only=False) if rank_world()[0] == 0 else {}
-    set_optimizer_state_dict(run.model, run.opt, opt_state, options=StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=True) if sharded else None)
+    set_optimizer_state_dict(run.model, run.opt, opt_state, options=StateDictOptions(   # rank 0 sends the shards
+        full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)
     run.step, run.rejections = state["step"], state["rejections"]
     run.order, run.data_pos, run.val_pos = state["order"], state["data_pos"], state["val_pos"]
     run.pending_rows = state["pending_rows"]   # a pending batch is re-sampled from the resumed μ, never reused
@@ -1633,9 +1606,8 @@ def log_metrics(path: Path | None, m: dict) -> None:
 def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
     """pass@1 per dataset, averaged over cfg.eval_samples samples per problem, from vLLM (μ)."""
     rows = []
-    rank, world = rank_world()
     for name, data in datasets.items():
-        mine = data[rank::world]              # under torchrun each rank scores every world-th problem
+        mine = data[rank_world()[0]::rank_world()[1]]      # under torchrun each rank scores every world-th problem
         prompt_ids = [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in mine]
         samples = generate(llm, prompt_ids, cfg.eval_samples, cfg.max_new_tokens, cfg.eval_temperature, cfg.seed)
         correct, n = all_reduce([sum(sample_reward(s, mine[s["prompt_idx"]]["answer"], cfg) for s in samples),
@@ -1674,7 +1646,6 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     """Data, training engine, optimizer, vLLM engine (resumed from the latest checkpoint with --resume).
     llm: an existing engine of cfg.model to reuse (tests run one engine per session)."""
     from transformers import AutoTokenizer
-    dist_init(cfg.device)
     train_rows = load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
     val_rows = load_rows(cfg.val_data, cfg.prompt_key, cfg.answer_key) if cfg.val_data else []
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
@@ -1682,8 +1653,7 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     if cfg.device == "cuda":
         check_memory_plan(cfg)
     model = load_trainer(weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on")
-    if torchrun():
-        model = shard_model(model, cfg.device)         # before the optimizer: it must hold the shards
+    model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards
     tokenizer = AutoTokenizer.from_pretrained(weights)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
@@ -1757,11 +1727,6 @@ def check_llm_flags(cfg: Config, command: str) -> None:
         raise MIPUError("--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise MIPUError("--device cuda but no GPU is visible")
-    world = rank_world()[1]
-    if command == "train" and any(n % world for n in (cfg.prompts_per_step, cfg.val_prompts, cfg.mini_batch_size,
-                                                      cfg.target_holdout if cfg.accept_rule == "target" else 0)):
-        raise MIPUError(f"under torchrun --prompts-per-step, --val-prompts, --mini-batch-size (and --target-holdout) "
-                        f"must divide by the {world} ranks: each rank takes an equal share of whole prompt groups")
     if cfg.resume:
         latest_checkpoint(cfg.output_dir)
 

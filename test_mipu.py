@@ -982,7 +982,7 @@ def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(HERE / "mipu.py"), "train",
            "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL), "--output-dir", str(out),
            "--prompts-per-step", "4", "--num-generations", "4", "--val-prompts", "4", "--mini-batch-size", "16",
-           "--max-new-tokens", "6", "--learning-rate", "1e-3", "--gap-batch", "next"]
+           "--max-new-tokens", "6", "--learning-rate", "1e-3", "--gap-batch", "next", "--rollout-quant", "fp8-sim"]
     p = subprocess.run(cmd + ["--steps", "2"], capture_output=True, text=True, timeout=600, cwd=HERE)
     assert p.returncode == 0, p.stderr[-4000:]
     p = subprocess.run(cmd + ["--steps", "3", "--resume"], capture_output=True, text=True, timeout=600, cwd=HERE)
@@ -994,9 +994,8 @@ def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
 
 def test_world_size_must_divide_prompts(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
-    cfg = mipu.Config(model="m", train_data="t", val_data="v", prompts_per_step=4).validate()
-    with pytest.raises(mipu.MIPUError, match="must divide by the 3 ranks"):
-        mipu.check_llm_flags(cfg, "train")
+    with pytest.raises(mipu.MIPUError, match="must divide by the 3 torchrun ranks"):
+        mipu.Config(prompts_per_step=4).validate()
 
 
 if __name__ == "__main__":            # a torchrun rank of the `two_ranks` fixture
