@@ -59,6 +59,7 @@ COMMANDS (the README has the rest: demos, benchmark, the GPU recipe)
       --val-data toy/arith_val.jsonl --steps 3 --prompts-per-step 8 --val-prompts 8 \
       --mini-batch-size 32 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/smoke
   python mipu.py eval --model runs/smoke/checkpoint-000003 --data toy/arith_val.jsonl
+  torchrun --nproc_per_node 2 mipu.py train ...   # several GPUs (or CPU ranks): FSDP2, a vLLM engine per rank
   python -m pytest -q test_mipu.py             # the tests
 """
 from __future__ import annotations
@@ -948,7 +949,7 @@ def train_autocast(cfg: Config):
 PLAN_PROMPT_TOKENS = 512   # prompt length the memory plan assumes when --max-model-len is 0 (math prompts: ~100-300)
 
 
-def memory_plan(c, cfg: Config, gpu_bytes: float) -> dict:
+def memory_plan(c, cfg: Config, gpu_bytes: float, world: int = 1) -> dict:
     """Estimated GiB per part of a training step on one GPU, from a transformers config `c` and the flags. Per layer
     34·tokens·hidden bytes of 16-bit activations (Korthikanti et al. 2022; sdpa: no seq² term); checkpointing keeps
     each layer's input + one layer. peak = max(rollout: weights, AdamW, vLLM; Step 1: + grads, activations)."""
@@ -960,12 +961,12 @@ def memory_plan(c, cfg: Config, gpu_bytes: float) -> dict:
     b = 2 if cfg.train_dtype == "bfloat16" else 4                            # bytes per weight, grad, Adam moment
     tokens = cfg.micro_batch_size * (cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS)
     layer = 34 * tokens * H * (2 if cfg.train_dtype == "float32" else 1)
-    gib = {"weights": n * b, "grads": n * b, "optimizer": 2 * n * b,
+    gib = {"weights": n * b / world, "grads": n * b / world, "optimizer": 2 * n * b / world,   # FSDP2: sharded
            "bf16_copies": 2 * n * (cfg.train_dtype == "bf16-mixed"),        # autocast's cached bf16 weights
            "activations": L * tokens * H * b + layer if cfg.grad_checkpointing == "on" else L * layer,
            "logprob_chunk": 4 * cfg.logprob_chunk * c.vocab_size * 4,        # ~4 fp32 [chunk, V] tensors
            "vllm": cfg.gpu_memory_utilization * gpu_bytes,
-           "snapshot_host": 3 * n * b * (METHOD_SPEC[cfg.method][1] != "always")}   # host RAM, not the GPU's
+           "snapshot_host": 3 * n * b / world * (METHOD_SPEC[cfg.method][1] != "always")}   # host RAM per rank
     gib = {"params_billion": n / 1e9, **{k: v / 2**30 for k, v in gib.items()}}
     step1 = sum(gib[k] for k in ("weights", "grads", "optimizer", "bf16_copies", "activations", "logprob_chunk"))
     gib["peak"] = max(gib["weights"] + gib["optimizer"] + gib["vllm"], step1 + gib["vllm"] * (cfg.vllm_sleep != "on"))
@@ -976,7 +977,7 @@ def check_memory_plan(cfg: Config) -> None:
     """At start-up on a GPU: print the memory plan; MIPUError when its peak exceeds the GPU's memory."""
     from transformers import AutoConfig
     gpu = torch.cuda.get_device_properties(0).total_memory
-    plan = memory_plan(AutoConfig.from_pretrained(cfg.model), cfg, gpu)
+    plan = memory_plan(AutoConfig.from_pretrained(cfg.model), cfg, gpu, rank_world()[1])
     print("memory plan, GiB (estimated): " + ", ".join(f"{k} {v:.1f}" for k, v in plan.items()), flush=True)
     if plan["peak"] > gpu / 2**30:
         raise MIPUError(f"the memory plan needs ~{plan['peak']:.0f} GiB, the GPU has {gpu / 2**30:.0f}: "

@@ -1,51 +1,56 @@
-"""Estimated GPU memory per rank of `torchrun --nproc_per_node N mipu.py train` (FSDP2), no GPU needed:
-`python -m toy.fsdp_memory` (from the repo root). An ESTIMATE from arithmetic, not a measurement.
+"""Estimated GPU memory per rank of `torchrun --nproc_per_node N mipu.py train` (FSDP2) for Qwen3-4B, no GPU
+needed: `python -m toy.fsdp_memory` (from the repo root). An ESTIMATE from arithmetic, not a measurement.
 
-Counts the parameters of the model shape exactly (built on torch's meta device, no download) and applies
---train-dtype bf16-mixed (the GPU default): fp32 weights, fp32 gradients and two fp32 AdamW states, all
-sharded over N ranks by FSDP2; plus what every rank holds whole: the root module (embeddings, final norm,
-lm_head; FSDP2 keeps it gathered from forward to backward), two gathered decoder layers (the one computing
-and the one prefetched), and during a sync the engine-dtype (bf16) copy of all weights handed to vLLM.
-Not included: activations (per micro-batch, the same as on one GPU), vLLM's own share
-(--gpu-memory-utilization x the GPU), CUDA/NCCL workspaces. The rollback snapshot lives in host RAM.
+mipu.memory_plan (the start-up check's arithmetic; weights, gradients and AdamW states sharded over N ranks)
+for the README's GPU recipe flags, plus what FSDP2 adds on every rank: the root module (embeddings, final norm,
+lm_head) gathered from forward to backward and two gathered decoder layers (the one computing and the one
+prefetched), in fp32 during Step 1; and at a sync the engine-dtype (bf16) copy of all weights handed to vLLM.
+Autocast's bf16 weight copies and the activations are per rank as on one GPU (not divided by N).
 """
 import argparse
 
-import torch
+import mipu
+from toy.bench_trainer import qwen3_config
 
-# Qwen3-4B's published config.json (Qwen/Qwen3-4B on the HF hub)
-QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
 GIB = 2 ** 30
+# the README's GPU recipe (Qwen3 math RL): 4 responses per forward of up to 4,096 new tokens, vLLM's share 0.35
+RECIPE = dict(device="cuda", method="mipu", micro_batch_size=4, max_new_tokens=4096, gpu_memory_utilization=0.35)
 
 
-def estimate(world: int) -> dict:
-    """GiB per rank for `world` ranks: {part: GiB}."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def fsdp_extras(c) -> dict:
+    """GiB every rank holds whole: the gathered root + 2 decoder layers (fp32), the sync's bf16 copy of θ."""
+    H, hd, inter = c.hidden_size, c.head_dim, c.intermediate_size
+    layer = 2 * H * hd * (c.num_attention_heads + c.num_key_value_heads) + 3 * H * inter + 2 * hd + 2 * H
+    root = c.vocab_size * H + H                                   # tied embeddings / lm_head, final norm
+    n = c.num_hidden_layers * layer + root
+    return {"gathered": (root + 2 * layer) * 4 / GIB, "sync_copy": 2 * n / GIB}
 
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_4B))
-    total = sum(p.numel() for p in model.parameters())                       # tied lm_head counted once
-    layer = sum(p.numel() for p in model.model.layers[0].parameters())
-    root = total - layer * len(model.model.layers)
-    fp32 = 4
-    return {"params (B)": total / 1e9, "weights": total * fp32 / world / GIB, "grads": total * fp32 / world / GIB,
-            "adamw": 2 * total * fp32 / world / GIB, "gathered root + 2 layers": (root + 2 * layer) * fp32 / GIB,
-            "sync bf16 copy": total * 2 / GIB}
+
+def table(gpus: list[int], gpu_gib: float) -> str:
+    c = qwen3_config("qwen3-4b")
+    cfg = mipu.Config(**RECIPE).validate()
+    extra = fsdp_extras(c)
+    lines = ["| GPUs | weights | grads | AdamW | bf16 copies | activations | gathered root + 2 layers | vLLM share "
+             "| Step 1 (vLLM asleep) | sync (vLLM awake) | host RAM for the snapshot |", "|---" * 11 + "|"]
+    for n in gpus:
+        p = mipu.memory_plan(c, cfg, gpu_gib * GIB, world=n)
+        step1 = sum(p[k] for k in ("weights", "grads", "optimizer", "bf16_copies", "activations", "logprob_chunk"))
+        step1 += extra["gathered"]
+        sync = p["weights"] + p["optimizer"] + p["vllm"] + extra["sync_copy"]
+        lines.append(f"| {n} | " + " | ".join(f"{p[k]:.1f}" for k in ("weights", "grads", "optimizer", "bf16_copies",
+                                                                    "activations"))
+                     + f" | {extra['gathered']:.1f} | {p['vllm']:.1f} | {step1:.1f} | {sync:.1f} "
+                     f"| {p['snapshot_host']:.1f} |")
+    return f"Qwen3-4B ({p['params_billion']:.2f} B parameters), GiB per GPU of {gpu_gib:g} GiB, ESTIMATED:\n\n" + \
+        "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gpus", default="1,2,4,8", help="comma-separated world sizes")
+    parser.add_argument("--gpus", default="2,4,8", help="comma-separated numbers of GPUs (torchrun ranks)")
+    parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (80: H100)")
     args = parser.parse_args()
-    rows = {n: estimate(n) for n in (int(x) for x in args.gpus.split(","))}
-    keys = list(next(iter(rows.values())))
-    print("| GPUs | " + " | ".join(keys) + " | total during Step 1 | peak at a sync |")
-    print("|---" * (len(keys) + 3) + "|")
-    for n, r in rows.items():
-        step1 = r["weights"] + r["grads"] + r["adamw"] + r["gathered root + 2 layers"]
-        sync = r["weights"] + r["adamw"] + r["sync bf16 copy"]
-        print(f"| {n} | " + " | ".join(f"{r[k]:.2f}" for k in keys) + f" | {step1:.1f} | {sync:.1f} |")
+    print(table([int(x) for x in args.gpus.split(",")], args.gpu_gib))
 
 
 if __name__ == "__main__":
