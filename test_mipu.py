@@ -3,6 +3,7 @@ vLLM path on a tiny model, and the command line as a user runs it.
 
 Run: python -m pytest -q test_mipu.py
 """
+import dataclasses
 import json
 import math
 import subprocess
@@ -15,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import mipu
-from toy import bench, demo
+from toy import bench, bench_trainer, demo
 from toy.make_tiny import build_tiny_model, make_arith_rows, write_jsonl
 
 HERE = Path(__file__).resolve().parent
@@ -483,6 +484,43 @@ def test_gradient_checkpointing_recomputes_with_equal_results(model_dir, prompt_
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape, gpu_gib, n_params, act_gib, step1_gib, rollout_gib", [
+    # hand-computed: n = L (2 H hd (heads + kv heads) + 3 H I + 2 hd + 2 H) + V H (tied) + H;
+    # tokens = 4 x (256 + 4096); activations = (L tokens H 4 + 34 tokens H) B; chunk = 4 x 512 x V x 4 B
+    ("qwen3-1.7b", 80, 1_720_574_976, 4.8477, 34.850, 43.229),     # 28 x 50,336,000 + 311,164,928 + 2048
+    ("qwen3-4b", 141, 4_022_468_096, 7.3877, 75.979, 87.255),      # 36 x 100,930,816 + 388,956,160 + 2560
+])
+def test_memory_plan_hand_values(shape, gpu_gib, n_params, act_gib, step1_gib, rollout_gib):
+    cfg = mipu.Config(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu")
+    plan = mipu.memory_plan(bench_trainer.qwen3_config(shape), cfg, gpu_gib * 2**30)
+    assert plan["params_billion"] == pytest.approx(n_params / 1e9, rel=1e-12)
+    weights = 4 * n_params / 2**30                                   # bf16-mixed: fp32 master weights
+    assert plan["weights"] == plan["grads"] == pytest.approx(weights)
+    assert plan["optimizer"] == pytest.approx(2 * weights)
+    assert plan["bf16_copies"] == pytest.approx(weights / 2) and plan["snapshot_host"] == pytest.approx(3 * weights)
+    assert plan["activations"] == pytest.approx(act_gib, abs=1e-4)
+    assert plan["logprob_chunk"] == pytest.approx(4 * 512 * 151936 * 4 / 2**30)
+    assert plan["vllm"] == pytest.approx(0.3 * gpu_gib)
+    assert plan["peak"] == pytest.approx(max(step1_gib, rollout_gib), abs=1e-3) and plan["peak"] < gpu_gib
+    grpo = mipu.memory_plan(bench_trainer.qwen3_config(shape), dataclasses.replace(cfg, method="grpo"), 0)
+    assert grpo["snapshot_host"] == 0                                 # no snapshot for methods that never roll back
+    no_sleep = mipu.memory_plan(bench_trainer.qwen3_config(shape), dataclasses.replace(cfg, vllm_sleep="off"),
+                                gpu_gib * 2**30)
+    assert no_sleep["peak"] == pytest.approx(step1_gib + 0.3 * gpu_gib, abs=1e-3)
+
+
+def test_bench_trainer_tiny_on_cpu(tmp_path):
+    p = run_cli("-m", "toy.bench_trainer", "--shape", "tiny", "--micro-batch", "2", "--prompt-len", "8",
+                "--response-len", "16", "--device", "cpu", "--out", str(tmp_path / "bench.md"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = (tmp_path / "bench.md").read_text()
+    assert "rollback bit for bit: yes" in report and "memory plan (estimated" in report
+    for phase in bench_trainer.PHASES:
+        assert f"| {phase} |" in report
+    p = run_cli("-m", "toy.bench_trainer", "--device", "cuda") if not torch.cuda.is_available() else None
+    assert p is None or (p.returncode == 2 and "error: --device cuda but no GPU" in p.stderr)
+
+
 def test_fp8_roundtrip_per_row():
     x = torch.randn(64, 128, dtype=torch.bfloat16) * 0.02
     q = mipu.fp8_roundtrip(x, per_row=True)
@@ -680,7 +718,8 @@ def test_step1_changes_weights_and_sync_matches(llm, model_dir, tmp_path, restor
     assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
     assert _probe_logprobs(run) != probe_before                       # vLLM now has θ_{k+1}
     assert mipu.check_sync(run.llm, run.model, *run.probe, tol=MAX_TOL) < MAX_TOL
-    for key in ("mismatch/k3", "rollout/truncated", "step1/loss", "step1/clip_frac", "step1/weight_mean", "time/rollout",
+    for key in ("mismatch/k3", "rollout/truncated", "step1/loss", "step1/clip_frac", "step1/weight_mean",
+                "time/rollout",
                 "time/recompute", "time/update", "time/sync", "time/gap_check", "time/rollback"):
         assert key in m
 

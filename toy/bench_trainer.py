@@ -6,6 +6,9 @@ response length: recompute (no-grad log-probs of π_k), one Step-1 update (forwa
 snapshot (clone_state) and rollback (restore_state, checked bit for bit). Prints seconds, tokens/s,
 achieved TFLOP/s and peak memory per phase next to mipu.memory_plan's estimates.
 
+`--plan-gpu-gib 80` only prints the memory plan for a GPU of that size (no model is built) and the
+estimated trainer seconds of a step of `--responses` responses at `--assume-tflops`.
+
 `--logprob-memory` instead measures the log-prob head alone, naive full-vocabulary log_softmax against
 mipu.selective_logprobs, values + backward, each in a fresh process (peak memory and seconds).
 """
@@ -158,6 +161,23 @@ def report(args, cfg: mipu.Config, times: dict, exact: bool) -> str:
         f"{cfg.gpu_memory_utilization} of this device): " + ", ".join(f"{k} {v:.2f}" for k, v in plan.items())])
 
 
+def plan_only(args) -> str:
+    """The memory plan and estimated trainer seconds per step on a GPU of args.plan_gpu_gib (nothing is run)."""
+    cfg = mipu.Config(device="cuda", train_dtype=args.train_dtype, grad_checkpointing=args.grad_checkpointing,
+                      micro_batch_size=args.micro_batch, max_new_tokens=args.response_len, method="mipu",
+                      max_model_len=args.prompt_len + args.response_len, logprob_chunk=args.logprob_chunk).validate()
+    c = qwen3_config(args.shape)
+    plan = mipu.memory_plan(c, cfg, args.plan_gpu_gib * 2**30)
+    fwd, upd = step_flops(c, 1, args.prompt_len, args.response_len, cfg.grad_checkpointing == "on")
+    sec = {k: v * args.responses / (args.assume_tflops * 1e12) for k, v in (("recompute", fwd), ("update", upd))}
+    return (f"{args.shape} on a {args.plan_gpu_gib:g} GiB GPU, micro-batch {args.micro_batch} x ({args.prompt_len} + "
+            f"{args.response_len}) tokens, {cfg.train_dtype}, checkpointing {cfg.grad_checkpointing}, vLLM share "
+            f"{cfg.gpu_memory_utilization}, vLLM asleep in Step 1: {cfg.vllm_sleep}. Memory plan (estimated, GiB): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in plan.items()) + f". Trainer seconds per step of {args.responses} "
+            f"responses at an assumed {args.assume_tflops:g} TFLOP/s (estimated): recompute {sec['recompute']:.0f}, "
+            f"update {sec['update']:.0f}")
+
+
 def logprob_memory_child(kind: str, n_tokens: int, hidden: int, vocab: int) -> None:
     """In a fresh process: peak memory growth and seconds of log-probs + backward for n_tokens positions."""
     gen = torch.Generator().manual_seed(0)
@@ -207,6 +227,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="", help="also write the report to this file")
     p.add_argument("--logprob-memory", action="store_true", help="naive vs chunked log-prob head only")
     p.add_argument("--hidden", type=int, default=128, help="--logprob-memory: hidden size of the head")
+    p.add_argument("--plan-gpu-gib", type=float, default=0.0, help="only print the plan for a GPU of this size")
+    p.add_argument("--responses", type=int, default=256, help="--plan-gpu-gib: responses per step (32 x 8)")
+    p.add_argument("--assume-tflops", type=float, default=400.0,
+                   help="--plan-gpu-gib: achieved TFLOP/s assumed for the estimate (~40%% of H100's bf16 dense peak)")
     p.add_argument("--logprob-child", choices=("naive", "chunked"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.logprob_child:
@@ -219,7 +243,10 @@ def main(argv=None) -> int:
 def run(args: argparse.Namespace) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise mipu.MIPUError("--device cuda but no GPU is visible")
-    text = logprob_memory(args) if args.logprob_memory else bench(args)
+    if args.plan_gpu_gib:
+        text = plan_only(args)
+    else:
+        text = logprob_memory(args) if args.logprob_memory else bench(args)
     if args.out:
         Path(args.out).write_text(text + "\n")
     print(text)

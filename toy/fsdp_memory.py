@@ -13,8 +13,9 @@ import mipu
 from toy.bench_trainer import qwen3_config
 
 GIB = 2 ** 30
-# the README's GPU recipe (Qwen3 math RL): 4 responses per forward of up to 4,096 new tokens, vLLM's share 0.35
-RECIPE = dict(device="cuda", method="mipu", micro_batch_size=4, max_new_tokens=4096, gpu_memory_utilization=0.35)
+# the README's GPU recipe (Qwen3 math RL): 4 responses per forward of 4,352 tokens at most, vLLM's share 0.3
+RECIPE = dict(device="cuda", method="mipu", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352,
+              gpu_memory_utilization=0.3)
 
 
 def fsdp_extras(c) -> dict:
