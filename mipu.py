@@ -982,21 +982,15 @@ def pad_right(rows: list, value, dtype=torch.float32) -> torch.Tensor:
     return torch.tensor([list(r) + [value] * (T - len(r)) for r in rows], dtype=dtype).reshape(len(rows), T)
 
 
-def selective_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
-                       temperature: float, chunk: int) -> torch.Tensor:
+class SelectiveLogprobs(torch.autograd.Function):
     """log softmax(h W^T / temperature)[target], `chunk` rows at a time: hidden [N, H], head_weight [V, H],
-    targets [N] -> [N] fp32. At most [chunk, V] logits exist, in forward and in backward (which recomputes
-    them); the matmuls run in the autocast dtype when autocast is on, as lm_head's would."""
-    device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head_weight.dtype
-    return _SelectiveLogprobs.apply(hidden, head_weight, targets, temperature, chunk, dtype)
-
-
-class _SelectiveLogprobs(torch.autograd.Function):
-    """selective_logprobs with a hand-written backward: d log p_t / d logits = (onehot_t - softmax) / temperature."""
+    targets [N] -> [N] fp32. At most [chunk, V] logits exist: backward recomputes them and uses
+    d log p_t / d logits = (onehot_t - softmax) / temperature. Matmuls in the autocast dtype, as lm_head's."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, temperature: float, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    def forward(ctx, h, weight, targets, temperature: float, chunk: int) -> torch.Tensor:
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         hc, wc = h.to(dtype), weight.to(dtype)                                      # [N, H], [V, H]
         lse = torch.empty(h.shape[0], device=h.device)                             # [N] fp32
         out = torch.empty_like(lse)
@@ -1019,7 +1013,10 @@ class _SelectiveLogprobs(torch.autograd.Function):
             d = d.scatter_add_(1, targets[s:s + chunk, None], g).to(hc.dtype)       # g (onehot - softmax), [c, V]
             grad_h[s:s + chunk] = d @ wc
             grad_w += (d.T @ hc[s:s + chunk]).float()
-        return grad_h.to(h_dtype), grad_w.to(w_dtype), None, None, None, None
+        return grad_h.to(h_dtype), grad_w.to(w_dtype), None, None, None
+
+
+selective_logprobs = SelectiveLogprobs.apply   # (hidden, head_weight, targets, temperature, chunk) -> [N]
 
 
 def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]],

@@ -623,7 +623,7 @@ def test_chunked_logprobs_equal_naive_values_and_grads(trainer, prompt_ids, chun
 def test_selective_logprobs_hand_values():
     h = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])                      # [N=3, H=2]
     w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])                      # [V=3, H=2]
-    lp = mipu.selective_logprobs(h, w, torch.tensor([0, 1, 2]), 1.0, chunk=2)
+    lp = mipu.selective_logprobs(h, w, torch.tensor([0, 1, 2]), 1.0, 2)
     expected = [1 - math.log(math.e + 2), 2 - math.log(math.e ** 2 + 2), -math.log(2 * math.e + 1)]
     torch.testing.assert_close(lp, torch.tensor(expected))
 
