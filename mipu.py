@@ -59,6 +59,7 @@ COMMANDS (the README has the rest: demos, benchmark, the GPU recipe)
       --val-data toy/arith_val.jsonl --steps 3 --prompts-per-step 8 --val-prompts 8 --answer-format last-number \
       --mini-batch-size 32 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/smoke
   python mipu.py eval --model runs/smoke/checkpoint-000003 --data toy/arith_val.jsonl --answer-format last-number
+  torchrun --nproc_per_node 2 mipu.py train ...   # several GPUs (or CPU ranks): FSDP2, a vLLM engine per rank
   python -m pytest -q test_mipu.py             # the tests
 """
 from __future__ import annotations
@@ -81,6 +82,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
 
 
 class MIPUError(ValueError):
@@ -239,6 +246,10 @@ class Config:
             (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
             (self.sync_tol > 0, "--sync-tol must be > 0"),
             (set(self.report_to.split(",")) <= {"", "tensorboard", "wandb"}, "--report-to takes tensorboard, wandb"),
+            (not any(n % rank_world()[1] for n in (self.prompts_per_step, self.val_prompts, self.mini_batch_size,
+                                                   self.target_holdout * (self.accept_rule == "target"))),
+             f"--prompts-per-step, --val-prompts, --mini-batch-size, --target-holdout: each must divide by the "
+             f"{rank_world()[1]} torchrun ranks (each rank takes an equal share of whole prompt groups)"),
             (self.logprob_chunk >= 1, "--logprob-chunk must be >= 1"),
         ]
         for ok, message in checks:
@@ -476,7 +487,7 @@ def mipu_step(run: LLMRun) -> dict:
     run.step += 1
     m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
               "step2/rejections": run.rejections, "lr": current_lr(cfg, cfg.learning_rate, k), **lap.times()})
-    return m
+    return global_metrics(m)
 
 
 # ---- helpers both iterations share ----------------------------------------------
@@ -508,7 +519,7 @@ def mean_metrics(items: list[dict], prefix: str) -> dict:
 
 def holdout_size(cfg: Config) -> int:
     """Responses at the start of the batch kept out of Step 1 to estimate Ĝ_k (target rule only)."""
-    return cfg.target_holdout * cfg.num_generations if cfg.accept_rule == "target" else 0
+    return cfg.target_holdout * cfg.num_generations // rank_world()[1] if cfg.accept_rule == "target" else 0
 
 
 def current_lr(cfg: Config, base_lr: float, k: int) -> float:
@@ -523,12 +534,12 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator) -> list[torch.Tensor]:
-    """Index mini-batches of Step 1: epochs × shuffled slices of the responses not held out."""
+def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator, ranks: int = 1) -> list[torch.Tensor]:
+    """Index mini-batches of Step 1: epochs × shuffled slices of the responses not held out (1/ranks of each)."""
     batches = []
     for _ in range(cfg.epochs):
         order = held_out + torch.randperm(n - held_out, generator=gen)
-        batches += list(order.split(cfg.mini_batch_size))
+        batches += list(order.split(cfg.mini_batch_size // ranks))
     return batches
 
 
@@ -547,9 +558,13 @@ def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: tuple 
 
 
 def _host_copy(buf: torch.Tensor | None, t: torch.Tensor, pin: bool) -> torch.Tensor:
+    t, shard, buf = local(t), t, None if buf is None else local(buf)       # FSDP2: this rank's shard only
     if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
         buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-    return buf.copy_(t.detach(), non_blocking=pin)
+    buf.copy_(t.detach(), non_blocking=pin)
+    if isinstance(shard, DTensor):          # as a DTensor again, which load_state_dict takes
+        return DTensor.from_local(buf, shard.device_mesh, shard.placements, shape=shard.shape, stride=shard.stride())
+    return buf
 
 
 def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: tuple) -> None:
@@ -793,7 +808,7 @@ def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization:
     llm = LLM(
         model=model_path,
         dtype=dtype,
-        seed=seed,
+        seed=seed + rank_world()[0],
         gpu_memory_utilization=gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
         max_model_len=max_model_len or None,  # None: the model config's maximum
         quantization="fp8_per_tensor" if rollout_quant == "fp8" else None,  # weights: one static scale per tensor
@@ -801,6 +816,7 @@ def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization:
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
         enable_sleep_mode=sleep_mode,  # CUDA only: engine_sleep frees its GPU memory during Step 1
+        distributed_executor_backend="external_launcher" if torchrun() else None,  # an engine per rank (TRL colocate)
     )
     if rollout_quant == "fp8-sim":  # the first rollouts must already see FP8 weights
         sync_weights(llm, _checkpoint_tensors(model_path), "fp8-sim")
@@ -890,10 +906,10 @@ def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_qua
     for name, t in named_tensors:
         if rollout_quant == "fp8-sim" and _is_fp8_target(name, t):
             key = _fused_name(name)
-            amax[key] = torch.maximum(amax.get(key, torch.zeros(())), t.detach().abs().max().float().cpu())
+            amax[key] = torch.maximum(amax.get(key, torch.zeros(())), full(t.detach().abs().max()).float().cpu())
     weights = []
     for name, t in named_tensors:
-        t = t.detach()
+        t = full(t.detach())                  # FSDP2: gathered one parameter at a time (every rank, same order)
         if _fused_name(name) in amax:
             t = fp8_roundtrip(t, per_row=False, amax=amax[_fused_name(name)].to(t.device))
         weights.append((name, t.to(model_config.dtype)))  # engine dtype (bf16): no cast warnings
@@ -928,7 +944,7 @@ def train_autocast(cfg: Config):
 PLAN_PROMPT_TOKENS = 512   # prompt length the memory plan assumes when --max-model-len is 0 (math prompts: ~100-300)
 
 
-def memory_plan(c, cfg: Config, gpu_bytes: float) -> dict:
+def memory_plan(c, cfg: Config, gpu_bytes: float, world: int = 1) -> dict:
     """Estimated GiB per part of a training step on one GPU, from a transformers config `c` and the flags. Per layer
     34·tokens·hidden bytes of 16-bit activations (Korthikanti et al. 2022; sdpa: no seq² term); checkpointing keeps
     each layer's input + one layer. peak = max(rollout: weights, AdamW, vLLM; Step 1: + grads, activations)."""
@@ -940,12 +956,12 @@ def memory_plan(c, cfg: Config, gpu_bytes: float) -> dict:
     b = 2 if cfg.train_dtype == "bfloat16" else 4                            # bytes per weight, grad, Adam moment
     tokens = cfg.micro_batch_size * (cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS)
     layer = 34 * tokens * H * (2 if cfg.train_dtype == "float32" else 1)
-    gib = {"weights": n * b, "grads": n * b, "optimizer": 2 * n * b,
+    gib = {"weights": n * b / world, "grads": n * b / world, "optimizer": 2 * n * b / world,   # FSDP2: sharded
            "bf16_copies": 2 * n * (cfg.train_dtype == "bf16-mixed"),        # autocast's cached bf16 weights
            "activations": L * tokens * H * b + layer if cfg.grad_checkpointing == "on" else L * layer,
            "logprob_chunk": 4 * cfg.logprob_chunk * c.vocab_size * 4,        # ~4 fp32 [chunk, V] tensors
            "vllm": cfg.gpu_memory_utilization * gpu_bytes,
-           "snapshot_host": 3 * n * b * (METHOD_SPEC[cfg.method][1] != "always")}   # host RAM, not the GPU's
+           "snapshot_host": 3 * n * b / world * (METHOD_SPEC[cfg.method][1] != "always")}   # host RAM per rank
     gib = {"params_billion": n / 1e9, **{k: v / 2**30 for k, v in gib.items()}}
     step1 = sum(gib[k] for k in ("weights", "grads", "optimizer", "bf16_copies", "activations", "logprob_chunk"))
     gib["peak"] = max(gib["weights"] + gib["optimizer"] + gib["vllm"], step1 + gib["vllm"] * (cfg.vllm_sleep != "on"))
@@ -956,7 +972,7 @@ def check_memory_plan(cfg: Config) -> None:
     """At start-up on a GPU: print the memory plan; MIPUError when its peak exceeds the GPU's memory."""
     from transformers import AutoConfig
     gpu = torch.cuda.get_device_properties(0).total_memory
-    plan = memory_plan(AutoConfig.from_pretrained(cfg.model), cfg, gpu)
+    plan = memory_plan(AutoConfig.from_pretrained(cfg.model), cfg, gpu, rank_world()[1])
     print("memory plan, GiB (estimated): " + ", ".join(f"{k} {v:.1f}" for k, v in plan.items()), flush=True)
     if plan["peak"] > gpu / 2**30:
         raise MIPUError(f"the memory plan needs ~{plan['peak']:.0f} GiB, the GPU has {gpu / 2**30:.0f}: "
@@ -1070,11 +1086,86 @@ def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: li
     with torch.no_grad():
         hf_lp, _ = token_logprobs(model, [list(probe_prompt_ids)], [list(probe_completion_ids)],
                                   temperature=1.0, micro_batch=1)  # [1, C]
+    reshard(model)
     gap = (vllm_lp - hf_lp[0].float().cpu()).abs().max().item()
     if not gap <= tol:                      # NaN fails too
         raise MIPUError(f"weight sync did not take effect: max |vLLM - trainer| log-prob "
                         f"on the probe is {gap:.4g} > tol {tol:.4g}")
     return gap
+
+
+# =============================================================================
+# SEVERAL GPUS: under torchrun (env WORLD_SIZE, RANK, LOCAL_RANK) FSDP2 shards the trainer, each rank's vLLM
+# engine samples an equal share of whole prompt groups, decisions use global means. Else all are no-ops.
+# =============================================================================
+
+def torchrun() -> bool:      # the environment decides: vLLM may have made a process group of its own
+    return "WORLD_SIZE" in os.environ
+
+
+def rank_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:   # an FSDP2 tensor gathered whole: a collective (every rank, same order)
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:  # this rank's shard of an FSDP2 tensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    """Element-wise reduction of a few numbers over the ranks (float64)."""
+    if rank_world()[1] == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op)
+    return t.tolist()
+
+
+def all_mean(x: float) -> float:  # equal shares per rank: the global mean of per-response means
+    return all_reduce([x])[0] / rank_world()[1]
+
+
+def all_true(flag: bool) -> bool:
+    return all_reduce([float(flag)], dist.ReduceOp.MIN)[0] == 1.0
+
+
+def shard_model(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """Join torchrun's process group (gloo on CPU, NCCL on GPU: one per rank), then FSDP2: fully_shard each
+    decoder layer, then the root (embeddings, final norm, lm_head)."""
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    mesh = init_device_mesh(device, (rank_world()[1],))
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """After a no-grad forward FSDP2 keeps the root gathered (for a backward): back to the shards."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
+def dist_close(run: "LLMRun") -> None:
+    """vLLM's engine shutdown destroys the process groups itself (at exit, after ours are gone, it fails):
+    so the engine first (vllm 0.32's in-process engine core), then the group."""
+    run.llm.llm_engine.engine_core.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def global_metrics(m: dict) -> dict:
+    """One record for all ranks: each value's mean over the ranks, the max for *_max keys."""
+    if rank_world()[1] == 1:
+        return m
+    keys = [k for k in m if k != "step"]
+    mean, mx = (all_reduce([float(m[k]) for k in keys], op) for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX))
+    return {"step": m["step"], **{k: mx[i] if k.endswith("_max") else mean[i] / rank_world()[1]
+                                  for i, k in enumerate(keys)}}
 
 
 # =============================================================================
@@ -1140,10 +1231,13 @@ def next_val_rows(run: LLMRun, n: int) -> list:
 
 
 def rollout(run: LLMRun, rows: list, seed: int) -> Rollout:
-    """Sample G responses per prompt from μ (vLLM), score them, group advantages."""
-    cfg = run.cfg
+    """Sample G responses per prompt from μ (vLLM), score them, group advantages (torchrun: this rank's share)."""
+    cfg, (rank, world) = run.cfg, rank_world()
+    first = rank * len(rows) // world     # seeded as one process seeds these prompts: the ranks' samples differ
+    rows = rows[first:first + len(rows) // world]
     prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in rows]
-    samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature, seed)
+    samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature,
+                       seed + first * cfg.num_generations)
     rewards = torch.tensor([sample_reward(s, rows[s["prompt_idx"]]["answer"], cfg) for s in samples])
     logp_sampler = pad_right([s["sampler_logprobs"] for s in samples], 0.0)
     mask = pad_right([[1.0] * len(s["completion_ids"]) for s in samples], 0.0)
@@ -1157,6 +1251,7 @@ def trainer_logp(run: LLMRun, ro: Rollout) -> torch.Tensor:
     with torch.no_grad(), train_autocast(run.cfg):
         logp, _ = token_logprobs(run.model, ro.prompt_ids, ro.completion_ids, run.cfg.temperature,
                                  run.cfg.micro_batch_size, run.cfg.logprob_chunk)
+    reshard(run.model)
     return logp.float().cpu()[:, : ro.mask.shape[1]]   # token_logprobs pads to >= 1 column
 
 
@@ -1183,9 +1278,10 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
     stats, grad_norms = [], []
     engine_sleep(run.llm, cfg.vllm_sleep == "on", True)
     run.model.train()                                      # HF's gradient checkpointing acts in train mode only
-    for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen):
+    for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen, rank_world()[1]):
         run.opt.zero_grad(set_to_none=True)
-        n_tokens = ro.mask[idx].sum().clamp(min=1)
+        # FSDP averages gradients over ranks: dividing by the mean token count per rank gives the global token mean
+        n_tokens = max(all_mean(ro.mask[idx].sum().item()), 1.0)
         for micro in idx.split(cfg.micro_batch_size):
             mb = ro.select(micro)
             with train_autocast(cfg):
@@ -1197,15 +1293,15 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
                                   cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
             (loss * mb.mask.sum() / n_tokens).backward()       # token mean over the mini-batch
             stats.append(s)
-        grad_norms.append(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm).item())
-        finite = math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats)
+        grad_norms.append(full(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)).item())
+        finite = all_true(math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats))
         if not finite:
             break
         run.opt.step()
     run.model.eval()
     run.opt.zero_grad(set_to_none=True)                   # free the gradients before vLLM wakes up
     engine_sleep(run.llm, cfg.vllm_sleep == "on", False)
-    finite = finite and all(torch.isfinite(p).all() for p in run.model.parameters())  # e.g. an overflowing update
+    finite = all_true(finite and all(torch.isfinite(local(p)).all() for p in run.model.parameters()))  # overflow?
     return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)),
             "step1/finite": float(finite)}
 
@@ -1218,13 +1314,14 @@ def step2_estimates(run: LLMRun, ro: Rollout, held: int, m: dict) -> tuple[float
     rows = next_rows(run, cfg.prompts_per_step) if cfg.gap_batch == "next" else next_val_rows(run, cfg.val_prompts)
     val = rollout(run, rows, seed=cfg.seed * 1_000_003 + 2 * run.step + 1)
     logp_new = trainer_logp(run, val)                                       # π_{k+1} on y ~ μ_{k+1}
-    t_post = gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item()
+    t_post = all_mean(gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item())   # the same on every rank
     m["step2/val_reward"] = val.rewards.mean().item()
     m.update(prefixed(mismatch_metrics(logp_new, val.logp_sampler, val.mask), "mismatch_post"))
     g_k = float("nan")
     if held:
         heldout = ro.select(torch.arange(held))
-        g_k = surrogate_gain(trainer_logp(run, heldout), heldout.logp_sampler, heldout.adv, heldout.mask).item()
+        g_k = all_mean(surrogate_gain(trainer_logp(run, heldout), heldout.logp_sampler, heldout.adv,
+                                      heldout.mask).item())
     if cfg.gap_batch == "next":
         run.pending_rows, run.pending = rows, (val, logp_new)
     return t_post, g_k
@@ -1414,25 +1511,31 @@ CHECKPOINT_PREFIX = "checkpoint-"
 
 
 def save_checkpoint(run: LLMRun) -> Path:
-    """Atomic: written to a temp dir, then renamed to checkpoint-<step>; older ones are deleted after.
-    A kill at any moment leaves the newest checkpoint-* folder complete (no `latest` file needed:
-    the rename is the commit point, and the step number in the name orders them)."""
+    """Atomic: a temp dir renamed to checkpoint-<step> (the commit point; the step orders them), older ones
+    deleted after. Under torchrun rank 0 writes the full weights and optimizer state: any number of ranks resumes."""
+    full_sd = StateDictOptions(full_state_dict=True, cpu_offload=True)       # collectives: every rank calls them
+    weights, opt_state = get_model_state_dict(run.model, options=full_sd), get_optimizer_state_dict(
+        run.model, run.opt, options=full_sd)
     out = Path(run.cfg.output_dir)
     final = out / f"{CHECKPOINT_PREFIX}{run.step:06d}"
     tmp = out / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    run.model.save_pretrained(tmp)
-    run.tokenizer.save_pretrained(tmp)
-    torch.save({"optimizer": run.opt.state_dict(), "step": run.step, "rejections": run.rejections,
-                "order": run.order, "data_pos": run.data_pos, "val_pos": run.val_pos, "pending_rows": run.pending_rows,
-                "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(),
-                "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
-    if final.exists():                        # a re-run of this step after a resume: replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in out.glob(f"{CHECKPOINT_PREFIX}*"):
-        if old != final:
-            shutil.rmtree(old)
+    if rank_world()[0] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        run.model.save_pretrained(tmp, state_dict=weights)
+        run.tokenizer.save_pretrained(tmp)
+        torch.save(opt_state, tmp / "optimizer.pt")
+        torch.save({"step": run.step, "rejections": run.rejections, "order": run.order, "data_pos": run.data_pos,
+                    "val_pos": run.val_pos, "pending_rows": run.pending_rows, "torch_rng": torch.get_rng_state(),
+                    "numpy_rng": np.random.get_state(), "config": dataclasses.asdict(run.cfg)},
+                   tmp / "trainer_state.pt")
+        if final.exists():                    # a re-run of this step after a resume: replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in out.glob(f"{CHECKPOINT_PREFIX}*"):
+            if old != final:
+                shutil.rmtree(old)
+    if torchrun():
+        dist.barrier()                        # every rank returns once the checkpoint is complete
     return final
 
 
@@ -1447,7 +1550,9 @@ def latest_checkpoint(output_dir: str) -> Path:
 def load_trainer_state(run: LLMRun, ckpt: Path) -> None:
     """Optimizer, counters, data position and RNG states of a checkpoint (weights load with the model)."""
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    run.opt.load_state_dict(state["optimizer"])
+    opt_state = torch.load(ckpt / "optimizer.pt", weights_only=False) if rank_world()[0] == 0 else {}
+    set_optimizer_state_dict(run.model, run.opt, opt_state, options=StateDictOptions(   # rank 0 sends the shards
+        full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)
     run.step, run.rejections = state["step"], state["rejections"]
     run.order, run.data_pos, run.val_pos = state["order"], state["data_pos"], state["val_pos"]
     run.pending_rows = state["pending_rows"]   # a pending batch is re-sampled from the resumed μ, never reused
@@ -1494,11 +1599,12 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
     """pass@1 per dataset, averaged over cfg.eval_samples samples per problem, from vLLM (μ)."""
     rows = []
     for name, data in datasets.items():
-        prompt_ids = [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in data]
+        mine = data[rank_world()[0]::rank_world()[1]]      # under torchrun each rank scores every world-th problem
+        prompt_ids = [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in mine]
         samples = generate(llm, prompt_ids, cfg.eval_samples, cfg.max_new_tokens, cfg.eval_temperature, cfg.seed)
-        correct = [sample_reward(s, data[s["prompt_idx"]]["answer"], cfg) for s in samples]
-        rows.append({"dataset": name, "problems": len(data), "samples": cfg.eval_samples,
-                     "pass@1": float(np.mean(correct))})
+        correct, n = all_reduce([sum(sample_reward(s, mine[s["prompt_idx"]]["answer"], cfg) for s in samples),
+                                 len(samples)])
+        rows.append({"dataset": name, "problems": len(data), "samples": cfg.eval_samples, "pass@1": correct / n})
     return rows
 
 
@@ -1539,6 +1645,7 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     if cfg.device == "cuda":
         check_memory_plan(cfg)
     model = load_trainer(weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on")
+    model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards
     tokenizer = AutoTokenizer.from_pretrained(weights)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
@@ -1572,7 +1679,8 @@ def train(cfg: Config) -> None:
     """`python mipu.py train`: the MIPU loop, one function per phase."""
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    writer = open_reporter(cfg) if cfg.report_to else None   # first: a missing backend fails at once
+    # first: a missing backend fails at once
+    writer = open_reporter(cfg) if cfg.report_to and rank_world()[0] == 0 else None
     run = setup_llm_run(cfg)
     eval_sets = load_eval_sets(cfg) if cfg.eval_every else {}
     start, first = time.time(), run.step
@@ -1583,11 +1691,14 @@ def train(cfg: Config) -> None:
             m.update(eval_metrics(run, eval_sets))
         if run.step % cfg.save_every == 0 or run.step == cfg.steps:
             save_checkpoint(run)             # before the log line: a resumed run never logs a step twice
-        log_metrics(out / "metrics.jsonl", m, progress(run.step, cfg.steps, first, start))
-        for key, value in m.items() if writer else ():
-            writer.add_scalar(key, value, m["step"])  # every JSONL key under its own name
+        if rank_world()[0] == 0:
+            log_metrics(out / "metrics.jsonl", m, progress(run.step, cfg.steps, first, start))
+            for key, value in m.items() if writer else ():
+                writer.add_scalar(key, value, m["step"])  # every JSONL key under its own name
     if writer:
         writer.close()
+    if torchrun():
+        dist_close(run)
 
 
 def eval_command(cfg: Config) -> None:
