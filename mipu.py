@@ -69,6 +69,7 @@ import functools
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -1293,7 +1294,8 @@ def save_checkpoint(run: LLMRun) -> Path:
     run.tokenizer.save_pretrained(tmp)
     torch.save({"optimizer": run.opt.state_dict(), "step": run.step, "rejections": run.rejections,
                 "order": run.order, "data_pos": run.data_pos, "val_pos": run.val_pos, "pending_rows": run.pending_rows,
-                "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(),
+                "torch_rng": torch.get_rng_state(),   # numpy's key array as a list: loads with weights_only=True
+                "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
                 "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
     if final.exists():                        # a re-run of this step after a resume: replace it
         shutil.rmtree(final)
@@ -1312,15 +1314,25 @@ def latest_checkpoint(output_dir: str) -> Path:
     return found[-1]
 
 
-def load_trainer_state(run: LLMRun, ckpt: Path) -> None:
+def read_trainer_state(ckpt: Path) -> dict:
+    """trainer_state.pt of a checkpoint, read with weights_only=True: tensors and plain containers only,
+    so a planted pickle payload is refused instead of executed."""
+    path = ckpt / "trainer_state.pt"
+    try:
+        return torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError) as e:
+        raise MIPUError(f"{path}: refused or damaged ({type(e).__name__}); a trainer state holds only tensors "
+                        "and plain values") from e
+
+
+def load_trainer_state(run: LLMRun, state: dict) -> None:
     """Optimizer, counters, data position and RNG states of a checkpoint (weights load with the model)."""
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     run.opt.load_state_dict(state["optimizer"])
     run.step, run.rejections = state["step"], state["rejections"]
     run.order, run.data_pos, run.val_pos = state["order"], state["data_pos"], state["val_pos"]
     run.pending_rows = state["pending_rows"]   # a pending batch is re-sampled from the resumed μ, never reused
     torch.set_rng_state(state["torch_rng"])
-    np.random.set_state(state["numpy_rng"])
+    np.random.set_state(tuple(np.array(x, dtype=np.uint32) if isinstance(x, list) else x for x in state["numpy_rng"]))
 
 
 LINE_KEYS = ("rollout/reward", "mismatch/k3", "step1/loss", "step1/clip_frac", "step2/t_post", "step2/accepted",
@@ -1381,6 +1393,7 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     train_rows = load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
     val_rows = load_rows(cfg.val_data, cfg.prompt_key, cfg.answer_key) if cfg.val_data else []
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
+    state = read_trainer_state(ckpt) if ckpt else None          # before any weights load or engine starts
     weights = str(ckpt) if ckpt else cfg.model
     model = load_trainer(weights, cfg.train_dtype, cfg.device)
     if cfg.device == "cuda":
@@ -1393,7 +1406,7 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
              tokenizer.encode(first["answer"], add_special_tokens=False) or [tokenizer.eos_token_id])
     run = LLMRun(cfg, llm, model, tokenizer, opt, train_rows, val_rows, probe, order=[])
     if ckpt:
-        load_trainer_state(run, ckpt)
+        load_trainer_state(run, state)
         print(f"resumed from {ckpt} at step {run.step}")
     sync(run)                                          # μ starts from the trainer's (maybe resumed) θ
     return run

@@ -5,6 +5,7 @@ Run: python -m pytest -q test_mipu.py
 """
 import json
 import math
+import shutil
 import subprocess
 import sys
 import threading
@@ -759,3 +760,26 @@ def test_cli_llm_demo_tiny_budget(tmp_path):
     assert (tmp_path / "out" / "llm_demo.png").stat().st_size > 0
     steps = [json.loads(x)["step"] for x in (tmp_path / "runs" / "mipu" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
+
+
+class _Payload:
+    """Unpickling this calls open(marker, "w"): what a malicious trainer_state.pt could run."""
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_cli_resume_refuses_pickle_payload(model_dir, tmp_path):
+    """--resume reads trainer_state.pt with weights_only=True: a planted payload is refused, never run."""
+    ckpt = tmp_path / "run" / "checkpoint-000001"
+    shutil.copytree(model_dir, ckpt)                                   # a complete checkpoint but for the state
+    marker = tmp_path / "pwned"
+    torch.save({"optimizer": {}, "step": 1, "payload": _Payload(str(marker))}, ckpt / "trainer_state.pt")
+    p = run_cli("train", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL),
+                "--output-dir", str(tmp_path / "run"), "--steps", "2", "--resume")
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "trainer_state.pt: refused or damaged" in errors[0] and "Traceback" not in p.stderr
+    assert not marker.exists()
