@@ -69,8 +69,8 @@ import fcntl
 import functools
 import json
 import math
-import numbers
 import multiprocessing
+import numbers
 import os
 import pickle
 import random
@@ -175,12 +175,9 @@ class Config:
     output_dir: str = _arg("runs/mipu", "metrics.jsonl and checkpoints go here", "llm")
     resume: bool = _arg(False, "continue from the newest checkpoint in --output-dir; only these flags may differ "
                         "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE), "llm")
-    overwrite: bool = _arg(False, "start afresh in an --output-dir that holds a run, deleting its checkpoints and "
-                           "metrics", "llm")
-    drop_long_prompts: bool = _arg(False, "drop (and count) prompts that leave no room for a new token in the "
-                                   "context instead of refusing the data", "llm")
-    reward_timeout: float = _arg(5.0, "seconds per math-verify reward call, in a worker process; past it the "
-                                 "reward is 0 (5 s: math_verify's own default)", "llm")
+    overwrite: bool = _arg(False, "start afresh in an --output-dir that holds a run, deleting that run", "llm")
+    drop_long_prompts: bool = _arg(False, "drop (and count) prompts too long for the context, not refuse them", "llm")
+    reward_timeout: float = _arg(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default)", "llm")
     # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
     toy_preset: str = _arg("severe", "mismatch preset: none, fp8 or severe (TOY_PRESETS)", "toy",
                            choices=tuple(TOY_PRESETS))
@@ -200,10 +197,8 @@ class Config:
 
     def validate(self) -> "Config":
         """Reject bad values and bad combinations with one clear message each."""
-        nonfinite = [f.name for f in dataclasses.fields(self) if isinstance(f.default, float)
-                     and not math.isfinite(getattr(self, f.name))]
-        checks = [
-            (not nonfinite, f"--{nonfinite[0].replace('_', '-')} must be a finite number" if nonfinite else ""),
+        checks = [(math.isfinite(getattr(self, f.name)), f"--{f.name.replace('_', '-')} must be a finite number")
+                  for f in dataclasses.fields(self) if isinstance(f.default, float)] + [
             (self.num_generations >= 2, "--num-generations must be >= 2 (group advantages need a group)"),
             (self.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
             (self.val_prompts >= 1, "--val-prompts must be >= 1"),
@@ -1237,13 +1232,8 @@ _PLAIN_NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(
 
 def extract_answer(text: str) -> str | None:
     """Last \\boxed{...} content, else the last number in the text, else None."""
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed
-    numbers = _NUMBER_RE.findall(text)
-    if not numbers:
-        return None
-    return numbers[-1].replace(",", "")
+    boxed, numbers = _last_boxed(text), _NUMBER_RE.findall(text)
+    return boxed if boxed is not None else numbers[-1].replace(",", "") if numbers else None
 
 
 def _to_number(s: str) -> Fraction | None:
@@ -1285,8 +1275,9 @@ def _verify_worker(conn) -> None:
 
 
 class RewardWorker:
-    """math_verify in a spawned process (no fork of a process holding vLLM and torch threads) with a time
-    budget per call that works from any thread; a call past it kills the worker (restarted on the next call)."""
+    """math_verify in a worker process with a time budget per call that works from any thread; a call past
+    it kills the worker (restarted on the next call). Workers fork from a forkserver, never from this
+    process (forking one that holds vLLM and torch threads is unsafe)."""
     def __init__(self):
         self.proc, self.conn, self.lock = None, None, threading.Lock()
 
@@ -1294,8 +1285,8 @@ class RewardWorker:
         """Equal per math_verify, or None when past the time budget."""
         with self.lock:
             if self.proc is None:
-                ctx = multiprocessing.get_context("forkserver")   # workers fork from a clean server process
-                ctx.set_forkserver_preload(["torch", "math_verify"])  # ... that imported these once: fast restarts
+                ctx = multiprocessing.get_context("forkserver")
+                ctx.set_forkserver_preload(["torch", "math_verify"])  # imported once by the server: fast restarts
                 self.conn, child = ctx.Pipe()
                 self.proc = ctx.Process(target=_verify_worker, args=(child,), daemon=True)
                 self.proc.start()
@@ -1352,7 +1343,6 @@ def save_checkpoint(run: LLMRun) -> Path:
     out = Path(run.cfg.output_dir)
     final = out / f"{CHECKPOINT_PREFIX}{run.step:06d}"
     tmp = out / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     run.model.save_pretrained(tmp)
     run.tokenizer.save_pretrained(tmp)
     torch.save({"optimizer": run.opt.state_dict(), "step": run.step, "rejections": run.rejections,
@@ -1386,17 +1376,13 @@ def claim_output_dir(cfg: Config):
     out = Path(cfg.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        lock = open(out / ".lock", "a+")
+        lock = open(out / ".lock", "w")
     except OSError as e:
         raise MIPUError(f"--output-dir {out} is not a writable directory ({e.strerror})") from e
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        lock.seek(0)
-        raise MIPUError(f"--output-dir {out} is in use by another run ({lock.read().strip()})") from None
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
-    lock.flush()
+        raise MIPUError(f"--output-dir {out} is in use by another run (give each run its own)") from None
     for tmp in out.glob(".tmp-*"):
         shutil.rmtree(tmp)
     runs = sorted(out.glob(f"{CHECKPOINT_PREFIX}[0-9]*")) + [p for p in [out / "metrics.jsonl"] if p.exists()]
@@ -1498,8 +1484,7 @@ def sampler_for(cfg: Config):
 
 
 def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
-    """load_rows, then the rows whose prompt leaves room for >= 1 new token in the context: a longer
-    prompt is refused, or dropped and counted with --drop-long-prompts."""
+    """load_rows; a prompt without room for 1 new token in the context is refused (or --drop-long-prompts)."""
     from transformers import AutoConfig
     rows = load_rows(source, cfg.prompt_key, cfg.answer_key)
     context = cfg.max_model_len or AutoConfig.from_pretrained(cfg.model).max_position_embeddings  # vLLM's default
