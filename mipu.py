@@ -67,10 +67,14 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import fcntl
 import functools
 import json
 import math
+import multiprocessing
+import numbers
 import os
+import pickle
 import random
 import re
 import shutil
@@ -78,6 +82,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +119,10 @@ TOY_PRESETS = {"none": 0.0, "fp8": 1.0, "severe": 8.0}
 # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
 AUTO_DEFAULTS = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"),
                  "vllm_sleep": ("off", "on")}
+# flags a --resume may change: length, evaluation, output, memory knobs (micro_batch_size: rounding only); no other
+RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_data", "eval_samples", "eval_temperature", "save_every", "output_dir",
+                     "resume", "overwrite", "micro_batch_size", "gpu_memory_utilization", "reward_timeout",
+                     "report_to", "logprob_chunk", "grad_checkpointing", "vllm_sleep")
 
 
 def _arg(default, help: str, group: str = "algo", choices=None):
@@ -189,7 +198,11 @@ class Config:
     eval_every: int = _arg(0, "evaluate J(mu) on --eval-data every N steps (0 = never)", "llm")
     save_every: int = _arg(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)", "llm")
     output_dir: str = _arg("runs/mipu", "metrics.jsonl and checkpoints go here", "llm")
-    resume: bool = _arg(False, "continue from the newest checkpoint in --output-dir", "llm")
+    resume: bool = _arg(False, "continue from the newest checkpoint in --output-dir; only these flags may differ "
+                        "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE), "llm")
+    overwrite: bool = _arg(False, "start afresh in an --output-dir that holds a run, deleting that run", "llm")
+    drop_long_prompts: bool = _arg(False, "drop (and count) prompts too long for the context, not refuse them", "llm")
+    reward_timeout: float = _arg(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default)", "llm")
     report_to: str = _arg("", "also send each step's metrics to: tensorboard (<output-dir>/tensorboard) and/or "
                           "wandb, comma-separated (WANDB_MODE=offline needs no network)", "llm")
     # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
@@ -214,7 +227,8 @@ class Config:
 
     def validate(self) -> "Config":
         """Reject bad values and bad combinations with one clear message each."""
-        checks = [
+        checks = [(math.isfinite(getattr(self, f.name)), f"--{f.name.replace('_', '-')} must be a finite number")
+                  for f in dataclasses.fields(self) if isinstance(f.default, float)] + [
             (self.num_generations >= 2, "--num-generations must be >= 2 (group advantages need a group)"),
             (self.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
             (self.val_prompts >= 1, "--val-prompts must be >= 1"),
@@ -244,7 +258,10 @@ class Config:
              "--micro-batch-size, --max-new-tokens and --eval-samples must be >= 1"),
             (self.save_every >= 1 and self.eval_every >= 0, "--save-every must be >= 1, --eval-every >= 0"),
             (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
-            (self.sync_tol > 0, "--sync-tol must be > 0"),
+            (self.sync_tol > 0 and self.max_grad_norm > 0 and self.reward_timeout > 0,
+             "--sync-tol, --max-grad-norm and --reward-timeout must be > 0"),
+            (self.weight_decay >= 0, "--weight-decay must be >= 0"),
+            (not (self.resume and self.overwrite), "--resume and --overwrite exclude each other"),
             (set(self.report_to.split(",")) <= {"", "tensorboard", "wandb"}, "--report-to takes tensorboard, wandb"),
             (not any(n % rank_world()[1] for n in (self.prompts_per_step, self.val_prompts, self.mini_batch_size,
                                                    self.target_holdout * (self.accept_rule == "target"))),
@@ -486,7 +503,8 @@ def mipu_step(run: LLMRun) -> dict:
     lap("rollback")
     run.step += 1
     m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
-              "step2/rejections": run.rejections, "lr": current_lr(cfg, cfg.learning_rate, k), **lap.times()})
+              "step2/rejections": run.rejections, "rollout/reward_timeouts": run.reward_timeouts,
+              "lr": current_lr(cfg, cfg.learning_rate, k), **lap.times()})
     return global_metrics(m)
 
 
@@ -772,15 +790,15 @@ def _check_model_path(model_path: str) -> None:
         if not (path / "config.json").is_file():
             raise MIPUError(f"model directory {model_path} has no config.json")
         return
-    cached = None
-    if model_path.count("/") == 1 and not model_path.startswith((".", "/")):  # "org/name"
+    cached = None   # "org/name" whose "org" is no local folder (e.g. not runs/<missing run>) may be a hub id
+    hub_id = model_path.count("/") == 1 and not model_path.startswith((".", "/")) and not path.parent.is_dir()
+    if hub_id:
         from huggingface_hub import try_to_load_from_cache  # offline: looks at the cache only
 
         cached = try_to_load_from_cache(model_path, "config.json")
     if not isinstance(cached, str):  # None or a "known missing" sentinel
-        raise MIPUError(f"unknown model path {model_path!r}: not a local model directory and "
-                        "not a hub id in the local HF cache (download it first, e.g. "
-                        f"`hf download {model_path}`)")
+        raise MIPUError(f"unknown model path {model_path!r}: " + (f"not a hub id in the local HF cache (download "
+                        f"it first, e.g. `hf download {model_path}`)" if hub_id else "no such local directory"))
 
 
 def require_gpu_for_fp8(rollout_quant: str) -> None:
@@ -1209,6 +1227,7 @@ class LLMRun:
     rejections: int = 0
     snapshot: tuple = None                    # clone_state's host buffers, reused step to step
     probe_gap0: float = 0.0                   # the probe's max |log π - log μ| at start-up (sync check scale)
+    reward_timeouts: int = 0                  # reward calls past --reward-timeout, scored 0
 
 
 def next_rows(run: LLMRun, n: int) -> list:
@@ -1238,7 +1257,9 @@ def rollout(run: LLMRun, rows: list, seed: int) -> Rollout:
     prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in rows]
     samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature,
                        seed + first * cfg.num_generations)
-    rewards = torch.tensor([sample_reward(s, rows[s["prompt_idx"]]["answer"], cfg) for s in samples])
+    scores = [sample_reward(s, rows[s["prompt_idx"]]["answer"], cfg) for s in samples]
+    run.reward_timeouts += scores.count(None)
+    rewards = torch.tensor([score or 0.0 for score in scores])
     logp_sampler = pad_right([s["sampler_logprobs"] for s in samples], 0.0)
     mask = pad_right([[1.0] * len(s["completion_ids"]) for s in samples], 0.0)
     return Rollout([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples],
@@ -1354,22 +1375,25 @@ def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dic
     prompt, answer = row[prompt_key], row[answer_key]
     if not isinstance(prompt, str) or not prompt.strip():
         raise MIPUError(f"{where}: prompt key {prompt_key!r} is empty or not a string")
-    if answer is None or str(answer).strip() == "":
-        raise MIPUError(f"{where}: answer key {answer_key!r} is empty")
+    if isinstance(answer, bool) or not isinstance(answer, (str, numbers.Real)) or str(answer).strip() == "":
+        raise MIPUError(f"{where}: answer key {answer_key!r} is empty or not a string or number: {str(answer)[:60]}")
     return {"prompt": prompt, "answer": str(answer).strip()}
 
 
 def _read_jsonl(path: Path) -> list[tuple[str, object]]:
     """Parse a .jsonl file into (location, row) pairs; blank lines are skipped."""
     items = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                items.append((f"{path}:{lineno}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise MIPUError(f"{path}:{lineno}: malformed JSON ({e.msg})") from e
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MIPUError(f"{path}: not UTF-8 text (byte {e.start})") from e
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            items.append((f"{path}:{lineno}", json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise MIPUError(f"{path}:{lineno}: malformed JSON ({e.msg})") from e
     return items
 
 
@@ -1422,65 +1446,99 @@ def _last_boxed(text: str) -> str | None:
     return None  # unbalanced: the box never closes
 
 
-# ints, decimals, fractions ("3/4"), thousands separators ("1,000"); a "-" counts as a sign
+# ints, decimals, fractions ("3/4"), thousands separators ("1,000"), ASCII digits only; a "-" counts as a sign
 # only when not right after a digit / letter / ")" (so "7-3" yields "7" and "3", not "-3")
-_NUMBER_RE = re.compile(r"(?:(?<![\w)])-)?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+_NUMBER_RE = re.compile(r"(?:(?<![\w)])-)?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?(?:/[0-9]+)?")
+_PLAIN_NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?:/[0-9]+)?")
 
 
 def extract_answer(text: str, boxed_only: bool = False) -> str | None:
     """Last \\boxed{...} content, else (unless boxed_only) the last number in the text, else None."""
-    boxed = _last_boxed(text)
+    boxed, numbers = _last_boxed(text), _NUMBER_RE.findall(text)
     if boxed is not None or boxed_only:
         return boxed
-    numbers = _NUMBER_RE.findall(text)
-    if not numbers:
-        return None
-    return numbers[-1].replace(",", "")
+    return numbers[-1].replace(",", "") if numbers else None
 
 
-def _to_number(s: str) -> float | None:
-    """Parse "3", "-1.5", "3/4", "1,000" to a float, else None."""
-    s = s.replace(",", "").replace(" ", "").strip().rstrip(".")
-    try:
-        if "/" in s:
-            num, den = s.split("/", 1)
-            return float(num) / float(den)
-        return float(s)
-    except (ValueError, ZeroDivisionError):
+def _to_number(s: str) -> Fraction | None:
+    """"3", "-1.5", "3/4", "1,000" as an exact Fraction, else None (other groupings, non-ASCII digits)."""
+    s = s.strip().rstrip(".")
+    if not _PLAIN_NUMBER.fullmatch(s):
         return None
+    num, _, den = s.replace(",", "").partition("/")
+    return None if den and int(den) == 0 else Fraction(num) / Fraction(den or 1)
 
 
 def _simple_equal(pred: str, answer: str) -> bool:
-    """Exact string compare, then numeric compare (rel. tol 1e-6)."""
+    """Same string, or same number: integers exactly; decimals and fractions within 1e-6 relative (a
+    rounded 0.333333 for 1/3) but never more than 1e-3, so no different integer is ever accepted."""
     if pred.strip() == answer.strip():
         return True
     a, b = _to_number(pred), _to_number(answer)
-    return a is not None and b is not None and abs(a - b) <= 1e-6 * max(1.0, abs(b))
+    if a is None or b is None:
+        return False
+    if a.denominator == b.denominator == 1:
+        return a == b
+    return abs(a - b) <= min(Fraction(1, 10**6) * max(1, abs(b)), Fraction(1, 1000))
 
 
-def math_reward(completion: str, answer: str, boxed_only: bool = False) -> float:
-    """1.0 if the completion's final answer equals `answer` (math_verify, else exact/numeric)."""
+def _verify_worker(conn) -> None:
+    """RewardWorker's process: answer (pred, answer) pairs with math_verify until the pipe closes."""
+    import logging
+    from math_verify import parse, verify
+    logging.disable(logging.CRITICAL)        # math_verify logs whole inputs; RewardWorker times the calls instead
+    conn.send("ready")
+    while True:
+        pred, answer = conn.recv()
+        try:
+            gold, guess = parse(f"${answer}$", parsing_timeout=None), parse(f"${pred}$", parsing_timeout=None)
+            ok = verify(gold, guess, timeout_seconds=None) if gold and guess else _simple_equal(pred, answer)
+        except Exception:  # math_verify/sympy raise arbitrary errors on weird text
+            ok = _simple_equal(pred, answer)
+        conn.send(bool(ok))
+
+
+class RewardWorker:
+    """math_verify in a worker process with a time budget per call that works from any thread; a call past
+    it kills the worker (restarted on the next call). Workers fork from a forkserver, never from this
+    process (forking one that holds vLLM and torch threads is unsafe)."""
+    def __init__(self):
+        self.proc, self.conn, self.lock = None, None, threading.Lock()
+
+    def __call__(self, pred: str, answer: str, timeout: float) -> bool | None:
+        """Equal per math_verify, or None when past the time budget."""
+        with self.lock:
+            if self.proc is None:
+                ctx = multiprocessing.get_context("forkserver")
+                ctx.set_forkserver_preload(["torch", "math_verify"])  # imported once by the server: fast restarts
+                self.conn, child = ctx.Pipe()
+                self.proc = ctx.Process(target=_verify_worker, args=(child,), daemon=True)
+                self.proc.start()
+                self.conn.recv()                 # imports done: the budget times the verification only
+            self.conn.send((pred, answer))
+            if self.conn.poll(timeout):
+                return self.conn.recv()
+            self.proc.kill()
+            self.proc.join()
+            self.proc = None
+            print(f"warning: reward of answer {pred[:60]!r}... ({len(pred)} chars) took over {timeout:g} s; "
+                  "scored 0", file=sys.stderr)
+            return None
+
+
+REWARD_WORKER = RewardWorker()
+
+
+def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout: float = 5.0) -> float | None:
+    """1.0 if the completion's final answer equals `answer`, else 0.0; None past `timeout` seconds.
+    Plain numbers compare in-process (exact, ~1 ms faster than sympy); the rest in REWARD_WORKER."""
     pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
     if _to_number(pred) is not None and _to_number(answer) is not None:
-        return float(_simple_equal(pred, answer))   # plain numbers: exact, and ~1 ms faster than sympy
-    try:
-        from math_verify import parse, verify
-    except ImportError:
         return float(_simple_equal(pred, answer))
-    # math_verify's timeouts use SIGALRM, which only works in the main thread: elsewhere
-    # (data-loader / Ray threads) we pass None, which disables them (math_verify >= 0.7).
-    in_main = threading.current_thread() is threading.main_thread()
-    timeout = 5 if in_main else None  # 5 s = math_verify's own default
-    try:
-        gold = parse(f"${answer}$", parsing_timeout=timeout)
-        guess = parse(f"${pred}$", parsing_timeout=timeout)
-        if gold and guess:
-            return float(verify(gold, guess, timeout_seconds=timeout))
-    except Exception:  # math_verify/sympy raise arbitrary errors on weird text
-        pass
-    return float(_simple_equal(pred, answer))
+    equal = REWARD_WORKER(pred, answer, timeout)
+    return None if equal is None else float(equal)
 
 
 def sample_reward(sample: dict, answer: str, cfg: Config) -> float:
@@ -1525,9 +1583,12 @@ def save_checkpoint(run: LLMRun) -> Path:
         run.tokenizer.save_pretrained(tmp)
         torch.save(opt_state, tmp / "optimizer.pt")
         torch.save({"step": run.step, "rejections": run.rejections, "order": run.order, "data_pos": run.data_pos,
-                    "val_pos": run.val_pos, "pending_rows": run.pending_rows, "torch_rng": torch.get_rng_state(),
-                    "numpy_rng": np.random.get_state(), "config": dataclasses.asdict(run.cfg)},
-                   tmp / "trainer_state.pt")
+                    "val_pos": run.val_pos, "pending_rows": run.pending_rows,
+                    "pending": run.pending and (vars(run.pending[0]), run.pending[1]),    # --gap-batch next's batch
+                    "reward_timeouts": run.reward_timeouts,
+                    "torch_rng": torch.get_rng_state(),   # numpy's key array as a list: loads with weights_only=True
+                    "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+                    "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
         if final.exists():                    # a re-run of this step after a resume: replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -1543,21 +1604,80 @@ def latest_checkpoint(output_dir: str) -> Path:
     """The newest complete checkpoint (temp folders start with '.tmp-', so they never match)."""
     found = sorted(Path(output_dir).glob(f"{CHECKPOINT_PREFIX}[0-9]*"))
     if not found:
-        raise MIPUError(f"--resume: no checkpoint in {output_dir}")
+        raise MIPUError(f"--resume: no checkpoint in {output_dir} (start afresh there with --overwrite)")
     return found[-1]
 
 
-def load_trainer_state(run: LLMRun, ckpt: Path) -> None:
+def claim_output_dir(cfg: Config):
+    """Make --output-dir this run's: a writable directory, locked while the run lives (flock: the kernel
+    releases a killed run's lock, so a stale one is taken over), without temp folders of a killed save,
+    and holding no other run unless --resume (continue it) or --overwrite (delete it). Returns the lock."""
+    out = Path(cfg.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "w")
+    except OSError as e:
+        raise MIPUError(f"--output-dir {out} is not a writable directory ({e.strerror})") from e
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise MIPUError(f"--output-dir {out} is in use by another run (give each run its own)") from None
+    for tmp in out.glob(".tmp-*"):
+        shutil.rmtree(tmp)
+    runs = sorted(out.glob(f"{CHECKPOINT_PREFIX}[0-9]*")) + [p for p in [out / "metrics.jsonl"] if p.exists()]
+    if runs and not cfg.resume and not cfg.overwrite:
+        raise MIPUError(f"--output-dir {out} holds a run: continue it with --resume, or delete it with --overwrite")
+    for path in runs if cfg.overwrite else []:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return lock
+
+
+def keep_metrics_before(path: Path, step: int) -> None:
+    """Cut metrics.jsonl to the complete lines of steps < step (atomically: temp file, then rename)."""
+    if path.exists():
+        lines = [x for x in path.read_text().splitlines(keepends=True) if x.endswith("\n")]
+        path.with_suffix(".tmp").write_text("".join(x for x in lines if json.loads(x)["step"] < step))
+        os.replace(path.with_suffix(".tmp"), path)
+
+
+def check_resume(cfg: Config, state: dict, n_train: int) -> None:
+    """Refuse to continue a run under other flags (but RESUME_MAY_CHANGE) or other training data."""
+    for name, saved in state["config"].items():
+        if name not in RESUME_MAY_CHANGE and hasattr(cfg, name) and getattr(cfg, name) != saved:
+            raise MIPUError(f"--resume: --{name.replace('_', '-')} is {getattr(cfg, name)!r}, the run's is {saved!r} "
+                            "(`train --help` lists the flags --resume may change)")
+    if state["order"] and len(state["order"]) != n_train:
+        raise MIPUError(f"--resume: --train-data has {n_train} rows, the run's had {len(state['order'])}")
+
+
+def read_trainer_state(ckpt: Path) -> dict:
+    """trainer_state.pt (+ optimizer.pt on rank 0, the one that sends it) read with weights_only=True: tensors
+    and plain containers only, so a planted pickle payload is refused, never run; the weight files' headers
+    are checked first (a truncated file fails)."""
+    from safetensors import SafetensorError, safe_open
+    state = {"optimizer": {}}
+    for path in [*sorted(ckpt.glob("*.safetensors")), ckpt / "trainer_state.pt", ckpt / "optimizer.pt"]:
+        try:
+            if path.name == "trainer_state.pt" or (path.name == "optimizer.pt" and rank_world()[0] == 0):
+                state[path.stem] = torch.load(path, weights_only=True)
+            elif path.suffix == ".safetensors":
+                safe_open(path, "pt").keys()
+        except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, SafetensorError) as e:
+            raise MIPUError(f"{path}: refused or damaged ({type(e).__name__}); a checkpoint holds only tensors "
+                            "and plain values") from e
+    return {**state["trainer_state"], "optimizer": state["optimizer"]}
+
+
+def load_trainer_state(run: LLMRun, state: dict) -> None:
     """Optimizer, counters, data position and RNG states of a checkpoint (weights load with the model)."""
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    opt_state = torch.load(ckpt / "optimizer.pt", weights_only=False) if rank_world()[0] == 0 else {}
-    set_optimizer_state_dict(run.model, run.opt, opt_state, options=StateDictOptions(   # rank 0 sends the shards
-        full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)
+    set_optimizer_state_dict(run.model, run.opt, state["optimizer"], options=StateDictOptions(   # rank 0 sends
+        full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)               # the shards
     run.step, run.rejections = state["step"], state["rejections"]
     run.order, run.data_pos, run.val_pos = state["order"], state["data_pos"], state["val_pos"]
-    run.pending_rows = state["pending_rows"]   # a pending batch is re-sampled from the resumed μ, never reused
+    run.pending_rows, run.reward_timeouts = state["pending_rows"], state["reward_timeouts"]
+    run.pending = state["pending"] and (Rollout(**state["pending"][0]), state["pending"][1])   # --gap-batch next
     torch.set_rng_state(state["torch_rng"])
-    np.random.set_state(state["numpy_rng"])
+    np.random.set_state(tuple(np.array(x, dtype=np.uint32) if isinstance(x, list) else x for x in state["numpy_rng"]))
 
 
 def open_reporter(cfg: Config):
@@ -1602,7 +1722,7 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
         mine = data[rank_world()[0]::rank_world()[1]]      # under torchrun each rank scores every world-th problem
         prompt_ids = [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in mine]
         samples = generate(llm, prompt_ids, cfg.eval_samples, cfg.max_new_tokens, cfg.eval_temperature, cfg.seed)
-        correct, n = all_reduce([sum(sample_reward(s, mine[s["prompt_idx"]]["answer"], cfg) for s in samples),
+        correct, n = all_reduce([sum(sample_reward(s, mine[s["prompt_idx"]]["answer"], cfg) or 0.0 for s in samples),
                                  len(samples)])
         rows.append({"dataset": name, "problems": len(data), "samples": cfg.eval_samples, "pass@1": correct / n})
     return rows
@@ -1630,23 +1750,44 @@ def sampler_for(cfg: Config):
                         cfg.rollout_quant, cfg.vllm_sleep == "on")
 
 
+def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
+    """load_rows; a prompt without room for 1 new token in the context is refused (or --drop-long-prompts)."""
+    from transformers import AutoConfig
+    rows = load_rows(source, cfg.prompt_key, cfg.answer_key)
+    context = cfg.max_model_len or AutoConfig.from_pretrained(cfg.model).max_position_embeddings  # vLLM's default
+    fits = [len(build_prompt_ids(tokenizer, r["prompt"])) < context for r in rows]
+    if all(fits):
+        return rows
+    if not cfg.drop_long_prompts or not any(fits):
+        raise MIPUError(f"{source}: {fits.count(False)} of {len(rows)} prompts (the first: row {fits.index(False)}) "
+                        f"leave no room for a new token in the {context}-token context; use --drop-long-prompts "
+                        "or a larger --max-model-len")
+    print(f"{source}: dropped {fits.count(False)} prompts too long for the {context}-token context")
+    return [r for r, ok in zip(rows, fits) if ok]
+
+
 def load_eval_sets(cfg: Config) -> dict:
-    return {Path(src).stem: load_rows(src, cfg.prompt_key, cfg.answer_key) for src in cfg.eval_data.split(",") if src}
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    return {Path(src).stem: load_prompts(cfg, tokenizer, src) for src in cfg.eval_data.split(",") if src}
 
 
 def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     """Data, training engine, optimizer, vLLM engine (resumed from the latest checkpoint with --resume).
     llm: an existing engine of cfg.model to reuse (tests run one engine per session)."""
     from transformers import AutoTokenizer
-    train_rows = load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
-    val_rows = load_rows(cfg.val_data, cfg.prompt_key, cfg.answer_key) if cfg.val_data else []
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
+    state = read_trainer_state(ckpt) if ckpt else None          # everything is checked before the engines start
     weights = str(ckpt) if ckpt else cfg.model
+    tokenizer = AutoTokenizer.from_pretrained(weights)
+    train_rows = load_prompts(cfg, tokenizer, cfg.train_data)
+    val_rows = load_prompts(cfg, tokenizer, cfg.val_data) if cfg.val_data else []
+    if state:
+        check_resume(cfg, state, len(train_rows))
     if cfg.device == "cuda":
         check_memory_plan(cfg)
     model = load_trainer(weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on")
     model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards
-    tokenizer = AutoTokenizer.from_pretrained(weights)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
     llm = llm or sampler_for(cfg)
@@ -1654,7 +1795,7 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
         torch.set_float32_matmul_precision("high")
     run = LLMRun(cfg, llm, model, tokenizer, opt, train_rows, val_rows, probe=(), order=[])
     if ckpt:
-        load_trainer_state(run, ckpt)
+        load_trainer_state(run, state)
         print(f"resumed from {ckpt} at step {run.step}")
     sync_weights(llm, list(model.named_parameters()), cfg.rollout_quant)   # μ starts from the (maybe resumed) θ
     # the sync probe: a response the engine itself sampled, so no token is one μ finds very unlikely
@@ -1677,28 +1818,32 @@ def toy_command(cfg: Config) -> None:
 
 def train(cfg: Config) -> None:
     """`python mipu.py train`: the MIPU loop, one function per phase."""
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # first: a missing backend fails at once
-    writer = open_reporter(cfg) if cfg.report_to and rank_world()[0] == 0 else None
-    run = setup_llm_run(cfg)
+    rank0 = rank_world()[0] == 0
+    lock = claim_output_dir(cfg) if rank0 else None   # held (flock) until this process ends
+    writer = open_reporter(cfg) if cfg.report_to and rank0 else None   # before the engines: fails at once
     eval_sets = load_eval_sets(cfg) if cfg.eval_every else {}
+    run = setup_llm_run(cfg)
+    metrics = Path(cfg.output_dir) / "metrics.jsonl"
+    if rank0:
+        keep_metrics_before(metrics, run.step)  # a kill after a log line but before its checkpoint: re-run, re-log
     start, first = time.time(), run.step
     while run.step < cfg.steps:
         m = mipu_step(run)
         m["perf/tokens_per_s"] = m["rollout/response_len"] * cfg.batch_size / m["time/step"]
         if eval_sets and run.step % cfg.eval_every == 0:
             m.update(eval_metrics(run, eval_sets))
-        if run.step % cfg.save_every == 0 or run.step == cfg.steps:
-            save_checkpoint(run)             # before the log line: a resumed run never logs a step twice
-        if rank_world()[0] == 0:
-            log_metrics(out / "metrics.jsonl", m, progress(run.step, cfg.steps, first, start))
+        if rank0:                               # before the checkpoint: a resume cuts the lines past it
+            log_metrics(metrics, m, progress(run.step, cfg.steps, first, start))
             for key, value in m.items() if writer else ():
                 writer.add_scalar(key, value, m["step"])  # every JSONL key under its own name
+        if run.step % cfg.save_every == 0 or run.step == cfg.steps:
+            save_checkpoint(run)
     if writer:
         writer.close()
     if torchrun():
         dist_close(run)
+    if lock:
+        lock.close()
 
 
 def eval_command(cfg: Config) -> None:
@@ -1725,6 +1870,7 @@ def check_llm_flags(cfg: Config, command: str) -> None:
     require_gpu_for_fp8(cfg.rollout_quant)
     if cfg.vllm_sleep == "on" and not torch.cuda.is_available():
         raise MIPUError("--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)")
+    _check_model_path(cfg.model)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise MIPUError("--device cuda but no GPU is visible")
     if cfg.resume:

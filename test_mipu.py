@@ -4,12 +4,15 @@ vLLM path on a tiny model, and the command line as a user runs it.
 Run: python -m pytest -q test_mipu.py
 """
 import dataclasses
+import fcntl
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -224,6 +227,14 @@ def test_random_rollback_rate():
     (dict(w_max=0.5), "w-max"),
     (dict(temperature=0.0), "--temperature must be > 0"),
     (dict(gpu_memory_utilization=1.5), "gpu-memory-utilization"),
+    (dict(c=float("nan")), "--c must be a finite number"),
+    (dict(max_grad_norm=float("inf")), "--max-grad-norm must be a finite number"),
+    (dict(learning_rate=float("inf")), "--learning-rate must be a finite number"),
+    (dict(temperature=float("inf")), "--temperature must be a finite number"),
+    (dict(weight_decay=float("nan")), "--weight-decay must be a finite number"),
+    (dict(weight_decay=-0.1), "--weight-decay must be >= 0"),
+    (dict(max_grad_norm=0.0), "--max-grad-norm and --reward-timeout must be > 0"),
+    (dict(resume=True, overwrite=True), "--resume and --overwrite exclude each other"),
 ])
 def test_bad_config(kw, message):
     with pytest.raises(mipu.MIPUError, match=message):
@@ -453,6 +464,14 @@ def test_extract_answer(text, expected):
     ("\\boxed{\\frac{", "1", 0.0),
     ("}}}{{{ \\boxed{\\sqrt{", "2", 0.0),
     ("abc", "abc", 0.0),  # no number and no box: nothing to compare
+    ("123456700", "123456789", 0.0),   # integers compare exactly (a 1e-6 relative tolerance paid this)
+    ("5.0", "5", 1.0),
+    ("0.333333", "1/3", 1.0),          # a rounded decimal: within 1e-6 relative
+    ("2.0001", "2", 0.0),
+    ("\\boxed{1234567.004}", "1234567", 0.0),  # 1e-6 relative would be 1.2: capped at 1e-3
+    ("\\boxed{1,23}", "123", 0.0),     # not a thousands grouping
+    ("\\boxed{\u0661\u0662\u0663}", "123", 0.0),  # Arabic-Indic digits
+    ("\u0661\u0662\u0663", "123", 0.0),
 ])
 def test_math_reward(completion, answer, reward):
     assert mipu.math_reward(completion, answer) == reward
@@ -465,6 +484,23 @@ def test_math_reward_off_main_thread():
     thread.start()
     thread.join()
     assert out == [1.0]
+
+
+def test_math_reward_time_budget_off_main_thread(capfd):
+    """A hostile answer (a tower of exponents, 1 MB of parentheses) is cut at the budget in any thread,
+    scores None (0 in the rollout) and never prints the whole completion."""
+    assert mipu.math_reward("\\boxed{\\frac{1}{2}}", "0.5") == 1.0          # worker started and warm
+    out = []
+    for completion in ("\\boxed{9^{9^{9^{9^{9^{9}}}}}}", "\\boxed{" + "(" * 500_000 + "1" + ")" * 500_000 + "}"):
+        start = time.perf_counter()
+        thread = threading.Thread(target=lambda c=completion: out.append(mipu.math_reward(c, "1", 1.0)))
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive() and time.perf_counter() - start < 1.0 + 15   # budget + a worker restart
+    assert out == [None, None]
+    assert mipu.math_reward("\\boxed{\\frac{3}{4}}", "0.75") == 1.0           # a fresh worker after the kills
+    err = capfd.readouterr().err
+    assert err.count("scored 0") == 2 and len(err) < 2000
 
 
 def test_make_arith_rows():
@@ -940,10 +976,25 @@ def test_cli_train_resume_eval(model_dir, tmp_path):
     assert [m["step"] for m in lines] == [0, 1, 2]
     assert mipu.latest_checkpoint(str(out)).name == "checkpoint-000003"
     assert (out / "checkpoint-000003" / "trainer_state.pt").exists()
+    for extra, message in ([], "holds a run: continue it with --resume, or delete it with --overwrite"), \
+                          (["--resume", "--seed", "1"], "--resume: --seed is 1, the run's is 0"):
+        p = run_cli("train", *common, "--steps", "4", *extra)          # refused before anything is touched
+        assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    with open(out / ".lock", "a+") as held:                            # a live run holds the directory
+        fcntl.flock(held, fcntl.LOCK_EX)
+        p = run_cli("train", *common, "--steps", "4", "--resume")
+        assert p.returncode == 2 and "is in use by another run" in p.stderr, p.stderr[-2000:]
+    # a kill after step 3's log line, during checkpoint 4's write: a line past the checkpoint, a torn
+    # line, a temp folder; the resumed run re-runs step 3 and logs it once
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "killed": true}\n{"step": 4, "rollo')
+    (out / ".tmp-checkpoint-000004-1").mkdir()
     p = run_cli("train", *common, "--steps", "4", "--resume")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resumed from" in p.stdout and "at step 3" in p.stdout
-    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3] and "killed" not in lines[3]
+    assert not (out / ".tmp-checkpoint-000004-1").exists()
     p = run_cli("eval", "--model", str(out / "checkpoint-000004"), "--data", f"{ARITH_VAL},{ARITH}",
                 "--eval-samples", "2", "--max-new-tokens", "4")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -1014,11 +1065,22 @@ def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
     (None, ["--model", "no/such-model"], "unknown model path"),
     (None, ["--method", "mipu", "--val-data", ""], "train needs --val-data"),
     (None, ["--resume", "--output-dir", "/nonexistent/run"], "--resume: no checkpoint"),
+    (b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff", "answer": "1"}\n', [], "bad.jsonl: not UTF-8 text"),
+    ('{"prompt": "1+1=", "answer": [2]}\n', [], "bad.jsonl:1: answer key 'answer' is empty or not a string or number"),
+    ('{"prompt": "1+1=", "answer": true}\n', [], "bad.jsonl:1: answer key 'answer' is empty or not a string or number"),
+    ('{"prompt": "1+1=", "answer": {"x": 2}}\n', [], "bad.jsonl:1: answer key"),
+    (json.dumps({"prompt": "1+" * 200 + "1=", "answer": "201"}), [], "leave no room for a new token in the 256-token"),
+    (None, ["--output-dir", str(ARITH)], "is not a writable directory"),
+    (None, ["--c", "nan"], "error: --c must be a finite number"),
+    (None, ["--learning-rate", "inf"], "error: --learning-rate must be a finite number"),
+    (None, ["--weight-decay", "-1"], "error: --weight-decay must be >= 0"),
+    (None, ["--temperature", "inf"], "error: --temperature must be a finite number"),
 ])
 def test_cli_train_bad_input(tmp_path, model_dir, make_file, extra, message):
     data = str(ARITH)
     if make_file is not None:
-        (tmp_path / "bad.jsonl").write_text(make_file)
+        bad = tmp_path / "bad.jsonl"
+        bad.write_bytes(make_file) if isinstance(make_file, bytes) else bad.write_text(make_file)
         data = str(tmp_path / "bad.jsonl")
     p = run_cli("train", "--model", model_dir, "--train-data", data, "--val-data", str(ARITH_VAL), "--steps", "1",
                 "--output-dir", str(tmp_path / "out"), *extra)
@@ -1159,6 +1221,142 @@ def test_world_size_must_divide_prompts(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(mipu.MIPUError, match="must divide by the 3 torchrun ranks"):
         mipu.Config(prompts_per_step=4).validate()
+
+
+class _Payload:
+    """Unpickling this calls open(marker, "w"): what a malicious trainer_state.pt could run."""
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_cli_resume_refuses_pickle_payload(model_dir, tmp_path):
+    """--resume reads trainer_state.pt with weights_only=True: a planted payload is refused, never run."""
+    ckpt = tmp_path / "run" / "checkpoint-000001"
+    shutil.copytree(model_dir, ckpt)                                   # a complete checkpoint but for the state
+    marker = tmp_path / "pwned"
+    torch.save({"optimizer": {}, "step": 1, "payload": _Payload(str(marker))}, ckpt / "trainer_state.pt")
+    p = run_cli("train", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL),
+                "--output-dir", str(tmp_path / "run"), "--steps", "2", "--resume")
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "trainer_state.pt: refused or damaged" in errors[0] and "Traceback" not in p.stderr
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- the run directory, resume, validation
+
+def test_output_dir_belongs_to_one_run(tmp_path):
+    """A fresh run refuses a directory that holds a run (unless --overwrite); a live lock refuses a second
+    run; a killed run's lock is taken over; temp folders of a killed save are removed."""
+    out = tmp_path / "run"
+    cfg = mipu.Config(output_dir=str(out)).validate()
+    lock = mipu.claim_output_dir(cfg)
+    with pytest.raises(mipu.MIPUError, match="is in use by another run"):
+        mipu.claim_output_dir(cfg)
+    lock.close()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(120)",
+                               str(out / ".lock")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(mipu.MIPUError, match="is in use by another run"):
+        mipu.claim_output_dir(cfg)
+    holder.kill()                                                      # SIGKILL: no clean-up runs
+    holder.wait()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / ".tmp-checkpoint-000001-99").mkdir()
+    (out / "checkpoint-000001").mkdir()
+    with pytest.raises(mipu.MIPUError, match="holds a run: continue it with --resume, or delete it with --overwrite"):
+        mipu.claim_output_dir(cfg)                                     # the stale lock was taken over, though
+    assert not (out / ".tmp-checkpoint-000001-99").exists()
+    mipu.claim_output_dir(mipu.Config(output_dir=str(out), resume=True).validate()).close()
+    assert (out / "checkpoint-000001").exists()
+    mipu.claim_output_dir(mipu.Config(output_dir=str(out), overwrite=True).validate()).close()
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    with pytest.raises(mipu.MIPUError, match="is not a writable directory"):
+        mipu.claim_output_dir(mipu.Config(output_dir=str(ARITH / "run")).validate())
+
+
+def test_keep_metrics_before(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": k}) + "\n" for k in range(4)) + '{"step": 4, "rollout/rew')
+    mipu.keep_metrics_before(path, 2)                                  # resumed from checkpoint-000002
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1]
+
+
+def test_check_resume_names_the_flag():
+    cfg = mipu.Config(seed=0, steps=5).validate()
+    state = {"config": dataclasses.asdict(cfg), "order": list(range(10))}
+    mipu.check_resume(dataclasses.replace(cfg, steps=9, eval_every=2), state, 10)   # may change
+    with pytest.raises(mipu.MIPUError, match="--resume: --seed is 1, the run's is 0"):
+        mipu.check_resume(dataclasses.replace(cfg, seed=1), state, 10)
+    with pytest.raises(mipu.MIPUError, match="--resume: --method is 'grpo', the run's is 'mipu'"):
+        mipu.check_resume(dataclasses.replace(cfg, method="grpo"), state, 10)
+    with pytest.raises(mipu.MIPUError, match="--train-data has 5 rows, the run's had 10"):
+        mipu.check_resume(cfg, state, 5)
+    help_text = next(f.metadata["help"] for f in dataclasses.fields(mipu.Config) if f.name == "resume")
+    assert all("--" + n.replace("_", "-") in help_text for n in mipu.RESUME_MAY_CHANGE)
+
+
+def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_path):
+    data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n'
+                  + json.dumps({"prompt": "1+" * 100 + "1=", "answer": "101"}) + "\n")
+    cfg = mipu.Config(model=model_dir, max_model_len=64).validate()
+    with pytest.raises(mipu.MIPUError, match="1 of 2 prompts .the first: row 1. leave no room for a new token in "
+                                             "the 64-token context"):
+        mipu.load_prompts(cfg, tokenizer, data)
+    rows = mipu.load_prompts(dataclasses.replace(cfg, drop_long_prompts=True), tokenizer, data)
+    assert rows == [{"prompt": "1+1=", "answer": "2"}]
+
+
+def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monkeypatch):
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)
+    monkeypatch.setattr(mipu, "math_reward", lambda completion, answer, timeout: None)   # every call past budget
+    ro = mipu.rollout(run, run.train_rows[:2], seed=0)
+    assert run.reward_timeouts == 2 * run.cfg.num_generations and ro.rewards.eq(0).all()
+
+
+@pytest.mark.parametrize("gap_batch", ["heldout", "next"])
+def test_resume_is_bit_exact(llm, model_dir, tmp_path, restore, gap_batch):
+    """Two steps straight vs one step, checkpoint, resume in a fresh run, one step: the same step-1 metrics
+    and weights (with --gap-batch next the pending accepted batch travels in the checkpoint)."""
+    cfg = llm_cfg(model_dir, tmp_path / "a", method="mipu", gap_batch=gap_batch, c=1e9, weight_decay=0.1,
+                  rollout_quant="fp8-sim")
+    straight = mipu.setup_llm_run(cfg, llm=llm)
+    mipu.mipu_step(straight)
+    m_straight = mipu.mipu_step(straight)
+    weights = {k: v.clone() for k, v in straight.model.state_dict().items()}
+    cfg_b = dataclasses.replace(cfg, output_dir=str(tmp_path / "b"))
+    first = mipu.setup_llm_run(cfg_b, llm=llm)
+    mipu.mipu_step(first)
+    assert first.pending is not None or gap_batch == "heldout"
+    mipu.save_checkpoint(first)
+    resumed = mipu.setup_llm_run(dataclasses.replace(cfg_b, resume=True), llm=llm)
+    m_resumed = mipu.mipu_step(resumed)
+    assert json.dumps({k: v for k, v in m_resumed.items() if not k.startswith("time/")}) == \
+        json.dumps({k: v for k, v in m_straight.items() if not k.startswith("time/")})      # NaN-safe compare
+    assert all(torch.equal(weights[k], v) for k, v in resumed.model.state_dict().items())
+
+
+@pytest.mark.parametrize("damaged", ["trainer_state.pt", "model.safetensors"])
+def test_cli_resume_damaged_checkpoint(model_dir, tmp_path, damaged):
+    """A truncated checkpoint file is one `error:` line, found before any engine starts."""
+    ckpt = tmp_path / "run" / "checkpoint-000001"
+    shutil.copytree(model_dir, ckpt)
+    torch.save({"step": 1}, ckpt / "trainer_state.pt")
+    (ckpt / damaged).write_bytes((ckpt / damaged).read_bytes()[:100])
+    p = run_cli("train", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL),
+                "--output-dir", str(tmp_path / "run"), "--steps", "2", "--resume")
+    assert p.returncode == 2 and f"{damaged}: refused or damaged" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+
+
+def test_cli_eval_missing_local_checkpoint(tmp_path):
+    (tmp_path / "run").mkdir()
+    p = run_cli("eval", "--model", str(tmp_path / "run" / "checkpoint-000009"), "--data", str(ARITH_VAL))
+    assert p.returncode == 2 and "no such local directory" in p.stderr and "hf download" not in p.stderr
 
 
 if __name__ == "__main__":            # a torchrun rank of the `two_ranks` fixture
