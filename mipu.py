@@ -1541,11 +1541,12 @@ def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout:
     return None if equal is None else float(equal)
 
 
-def sample_reward(sample: dict, answer: str, cfg: Config) -> float:
-    """A sample's 1/0 reward: 0 if cut by --max-new-tokens (unless --score-truncated), else math_reward."""
+def sample_reward(sample: dict, answer: str, cfg: Config) -> float | None:
+    """A sample's 1/0 reward: 0 if cut by --max-new-tokens (unless --score-truncated), else math_reward
+    (None past --reward-timeout)."""
     if sample["truncated"] and not cfg.score_truncated:
         return 0.0
-    return math_reward(sample["text"], answer, boxed_only=cfg.answer_format == "boxed")
+    return math_reward(sample["text"], answer, cfg.answer_format == "boxed", cfg.reward_timeout)
 
 
 def build_prompt_ids(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> list[int]:

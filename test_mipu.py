@@ -908,7 +908,8 @@ def test_nonfinite_loss_rejects_candidate(llm, model_dir, tmp_path, restore):
     assert m["step2/accepted"] == 0.0 and m["step1/finite"] == 0.0
     assert all(torch.equal(weights[k], v) for k, v in run.model.state_dict().items())
     # a method that never rolls back keeps no snapshot: a non-finite update stops the run, clearly
-    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="tis", learning_rate=float("inf")), llm=llm)
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="tis"), llm=llm)
+    run.cfg.learning_rate = float("inf")              # after validation, which refuses a non-finite flag
     with pytest.raises(mipu.MIPUError, match="non-finite update, and --method tis keeps no rollback snapshot"):
         mipu.mipu_step(run)
     assert run.snapshot is None
@@ -1312,8 +1313,8 @@ def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_pa
 
 
 def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monkeypatch):
-    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)
-    monkeypatch.setattr(mipu, "math_reward", lambda completion, answer, timeout: None)   # every call past budget
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", score_truncated=True), llm=llm)
+    monkeypatch.setattr(mipu, "math_reward", lambda completion, answer, boxed_only, timeout: None)  # all past budget
     ro = mipu.rollout(run, run.train_rows[:2], seed=0)
     assert run.reward_timeouts == 2 * run.cfg.num_generations and ro.rewards.eq(0).all()
 
