@@ -75,7 +75,6 @@ import multiprocessing
 import numbers
 import os
 import pickle
-import random
 import re
 import shutil
 import sys
@@ -282,11 +281,8 @@ class Config:
 # =============================================================================
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantage A_i = (R_i − mean_g R) / (std_g R + eps), rewards ordered group by group.
-
-    std is the population std (ddof=0): a group's advantages then have mean 0 and mean
-    square exactly 1 (unless all rewards are equal, when all are 0). TRL uses ddof=1, which
-    only rescales A by sqrt((G-1)/G)."""
+    """GRPO advantage A_i = (R_i − mean_g R) / (std_g R + eps), rewards ordered group by group. std has ddof=0:
+    each group's A has mean 0 and mean square 1 (or is all 0); TRL's ddof=1 only rescales A by sqrt((G-1)/G)."""
     if rewards.numel() % group_size:
         raise MIPUError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.reshape(-1, group_size).to(torch.float64)                       # [B/G, G]
@@ -302,26 +298,17 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: float = 0.2,
                 w_max: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0):
     """Step-1 surrogate loss (paper, Step 1: truncated IS), token-mean over the batch. Returns (loss, metrics).
-
-    r_t = π_θ/π_k = exp(logp − logp_old)                                        # [B, T]
-    term_t = −min(r_t A, clip(r_t, 1−ε, 1+ε) A)                              (PPO clip)
-    weight_t: grpo 1;  tis min(w_t, w_max);  mis w_t if mis_low ≤ w_t ≤ mis_high else 0,
-    with w_t = π_k/μ_k = exp(logp_old − logp_sampler), never differentiated."""
+    PPO-clipped term in r_t = π_θ/π_k, weighted by w_t = π_k/μ_k (no gradient): grpo 1, tis min(w, w_max),
+    mis w inside [mis_low, mis_high] else 0."""
     mask = mask.to(logp.dtype)
     a = adv.to(logp.dtype)[:, None]                                             # [B, 1]
     ratio = torch.exp(logp - logp_old)                                          # [B, T]
     term = -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
     w = torch.exp(logp_old - logp_sampler).detach()                             # [B, T]
-    truncated = w > w_max
     outside = (w < mis_low) | (w > mis_high)
-    if method == "grpo":
-        weight = torch.ones_like(w)
-    elif method == "tis":
-        weight = w.clamp(max=w_max)
-    elif method == "mis":
-        weight = torch.where(outside, torch.zeros_like(w), w)
-    else:
+    if method not in ("grpo", "tis", "mis"):
         raise MIPUError(f"unknown policy-loss method {method!r}; expected grpo, tis or mis")
+    weight = {"grpo": torch.ones_like(w), "tis": w.clamp(max=w_max), "mis": torch.where(outside, 0.0, w)}[method]
     loss = masked_mean(term * weight, mask)
     with torch.no_grad():
         clipped = ((ratio < 1 - clip_eps) & (a < 0)) | ((ratio > 1 + clip_eps) & (a > 0))
@@ -331,7 +318,7 @@ def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: 
             "clip_frac": masked_mean(clipped.to(mask.dtype), mask).item(),
             "weight_mean": masked_mean(weight, mask).item(),
             "weight_max": weight[on].max().item() if on.any() else 0.0,
-            "frac_truncated": masked_mean(truncated.to(mask.dtype), mask).item(),
+            "frac_truncated": masked_mean((w > w_max).to(mask.dtype), mask).item(),
             "frac_masked": masked_mean(outside.to(mask.dtype), mask).item(),
         }
     return loss, metrics
@@ -344,10 +331,8 @@ def sequence_log_ratio(logp_a, logp_b, mask) -> torch.Tensor:
 
 
 def surrogate_gain(logp_new, logp_sampler, adv, mask) -> torch.Tensor:
-    """mean_i ρ_i A_i, ρ_i the geometric-mean ratio π_new/sampler: estimates J(π_new) − J(sampler).
-
-    Computed as mean_i (ρ_i − 1) A_i: the same number, since A sums to zero in every group,
-    but exactly 0 (not ±1e-8 of rounding) when π_new = sampler, so a zero gap is never rejected."""
+    """mean_i ρ_i A_i, ρ_i the geometric-mean ratio π_new/sampler: estimates J(π_new) − J(sampler). As
+    mean_i (ρ_i − 1) A_i (A sums to 0 per group): exactly 0 when π_new = sampler: a zero gap is never rejected."""
     rho = torch.exp(sequence_log_ratio(logp_new, logp_sampler, mask))           # [B]
     return ((rho - 1) * adv.to(rho.dtype)).mean()
 
