@@ -75,7 +75,6 @@ import multiprocessing
 import numbers
 import os
 import pickle
-import random
 import re
 import shutil
 import sys
@@ -136,8 +135,7 @@ class Config:
     accept_rule: str = _arg("paper", "Step 2 rule: paper = T_post >= -c; target = G_k + T_post >= -c (ours)",
                             choices=("paper", "target"))
     c: float = _arg(0.0, "acceptance threshold c (paper: not stated; 0 = 'inference policy no worse')")
-    num_generations: int = _arg(8, "responses per prompt G (group size; paper: not stated, 8 as in "
-                                   "common GRPO setups)")
+    num_generations: int = _arg(8, "responses per prompt G (group size; paper: not stated, 8 as in common GRPO setups)")
     prompts_per_step: int = _arg(16, "training prompts per step (batch = prompts_per_step * num_generations)")
     val_prompts: int = _arg(32, "Step-2 acceptance prompts per step, G responses each (paper: |D_val| not stated)")
     target_holdout: int = _arg(4, "prompts of each step held out of the gradient to estimate G_k (target rule)")
@@ -185,8 +183,7 @@ class Config:
     vllm_sleep: str = _arg("auto", "vLLM sleep mode: free its KV cache and offload its weights during Step 1 "
                            "(CUDA only; auto = on on GPU)", "llm", choices=("auto", "on", "off"))
     device: str = _arg("cpu", "training-engine device: cpu or cuda", "llm", choices=("cpu", "cuda"))
-    gpu_memory_utilization: float = _arg(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)",
-                                         "llm")
+    gpu_memory_utilization: float = _arg(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)", "llm")
     max_model_len: int = _arg(0, "vLLM context length, prompt + response (0 = the model's own maximum)", "llm")
     sync_tol: float = _arg(4.0, "a sync failed if max |log pi - log mu| on the probe (a response vLLM sampled at "
                            "start-up) exceeds sync_tol x its start-up value (floor SYNC_GAP_FLOOR)", "llm")
@@ -282,11 +279,8 @@ class Config:
 # =============================================================================
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantage A_i = (R_i − mean_g R) / (std_g R + eps), rewards ordered group by group.
-
-    std is the population std (ddof=0): a group's advantages then have mean 0 and mean
-    square exactly 1 (unless all rewards are equal, when all are 0). TRL uses ddof=1, which
-    only rescales A by sqrt((G-1)/G)."""
+    """GRPO advantage A_i = (R_i − mean_g R) / (std_g R + eps), rewards ordered group by group. std has ddof=0:
+    each group's A has mean 0 and mean square 1 (or is all 0); TRL's ddof=1 only rescales A by sqrt((G-1)/G)."""
     if rewards.numel() % group_size:
         raise MIPUError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.reshape(-1, group_size).to(torch.float64)                       # [B/G, G]
@@ -302,26 +296,17 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: float = 0.2,
                 w_max: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0):
     """Step-1 surrogate loss (paper, Step 1: truncated IS), token-mean over the batch. Returns (loss, metrics).
-
-    r_t = π_θ/π_k = exp(logp − logp_old)                                        # [B, T]
-    term_t = −min(r_t A, clip(r_t, 1−ε, 1+ε) A)                              (PPO clip)
-    weight_t: grpo 1;  tis min(w_t, w_max);  mis w_t if mis_low ≤ w_t ≤ mis_high else 0,
-    with w_t = π_k/μ_k = exp(logp_old − logp_sampler), never differentiated."""
+    PPO-clipped term in r_t = π_θ/π_k, weighted by w_t = π_k/μ_k (no gradient): grpo 1, tis min(w, w_max),
+    mis w inside [mis_low, mis_high] else 0."""
     mask = mask.to(logp.dtype)
     a = adv.to(logp.dtype)[:, None]                                             # [B, 1]
     ratio = torch.exp(logp - logp_old)                                          # [B, T]
     term = -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
     w = torch.exp(logp_old - logp_sampler).detach()                             # [B, T]
-    truncated = w > w_max
     outside = (w < mis_low) | (w > mis_high)
-    if method == "grpo":
-        weight = torch.ones_like(w)
-    elif method == "tis":
-        weight = w.clamp(max=w_max)
-    elif method == "mis":
-        weight = torch.where(outside, torch.zeros_like(w), w)
-    else:
+    if method not in ("grpo", "tis", "mis"):
         raise MIPUError(f"unknown policy-loss method {method!r}; expected grpo, tis or mis")
+    weight = {"grpo": torch.ones_like(w), "tis": w.clamp(max=w_max), "mis": torch.where(outside, 0.0, w)}[method]
     loss = masked_mean(term * weight, mask)
     with torch.no_grad():
         clipped = ((ratio < 1 - clip_eps) & (a < 0)) | ((ratio > 1 + clip_eps) & (a > 0))
@@ -331,7 +316,7 @@ def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: 
             "clip_frac": masked_mean(clipped.to(mask.dtype), mask).item(),
             "weight_mean": masked_mean(weight, mask).item(),
             "weight_max": weight[on].max().item() if on.any() else 0.0,
-            "frac_truncated": masked_mean(truncated.to(mask.dtype), mask).item(),
+            "frac_truncated": masked_mean((w > w_max).to(mask.dtype), mask).item(),
             "frac_masked": masked_mean(outside.to(mask.dtype), mask).item(),
         }
     return loss, metrics
@@ -344,10 +329,8 @@ def sequence_log_ratio(logp_a, logp_b, mask) -> torch.Tensor:
 
 
 def surrogate_gain(logp_new, logp_sampler, adv, mask) -> torch.Tensor:
-    """mean_i ρ_i A_i, ρ_i the geometric-mean ratio π_new/sampler: estimates J(π_new) − J(sampler).
-
-    Computed as mean_i (ρ_i − 1) A_i: the same number, since A sums to zero in every group,
-    but exactly 0 (not ±1e-8 of rounding) when π_new = sampler, so a zero gap is never rejected."""
+    """mean_i ρ_i A_i, ρ_i the geometric-mean ratio π_new/sampler: estimates J(π_new) − J(sampler). As
+    mean_i (ρ_i − 1) A_i (A sums to 0 per group): exactly 0 when π_new = sampler: a zero gap is never rejected."""
     rho = torch.exp(sequence_log_ratio(logp_new, logp_sampler, mask))           # [B]
     return ((rho - 1) * adv.to(rho.dtype)).mean()
 
@@ -822,7 +805,6 @@ def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    on_cpu = not torch.cuda.is_available()
     llm = LLM(
         model=model_path,
         dtype=dtype,
@@ -830,7 +812,7 @@ def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization:
         gpu_memory_utilization=gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
         max_model_len=max_model_len or None,  # None: the model config's maximum
         quantization="fp8_per_tensor" if rollout_quant == "fp8" else None,  # weights: one static scale per tensor
-        enforce_eager=on_cpu,  # no CUDA graphs / torch.compile warm-up on CPU
+        enforce_eager=not torch.cuda.is_available(),  # no CUDA graphs / torch.compile warm-up on CPU
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
         enable_sleep_mode=sleep_mode,  # CUDA only: engine_sleep frees its GPU memory during Step 1
@@ -864,13 +846,12 @@ def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
 
 def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
              temperature: float, seed: int) -> list[dict]:
-    """Sample n completions per prompt; returns len(prompt_ids) * n dicts, prompt by prompt. Sample j of
-    prompt i uses seed `seed + i*n + j` (same seed, prompts and weights: bit-identical samples and log-probs);
-    sampler_logprobs are after temperature (make_sampler's logprobs_mode="processed_logprobs")."""
+    """Sample n completions per prompt; returns len(prompt_ids) * n dicts, prompt by prompt, bit-identical for the
+    same seed, prompts and weights; sampler_logprobs are after temperature (logprobs_mode="processed_logprobs")."""
     from vllm import SamplingParams, TokensPrompt
 
     # vLLM gives sample j of a request the seed `request seed + j`; offsetting each prompt by
-    # i * n makes every (prompt i, sample j) seed unique, so repeated prompts differ too
+    # i * n makes every (prompt i, sample j) seed `seed + i*n + j` unique, so repeated prompts differ too
     params = [SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature,
                              seed=seed + i * n, logprobs=0)  # logprobs=0: sampled token only
               for i in range(len(prompt_ids))]
@@ -881,24 +862,19 @@ def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
         for comp in sorted(out.outputs, key=lambda c: c.index):
             ids = list(comp.token_ids)
             lps = [comp.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
-            samples.append({"prompt_idx": i, "prompt_ids": list(prompt_ids[i]),
-                            "completion_ids": ids, "sampler_logprobs": lps,
-                            "text": comp.text, "truncated": comp.finish_reason == "length"})
+            samples.append({"prompt_idx": i, "prompt_ids": list(prompt_ids[i]), "completion_ids": ids,
+                            "sampler_logprobs": lps, "text": comp.text, "truncated": comp.finish_reason == "length"})
     return samples
 
 
 def _is_fp8_target(name: str, tensor: torch.Tensor) -> bool:
-    """True for the linear-layer weights real FP8 rollout quantizes (vLLM fp8 = Linear only).
-
-    Embeddings / lm_head stay high precision (vLLM's fp8 keeps them), norms and biases are 1-D.
-    """
+    """Linear-layer weights, the ones vLLM's fp8 quantizes (it keeps embeddings, lm_head; norms, biases are 1-D)."""
     return tensor.dim() == 2 and "embed" not in name and "lm_head" not in name
 
 
 def _reload_in_worker(model, weights: list[tuple[str, torch.Tensor]], model_config) -> None:
     """Runs inside the vLLM worker: layerwise reload, so quantized layers re-process weights."""
-    from vllm.model_executor.model_loader.reload import (
-        finalize_layerwise_reload, initialize_layerwise_reload)
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     initialize_layerwise_reload(model)
     model.load_weights(iter(weights))  # HF names; vLLM fuses qkv / gate_up itself
@@ -932,8 +908,7 @@ def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_qua
             t = fp8_roundtrip(t, per_row=False, amax=amax[_fused_name(name)].to(t.device))
         weights.append((name, t.to(model_config.dtype)))  # engine dtype (bf16): no cast warnings
     # functools.partial of a top-level function: picklable if apply_model must ship it
-    llm.apply_model(functools.partial(_reload_in_worker, weights=weights,
-                                      model_config=model_config))
+    llm.apply_model(functools.partial(_reload_in_worker, weights=weights, model_config=model_config))
 
 
 def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool = False):
@@ -1074,12 +1049,9 @@ def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list
         raise MIPUError("token_logprobs: every prompt needs at least one token")
     width = max(1, max(len(c) for c in completion_ids))  # T
     mask = pad_right([[1.0] * len(c) + [0.0] * (width - len(c)) for c in completion_ids], 0.0)  # [B, T]
-    chunks = []
-    for s in range(0, len(prompt_ids), micro_batch):
-        chunks.append(_micro_batch_logprobs(model, prompt_ids[s:s + micro_batch],
-                                            completion_ids[s:s + micro_batch],
-                                            temperature, width, chunk or Config.logprob_chunk))
-    logp = torch.cat(chunks, dim=0)  # [B, T]
+    logp = torch.cat([_micro_batch_logprobs(model, prompt_ids[s:s + micro_batch], completion_ids[s:s + micro_batch],
+                                            temperature, width, chunk or Config.logprob_chunk)
+                      for s in range(0, len(prompt_ids), micro_batch)])  # [B, T]
     mask = mask.to(logp.device)
     return logp.masked_fill(mask == 0, 0.0), mask
 
@@ -1090,10 +1062,8 @@ def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
-    out = llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params,
-                       use_tqdm=False)[0]
-    return [None if d is None else d[tok].logprob
-            for d, tok in zip(out.prompt_logprobs, token_ids)]
+    out = llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False)[0]
+    return [None if d is None else d[tok].logprob for d, tok in zip(out.prompt_logprobs, token_ids)]
 
 
 def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: list[int], tol: float) -> float:
@@ -1436,13 +1406,11 @@ def _last_boxed(text: str) -> str | None:
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     if start < 0:
         return None
-    i = text.index("{", start) + 1
-    depth, begin = 1, i
-    while i < len(text):
+    depth, begin = 1, text.index("{", start) + 1
+    for i in range(begin, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
             return text[begin:i].strip()
-        i += 1
     return None  # unbalanced: the box never closes
 
 
@@ -1567,6 +1535,8 @@ def build_prompt_ids(tokenizer, question: str, suffix: str = "", thinking: bool 
 # =============================================================================
 
 CHECKPOINT_PREFIX = "checkpoint-"
+# the LLMRun fields a checkpoint keeps as they are (besides weights, optimizer, --gap-batch next's batch, RNG states)
+RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts")
 
 
 def save_checkpoint(run: LLMRun) -> Path:
@@ -1583,10 +1553,8 @@ def save_checkpoint(run: LLMRun) -> Path:
         run.model.save_pretrained(tmp, state_dict=weights)
         run.tokenizer.save_pretrained(tmp)
         torch.save(opt_state, tmp / "optimizer.pt")
-        torch.save({"step": run.step, "rejections": run.rejections, "order": run.order, "data_pos": run.data_pos,
-                    "val_pos": run.val_pos, "pending_rows": run.pending_rows,
+        torch.save({**{k: getattr(run, k) for k in RUN_COUNTERS},
                     "pending": run.pending and (vars(run.pending[0]), run.pending[1]),    # --gap-batch next's batch
-                    "reward_timeouts": run.reward_timeouts,
                     "torch_rng": torch.get_rng_state(),   # numpy's key array as a list: loads with weights_only=True
                     "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
                     "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
@@ -1673,9 +1641,8 @@ def load_trainer_state(run: LLMRun, state: dict) -> None:
     """Optimizer, counters, data position and RNG states of a checkpoint (weights load with the model)."""
     set_optimizer_state_dict(run.model, run.opt, state["optimizer"], options=StateDictOptions(   # rank 0 sends
         full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)               # the shards
-    run.step, run.rejections = state["step"], state["rejections"]
-    run.order, run.data_pos, run.val_pos = state["order"], state["data_pos"], state["val_pos"]
-    run.pending_rows, run.reward_timeouts = state["pending_rows"], state["reward_timeouts"]
+    for k in RUN_COUNTERS:
+        setattr(run, k, state[k])
     run.pending = state["pending"] and (Rollout(**state["pending"][0]), state["pending"][1])   # --gap-batch next
     torch.set_rng_state(state["torch_rng"])
     np.random.set_state(tuple(np.array(x, dtype=np.uint32) if isinstance(x, list) else x for x in state["numpy_rng"]))
