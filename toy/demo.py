@@ -49,7 +49,7 @@ def demo_run(job: tuple) -> list[dict]:
         m = mipu.toy_step(run, k)
         if probe and k % TOY_PROBE_EVERY == 0:
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + k)
-            m.update({f"probe/t_post_{n}": mipu.toy_gap_check(run, n, gen) for n in probe})
+            m.update({f"probe/t_post_{n}": mipu.toy_gap_check(run, n, gen)[0] for n in probe})
         history.append(m)
     return history
 
