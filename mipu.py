@@ -1433,8 +1433,6 @@ def toy_command(cfg: Config) -> None:
 
 def train(cfg: Config) -> None:
     """`python mipu.py train`: the MIPU loop, one function per phase."""
-    if cfg.accept_rule == "oracle" or cfg.c_se:
-        raise MIPUError("--accept-rule oracle and --c-se need what only the toy knows (exact J, T_post's SE)")
     run = setup_llm_run(cfg)
     eval_sets = load_eval_sets(cfg) if cfg.eval_every else {}
     out = Path(cfg.output_dir)
@@ -1458,6 +1456,8 @@ def eval_command(cfg: Config) -> None:
 
 def check_llm_flags(cfg: Config, command: str) -> None:
     """Flag combinations of the LLM commands, checked before anything heavy is loaded."""
+    if command == "train" and (cfg.accept_rule == "oracle" or cfg.c_se):
+        raise MIPUError("--accept-rule oracle and --c-se are toy only (they need the exact J / T_post's SE)")
     needs = {"train": ["model", "train_data"], "eval": ["model", "eval_data"]}[command]
     if command == "train" and METHOD_SPEC[cfg.method][1] == "gap" and cfg.gap_batch == "heldout":
         needs.append("val_data")
