@@ -781,7 +781,7 @@ def test_cli_toy_demo_without_mismatch_has_no_gap_study(tmp_path):
                 "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     table = (tmp_path / "demo_results.md").read_text()
-    assert "| none (alpha=0) | grpo |" in table and "Gap study" not in table
+    assert "| none (alpha=0, 2 steps) | grpo |" in table and "Gap study" not in table
 
 
 @pytest.mark.parametrize("args, message", [
