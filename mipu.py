@@ -406,13 +406,13 @@ def toy_step(run: ToyRun, k: int) -> dict:
     # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule)
     t_post = g_k = float("nan")
     se = 0.0
-    if cfg.accept_rule == "oracle":     # the target rule fed the exact terms: the ceiling of every rule
-        g_k, t_post = cand_J_pi - J_mu, cand_J_mu - cand_J_pi
-    elif accept_kind == "gap":
+    if accept_kind == "gap":
         t_post, se = toy_gap_check(run, cfg.val_prompts, run.gen)
         if held:
             g_k = surrogate_gain(toy_token_logp(new_pi, prompt[:held], tokens[:held]),
                                  logp_mu[:held], adv[:held], mask[:held]).item()
+    if cfg.accept_rule == "oracle":     # the target rule fed the exact terms: the ceiling of every rule
+        g_k, t_post = cand_J_pi - J_mu, cand_J_mu - cand_J_pi
     accepted = decide(cfg, True, t_post, g_k, lambda: torch.rand((), generator=run.gen).item(), se)
     # ---- 4. on rejection roll back: θ_k and the optimizer state, μ_k
     if not accepted:

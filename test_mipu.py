@@ -776,6 +776,21 @@ def test_cli_toy_demo_tiny_budget(tmp_path):
     assert "random-rollback" in table and "sign agreement" in table
 
 
+def test_cli_collapse_study_tiny_budget(tmp_path):
+    from toy import collapse_study
+    for extra in (["--configs", "base-a1,static-h1"], ["--rules", "static-h1"]):
+        p = run_cli("-m", "toy.collapse_study", "--seeds", "2", "--steps", "3", "--workers", "1",
+                    "--out", str(tmp_path), *extra)
+        assert p.returncode == 0, p.stderr
+    search, rules = (tmp_path / "search.md").read_text(), (tmp_path / "rules_static-h1.md").read_text()
+    assert "| static-h1 | FP8 logits, static scale, saturating | 1 |" in search
+    assert all(f"| {label} |" in rules for label in collapse_study.RULES)
+    n_runs = len((tmp_path / "runs.jsonl").read_text().splitlines())
+    run_cli("-m", "toy.collapse_study", "--seeds", "2", "--steps", "3", "--rules", "static-h1", "--out", str(tmp_path))
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == n_runs          # all from the cache
+    assert run_cli("-m", "toy.collapse_study", "--configs", "nope").returncode == 2
+
+
 def test_cli_toy_demo_without_mismatch_has_no_gap_study(tmp_path):
     p = run_cli("-m", "toy.demo", "--steps", "2", "--seeds", "1", "--presets", "none", "--workers", "1",
                 "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8", "--out", str(tmp_path))
