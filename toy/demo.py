@@ -43,21 +43,21 @@ RR_METHODS = {"random-rollback (mipu's rate)": "random-rollback", "random-rollba
               "random-rollback-tis"}
 TOY_DROP = 0.02                        # a "drop" is a step whose J(μ) falls by more than this
 TOY_PROBE_PROMPTS = (4, 16, 64, 256)   # acceptance batches (prompts × G) of the gap study
-TOY_PROBE_EVERY = 2                    # probe every 2nd candidate (keeps the demo near a minute)
+TOY_PROBE_EVERY = 2                    # probe every 2nd candidate, x the preset's step multiplier (demo ~1 min)
 
 
 def demo_run(job: tuple) -> list[dict]:
     """One toy run; with probe sizes, also T̂_post of each probed candidate at those acceptance batch
     sizes, from a separate generator so the run itself is unchanged (grpo never rolls back, so the
     probed tables are the candidate's)."""
-    cfg_dict, alpha, probe = job
+    cfg_dict, alpha, probe, every = job
     cfg = mipu.Config(**cfg_dict)
     torch.set_num_threads(1)           # bit-for-bit: results must not depend on thread count
     run = mipu.toy_init(cfg, alpha)
     history = [{"step": -1, "exact/J_pi": run.J[0], "exact/J_mu": run.J[1]}]
     for k in range(cfg.steps):
         m = mipu.toy_step(run, k)
-        if probe and k % TOY_PROBE_EVERY == 0:
+        if probe and k % every == 0:
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + k)
             m.update({f"probe/t_post_{n}": mipu.toy_gap_check(run, n, gen)[0] for n in probe})
         history.append(m)
@@ -72,7 +72,7 @@ def run_jobs(jobs: list[tuple], pool) -> list[list[dict]]:
 def make_pool(workers: int):
     """A fork pool whose workers inherit a warmed-up torch (its first op costs ~2.5 s per process)."""
     demo_run((dataclasses.asdict(mipu.Config(steps=1, toy_prompts=2, prompts_per_step=2, val_prompts=1,
-                                             mini_batch_size=4)), 1.0, ()))
+                                             mini_batch_size=4)), 1.0, (), 1))
     if workers <= 1:
         return None
     import multiprocessing
@@ -138,7 +138,8 @@ def toy_demo(cfg: mipu.Config, presets: list[str], n_seeds: int, workers: int, o
     keys = [(p, label, s) for p in presets for label in TOY_DEMO_METHODS for s in seeds]
     # the grpo runs also probe T̂_post at several acceptance batch sizes (the gap study)
     jobs = [({**bases[p], **TOY_DEMO_METHODS[label], "seed": s}, alphas[p],
-             TOY_PROBE_PROMPTS if label == "grpo" and alphas[p] > 0 else ())    # at α = 0, T̂_post ≡ 0
+             TOY_PROBE_PROMPTS if label == "grpo" and alphas[p] > 0 else (),    # at α = 0, T̂_post ≡ 0
+             TOY_PROBE_EVERY * DEMO_PRESETS[p][2])
             for p, label, s in keys]
     pool = make_pool(workers)
     results = dict(zip(keys, run_jobs(jobs, pool)))
@@ -146,7 +147,7 @@ def toy_demo(cfg: mipu.Config, presets: list[str], n_seeds: int, workers: int, o
              for p in presets}
     rr_keys = [(p, label, s) for p in presets for label in RR_METHODS for s in seeds]
     rr_jobs = [({**bases[p], "method": RR_METHODS[label], "reject_rate": min(rates[p], 0.99), "seed": s},
-                alphas[p], ()) for p, label, s in rr_keys]
+                alphas[p], (), 1) for p, label, s in rr_keys]
     results.update(zip(rr_keys, run_jobs(rr_jobs, pool)))
     if pool:
         pool.close()
