@@ -542,6 +542,7 @@ def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: 
 #   engine: the same network with W1, W2 rounded through FP8 E4M3 (per-tensor scale, as
 #           vLLM's online FP8 quantization) and logits rounded to bf16;
 #           μ_logits = π_logits + α (engine_logits − π_logits). α = 0 gives μ = π bit for bit.
+#           --toy-logit-fp8 also rounds the engine's logits through FP8 (per-row or one static scale).
 #   task:   each prompt has a target of H tokens; reward 1 iff at most `tolerance` tokens
 #           differ, so a response needs many right tokens and per-token errors compound.
 #   J(π), J(μ) are exact (dynamic programming over (prev token, errors so far)).

@@ -101,6 +101,7 @@ def base_cfg(name: str, steps: int) -> tuple[dict, float]:
 
 
 def collapsed(J: list) -> bool:
+    """J(μ) over the last 10% of the run (at least 5 points) stays below half of its best."""
     J = np.asarray(J)
     return bool((J[-max(5, len(J) // 10):] < 0.5 * J.max()).all())
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 import mipu
+from toy.collapse_study import collapsed
 
 # Demo rows: label -> Config overrides. random-rollback is added afterwards with the
 # rejection rate that mipu (paper rule) measured in the same preset.
@@ -100,6 +101,7 @@ def toy_summary(histories: list[list[dict]]) -> dict:
         "best J(mu)": f"{best.mean():.3f} ± {best.std():.3f}",
         "final J(pi)": f"{final_pi.mean():.3f}",
         "J(mu) drops > 0.02 per run": f"{np.mean(drops):.1f}",
+        "collapsed": f"{sum(collapsed([m['exact/J_mu'] for m in h]) for h in histories)}/{len(histories)}",
         "accept rate": f"{np.mean(history_column(histories, 'step2/accepted')):.2f}",
         "P(J(mu) down given J(pi) up)": f"{((d_mu < 0) & (d_pi > 0)).sum() / max((d_pi > 0).sum(), 1):.2f}",
         "T_post sign agreement": (f"{(np.sign(t_post[valid]) == np.sign(gap[valid])).mean():.2f}"
