@@ -36,7 +36,8 @@ THE ALGORITHM, one iteration k (`mipu_step` for the LLM, `toy_step` for the toy 
 
 METHODS (--method): grpo (baseline), tis (Step 1 only), mis, step2 (grpo update + Step 2),
 mipu (Step 1 + Step 2), random-rollback (grpo update, reject with probability
---reject-rate); --lr-decay turns any of them into the LR-decay baseline.
+--reject-rate), random-rollback-tis (the same with mipu's Step-1 update: mipu's control);
+--lr-decay turns any of them into the LR-decay baseline.
 
 DEVIATIONS FROM THE PAPER, and why
   - The paper does not state c, |D_val|, group size, learning rate or data. Defaults below
@@ -111,6 +112,7 @@ METHOD_SPEC = {
     "step2": ("grpo", "gap"),
     "mipu": ("tis", "gap"),
     "random-rollback": ("grpo", "random"),
+    "random-rollback-tis": ("tis", "random"),       # control for mipu: its update, random rejections
 }
 # Mismatch scale α of the toy per preset, chosen by mismatch level only (README: measured k3):
 # none = identical engines, fp8 = the FP8/bf16 engine as is, severe = its error amplified.
@@ -132,9 +134,11 @@ def _arg(default, help: str, group: str = "algo", choices=None):
 class Config:
     # ---- MIPU algorithm: shared by the toy and the LLM path ----
     method: str = _arg("mipu", "update/acceptance pair (METHOD_SPEC)", choices=tuple(METHOD_SPEC))
-    accept_rule: str = _arg("paper", "Step 2 rule: paper = T_post >= -c; target = G_k + T_post >= -c (ours)",
-                            choices=("paper", "target"))
+    accept_rule: str = _arg("paper", "Step 2 rule: paper = T_post >= -c; target = G_k + T_post >= -c (ours); "
+                            "oracle = exact J(mu_k+1) - J(mu_k) >= -c (toy only)",
+                            choices=("paper", "target", "oracle"))
     c: float = _arg(0.0, "acceptance threshold c (paper: not stated; 0 = 'inference policy no worse')")
+    c_se: float = _arg(0.0, "toy only: the threshold becomes c + c_se * SE(T_post) (reject only if significantly low)")
     num_generations: int = _arg(8, "responses per prompt G (group size; paper: not stated, 8 as in common GRPO setups)")
     prompts_per_step: int = _arg(16, "training prompts per step (batch = prompts_per_step * num_generations)")
     val_prompts: int = _arg(32, "Step-2 acceptance prompts per step, G responses each (paper: |D_val| not stated)")
@@ -147,7 +151,7 @@ class Config:
     mis_high: float = _arg(2.0, "MIS trust band upper edge for pi_k/mu_k")
     lr_decay: bool = _arg(False, "decay the LR linearly to lr_final_frac of its start (LR-decay baseline)")
     lr_final_frac: float = _arg(0.1, "final LR as a fraction of the initial one when --lr-decay (paper: not stated)")
-    reject_rate: float = _arg(0.0, "rejection probability of --method random-rollback")
+    reject_rate: float = _arg(0.0, "rejection probability of --method random-rollback(-tis)")
     steps: int = _arg(75, "training iterations (75: the toy demo's, sized to under a minute on 2 cores)")
     seed: int = _arg(0, "random seed (toy: bit-for-bit reproducible)")
     # ---- LLM path (python mipu.py train / eval) ----
@@ -215,6 +219,11 @@ class Config:
     toy_init_prob: float = _arg(0.5, "warm start: supervised steps until the mean target-token prob reaches this",
                                 "toy")
     toy_lr: float = _arg(0.02, "Adam LR of the toy policy (0.03 is unstable even without mismatch)", "toy")
+    toy_logit_fp8: str = _arg("off", "engine logits also through FP8: dynamic = per-row absmax scale; static = one "
+                              "scale fixed after the warm start (x --toy-fp8-headroom), saturating", "toy",
+                              choices=("off", "dynamic", "static"))
+    toy_fp8_headroom: float = _arg(1.0, "static FP8 logits saturate at this multiple of the warm start's max |logit|",
+                                   "toy")
 
     def __post_init__(self):
         self.batch_size = self.prompts_per_step * self.num_generations   # derived, responses per step
@@ -237,16 +246,17 @@ class Config:
             (0 <= self.mis_low <= 1 <= self.mis_high, "--mis-low <= 1 <= --mis-high is required"),
             (0 < self.lr_final_frac <= 1, "--lr-final-frac must be in (0, 1]"),
             (0 <= self.reject_rate < 1, "--reject-rate must be in [0, 1)"),
-            (self.reject_rate == 0 or self.method == "random-rollback",
-             "--reject-rate only applies to --method random-rollback"),
+            (self.reject_rate == 0 or METHOD_SPEC[self.method][1] == "random",
+             "--reject-rate only applies to --method random-rollback(-tis)"),
             (self.accept_rule == "paper" or METHOD_SPEC[self.method][1] == "gap",
-             "--accept-rule target only applies to methods with Step 2 (step2, mipu)"),
+             f"--accept-rule {self.accept_rule} only applies to methods with Step 2 (step2, mipu)"),
             (self.accept_rule == "paper" or 1 <= self.target_holdout < self.prompts_per_step,
              "--target-holdout must be in [1, prompts_per_step) for --accept-rule target"),
             (self.toy_preset in TOY_PRESETS, f"--toy-preset must be one of {', '.join(TOY_PRESETS)}"),
             (self.toy_vocab >= 2 and self.toy_horizon >= 1 and self.toy_prompts >= 1, "toy sizes must be positive"),
             (0 <= self.toy_tolerance < self.toy_horizon, "--toy-tolerance must be in [0, toy_horizon)"),
             (0 < self.toy_init_prob < 1, "--toy-init-prob must be in (0, 1)"),
+            (self.toy_fp8_headroom > 0 and self.c_se >= 0, "--toy-fp8-headroom must be > 0, --c-se >= 0"),
             (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
                                    "greedy rollouts have no log-probs to learn from)"),
             (self.eval_temperature >= 0, "--eval-temperature must be >= 0"),
@@ -364,13 +374,14 @@ def mismatch_metrics(logp_train, logp_sampler, mask) -> dict:
     }
 
 
-def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantize to float8_e4m3fn and back with an absmax scale (per tensor, per output row, or of `amax`)."""
+def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
+    """Quantize to float8_e4m3fn and back with an absmax scale (per tensor or per output row), or with a given
+    amax (a fused layer's, or a static calibrated one: values beyond ±amax saturate there)."""
     fp8_max = torch.finfo(torch.float8_e4m3fn).max                              # 448, OCP FP8 E4M3
     if amax is None:
         amax = w.abs().amax(dim=-1, keepdim=True) if per_row else w.abs().amax()
-    scale = (amax.float() / fp8_max).clamp(min=1e-12)
-    return ((w.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
+    scale = (torch.as_tensor(amax).float() / fp8_max).clamp(min=1e-12)
+    return ((w.float() / scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
 
 
 # =============================================================================
@@ -380,15 +391,16 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax: torch.Tensor | None = No
 # helpers right below; the pieces they call are defined in the sections further down.
 # =============================================================================
 
-def decide(cfg: Config, finite: bool, t_post: float, g_k: float, draw) -> bool:
+def decide(cfg: Config, finite: bool, t_post: float, g_k: float, draw, se: float = 0.0) -> bool:
     """Step 2's verdict for any method: a non-finite candidate is rejected; "gap" methods apply
     the acceptance rule; random-rollback rejects with probability reject_rate (draw() ~ U[0, 1),
-    called only then, so other methods consume no randomness); the rest always accept."""
+    called only then, so other methods consume no randomness); the rest always accept.
+    se: T̂_post's standard error; --c-se moves the threshold by c_se·se (toy only)."""
     accept_kind = METHOD_SPEC[cfg.method][1]
     if not finite:
         return False
     if accept_kind == "gap":
-        return accept_candidate(cfg.accept_rule, t_post, g_k, cfg.c)
+        return accept_candidate(cfg.accept_rule, t_post, g_k, cfg.c + cfg.c_se * se)
     if accept_kind == "random":
         return draw() >= cfg.reject_rate
     return True
@@ -428,12 +440,15 @@ def toy_step(run: ToyRun, k: int) -> dict:
               "exact/cand_dJ_pi": cand_J_pi - J_pi, "exact/cand_dJ_mu": cand_J_mu - J_mu})
     # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule)
     t_post = g_k = float("nan")
+    se = 0.0
     if accept_kind == "gap":
-        t_post = toy_gap_check(run, cfg.val_prompts, run.gen)
+        t_post, se = toy_gap_check(run, cfg.val_prompts, run.gen)
         if held:
             g_k = surrogate_gain(toy_token_logp(new_pi, prompt[:held], tokens[:held]),
                                  logp_mu[:held], adv[:held], mask[:held]).item()
-    accepted = decide(cfg, True, t_post, g_k, lambda: torch.rand((), generator=run.gen).item())
+    if cfg.accept_rule == "oracle":     # the target rule fed the exact terms: the ceiling of every rule
+        g_k, t_post = cand_J_pi - J_mu, cand_J_mu - cand_J_pi
+    accepted = decide(cfg, True, t_post, g_k, lambda: torch.rand((), generator=run.gen).item(), se)
     # ---- 4. on rejection roll back: θ_k and the optimizer state, μ_k
     if not accepted:
         restore_state(run.policy, run.opt, snapshot)
@@ -582,6 +597,7 @@ def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: 
 #   engine: the same network with W1, W2 rounded through FP8 E4M3 (per-tensor scale, as
 #           vLLM's online FP8 quantization) and logits rounded to bf16;
 #           μ_logits = π_logits + α (engine_logits − π_logits). α = 0 gives μ = π bit for bit.
+#           --toy-logit-fp8 also rounds the engine's logits through FP8 (per-row or one static scale).
 #   task:   each prompt has a target of H tokens; reward 1 iff at most `tolerance` tokens
 #           differ, so a response needs many right tokens and per-token errors compound.
 #   J(π), J(μ) are exact (dynamic programming over (prev token, errors so far)).
@@ -603,6 +619,7 @@ class ToyPolicy(torch.nn.Module):
         self.emb_prev = torch.nn.Parameter(torch.randn(V + 1, d, generator=gen) * TOY_INIT_SCALE)
         self.w_hidden = torch.nn.Parameter(torch.randn(d, d, generator=gen) / math.sqrt(d))
         self.w_out = torch.nn.Parameter(torch.randn(d, V, generator=gen) / math.sqrt(d))
+        self.logit_fp8, self.logit_amax = cfg.toy_logit_fp8, None      # static amax: set by toy_init
 
     def logits(self, engine: bool = False, prompt=None, prev=None) -> torch.Tensor:
         """Logits [P, H, V+1, V] of every context (the engines' tables), or [B, H, V] of the
@@ -617,6 +634,8 @@ class ToyPolicy(torch.nn.Module):
         else:
             h = hp[prompt][:, None] + ht[None] + hv[prev]                                  # [B, H, d]
         out = torch.tanh(h) @ w2
+        if engine and self.logit_fp8 != "off":          # dynamic: per-row scale; static: fixed, saturating
+            out = fp8_roundtrip(out, per_row=True, amax=self.logit_amax)
         return out.to(torch.bfloat16).float() if engine else out
 
 
@@ -718,6 +737,8 @@ def toy_init(cfg: Config, alpha: float) -> ToyRun:
     targets = torch.randint(cfg.toy_vocab, (cfg.toy_prompts, cfg.toy_horizon), generator=gen)
     policy = ToyPolicy(cfg, gen)
     toy_warm_start(policy, targets, cfg.toy_init_prob)
+    if cfg.toy_logit_fp8 == "static":   # calibration, as static FP8 serving does once: the scale is fixed from here on
+        policy.logit_amax = policy.logits().abs().max().item() * cfg.toy_fp8_headroom
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.toy_lr, foreach=True)
     run = ToyRun(cfg, alpha, gen, targets, policy, opt, tables=(), J=())
     toy_sync(run)
@@ -738,14 +759,15 @@ def toy_sync(run: ToyRun) -> tuple:
     return tables, J
 
 
-def toy_gap_check(run: ToyRun, n_prompts: int, gen: torch.Generator) -> float:
-    """T̂_post on n_prompts × G fresh samples from the synced μ_{k+1} (run.tables)."""
+def toy_gap_check(run: ToyRun, n_prompts: int, gen: torch.Generator) -> tuple[float, float]:
+    """T̂_post on n_prompts × G fresh samples from the synced μ_{k+1} (run.tables), and its standard error."""
     new_pi, new_mu = run.tables
     prompts = torch.randint(run.cfg.toy_prompts, (n_prompts,), generator=gen)
     prompt, tokens, logp_mu = toy_sample(new_mu, prompts, run.cfg.num_generations, gen)
     adv = group_advantages(toy_reward(run.targets, prompt, tokens, run.cfg.toy_tolerance), run.cfg.num_generations)
     logp_new = toy_token_logp(new_pi, prompt, tokens)
-    return gap_proxy(logp_new, logp_mu, adv, torch.ones_like(logp_new)).item()
+    terms = (torch.exp(sequence_log_ratio(logp_new, logp_mu, torch.ones_like(logp_new))) - 1) * adv   # [B]
+    return gap_proxy(logp_new, logp_mu, adv, torch.ones_like(logp_new)).item(), (terms.std() / len(terms) ** 0.5).item()
 
 
 def toy_run(cfg: Config, alpha: float) -> list[dict]:
@@ -1824,6 +1846,8 @@ def eval_command(cfg: Config) -> None:
 
 def check_llm_flags(cfg: Config, command: str) -> None:
     """Flag combinations of the LLM commands, checked before anything heavy is loaded."""
+    if command == "train" and (cfg.accept_rule == "oracle" or cfg.c_se):
+        raise MIPUError("--accept-rule oracle and --c-se are toy only (they need the exact J / T_post's SE)")
     needs = {"train": ["model", "train_data"], "eval": ["model", "eval_data"]}[command]
     if command == "train" and METHOD_SPEC[cfg.method][1] == "gap" and cfg.gap_batch == "heldout":
         needs.append("val_data")

@@ -241,6 +241,109 @@ def test_bad_config(kw, message):
         mipu.Config(**kw).validate()
 
 
+# ---- collapse mechanisms (toy flags), the oracle acceptance, --c-se, random-rollback-tis
+
+def test_toy_defaults_unchanged_by_new_flags():
+    """Numbers recorded with the code before these flags existed (main at a925e18)."""
+    for extra in ({}, dict(toy_logit_fp8="off", toy_fp8_headroom=1.0, c_se=0.0)):
+        h = mipu.toy_run(small_cfg(steps=5, method="mipu", **extra), 8.0)
+        assert (h[-1]["exact/J_mu"], h[-1]["exact/J_pi"], h[-1]["step2/t_post"]) == (
+            0.1429170779442922, 0.1432715917307567, 0.003594560083001852)
+
+
+@pytest.mark.parametrize("kw", [dict(toy_vocab=3, toy_horizon=6, toy_tolerance=1),
+                                dict(toy_vocab=4, toy_horizon=6, toy_tolerance=2, toy_logit_fp8="static")])
+def test_toy_exact_J_matches_enumeration(kw):
+    import itertools
+    cfg = small_cfg(toy_prompts=3, toy_init_prob=0.6, **kw)
+    run = mipu.toy_init(cfg, 1.0)
+    V, H = cfg.toy_vocab, cfg.toy_horizon
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=H)))            # every response
+    for table, exact in zip(run.tables, run.J):
+        per_prompt = []
+        for p in range(cfg.toy_prompts):
+            prompt = torch.full((len(seqs),), p)
+            prob = mipu.toy_token_logp(table, prompt, seqs).double().sum(1).exp()
+            assert prob.sum().item() == pytest.approx(1.0, abs=1e-6)            # float32 tables
+            per_prompt.append((prob * mipu.toy_reward(run.targets, prompt, seqs, cfg.toy_tolerance)).sum().item())
+        assert mipu.toy_exact_J(table, run.targets, cfg.toy_tolerance) == pytest.approx(per_prompt, abs=1e-9)
+        assert exact == pytest.approx(sum(per_prompt) / len(per_prompt), abs=1e-9)
+
+
+def test_toy_exact_J_matches_monte_carlo_long_horizon():
+    cfg = small_cfg(toy_vocab=64, toy_horizon=16, toy_tolerance=4, toy_init_prob=0.7, toy_prompts=8)
+    run = mipu.toy_init(cfg, 8.0)
+    for table, exact in zip(run.tables, run.J):
+        prompt, tokens, _ = mipu.toy_sample(table, torch.arange(8).repeat(500), 1, run.gen)
+        est = mipu.toy_reward(run.targets, prompt, tokens, 4).mean().item()
+        assert abs(est - exact) < 4 * math.sqrt(exact * (1 - exact) / prompt.numel()) and 0.05 < exact < 0.95
+
+
+def toy_k3(lp_pi: torch.Tensor, lp_mu: torch.Tensor) -> float:
+    """Mean over contexts of E_mu[pi/mu - 1 - log pi/mu]."""
+    d = lp_pi - lp_mu
+    return (lp_mu.exp() * (d.exp() - 1 - d)).sum(-1).mean().item()
+
+
+def test_toy_logit_fp8_error_grows_with_logit_magnitude():
+    for mode in ("dynamic", "static"):
+        run = mipu.toy_init(small_cfg(toy_logit_fp8=mode), 1.0)
+        with torch.no_grad():
+            z, ze = run.policy.logits(), run.policy.logits(engine=True)
+            run.policy.logit_fp8 = "off"                                       # same θ, the weights-only engine
+            ze_off = run.policy.logits(engine=True)
+        added, big = (ze - ze_off).abs(), z.abs() > z.abs().median()
+        assert (ze - z).abs().mean() > 1.2 * (ze_off - z).abs().mean()        # FP8 logits add error ...
+        assert added[big].mean() > 2 * added[~big].mean()                      # ... mostly on large |logit|
+    amax = run.policy.logit_amax                                               # static: calibrated, then fixed
+    assert amax == pytest.approx(z.abs().max().item(), rel=1e-6)
+    k3_before = toy_k3(*mipu.toy_tables(run.policy, 1.0))
+    run.policy.logit_fp8 = "static"
+    with torch.no_grad():
+        run.policy.w_out.mul_(3)                                               # a sharper policy ...
+        assert run.policy.logits(engine=True).abs().max().item() <= amax * 1.01  # ... saturates in the engine
+        assert toy_k3(*mipu.toy_tables(run.policy, 1.0)) > 10 * k3_before     # and the mismatch grows
+
+
+def test_oracle_rule_keeps_J_mu_monotone_and_is_toy_only():
+    h = mipu.toy_run(small_cfg(method="step2", accept_rule="oracle", steps=12), 8.0)
+    for prev, m in zip(h, h[1:]):
+        assert m["step2/accepted"] == float(m["exact/cand_J_mu"] >= prev["exact/J_mu"])
+        assert m["exact/J_mu"] >= prev["exact/J_mu"]
+    assert 0 < sum(m["step2/accepted"] for m in h[1:]) < 12
+    with pytest.raises(mipu.MIPUError, match="accept-rule oracle"):
+        small_cfg(method="grpo", accept_rule="oracle")
+    for kw in (dict(accept_rule="oracle"), dict(c_se=2.0)):
+        with pytest.raises(mipu.MIPUError, match="toy only"):
+            mipu.check_llm_flags(small_cfg(method="mipu", **kw), "train")
+
+
+def test_toy_new_flags_reproduce_bit_for_bit():
+    kw = dict(method="step2", accept_rule="oracle", toy_vocab=16, toy_logit_fp8="static", toy_fp8_headroom=1.5)
+    a, b = mipu.toy_run(small_cfg(**kw), 1.0), mipu.toy_run(small_cfg(**kw), 1.0)
+    assert json.dumps(a) == json.dumps(b)
+    assert json.dumps(a) != json.dumps(mipu.toy_run(small_cfg(**kw, seed=1), 1.0))
+
+
+def test_c_se_rejects_only_when_significantly_below():
+    paper = mipu.toy_run(small_cfg(method="mipu", steps=8), 8.0)
+    assert any(m["step2/accepted"] == 0.0 for m in paper[1:])
+    lenient = mipu.toy_run(small_cfg(method="mipu", steps=8, c_se=1e9), 8.0)
+    assert all(m["step2/accepted"] == 1.0 for m in lenient[1:])
+    run = mipu.toy_init(small_cfg(), 8.0)
+    t, se = mipu.toy_gap_check(run, 8, torch.Generator().manual_seed(0))
+    assert 0 < se < 1 and t == mipu.toy_gap_check(run, 8, torch.Generator().manual_seed(0))[0]
+
+
+def test_random_rollback_tis_uses_the_tis_update():
+    tis = mipu.toy_run(small_cfg(method="tis", steps=1), 8.0)
+    rr_tis = mipu.toy_run(small_cfg(method="random-rollback-tis", steps=1), 8.0)
+    rr = mipu.toy_run(small_cfg(method="random-rollback", steps=1), 8.0)
+    assert rr_tis[1]["exact/cand_J_mu"] == tis[1]["exact/cand_J_mu"] != rr[1]["exact/cand_J_mu"]
+    h = mipu.toy_run(small_cfg(method="random-rollback-tis", reject_rate=0.5, steps=40), 1.0)
+    assert 0.25 < 1 - sum(m["step2/accepted"] for m in h[1:]) / 40 < 0.75
+
+
 
 N_PROMPTS, N_SAMPLES, MAX_NEW = 16, 8, 16  # the rollout shape timed in the report
 TEMPERATURE = 1.0
@@ -944,12 +1047,27 @@ def test_cli_toy_demo_tiny_budget(tmp_path):
     assert "random-rollback" in table and "sign agreement" in table
 
 
+def test_cli_collapse_study_tiny_budget(tmp_path):
+    from toy import collapse_study
+    for extra in (["--configs", "base-a1,static-h1"], ["--rules", "static-h1"]):
+        p = run_cli("-m", "toy.collapse_study", "--seeds", "2", "--steps", "3", "--workers", "1",
+                    "--out", str(tmp_path), *extra)
+        assert p.returncode == 0, p.stderr
+    search, rules = (tmp_path / "search.md").read_text(), (tmp_path / "rules_static-h1.md").read_text()
+    assert "| static-h1 | FP8 logits, static scale, saturating | 1 |" in search
+    assert all(f"| {label} |" in rules for label in collapse_study.RULES)
+    n_runs = len((tmp_path / "runs.jsonl").read_text().splitlines())
+    run_cli("-m", "toy.collapse_study", "--seeds", "2", "--steps", "3", "--rules", "static-h1", "--out", str(tmp_path))
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == n_runs          # all from the cache
+    assert run_cli("-m", "toy.collapse_study", "--configs", "nope").returncode == 2
+
+
 def test_cli_toy_demo_without_mismatch_has_no_gap_study(tmp_path):
     p = run_cli("-m", "toy.demo", "--steps", "2", "--seeds", "1", "--presets", "none", "--workers", "1",
                 "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr
     table = (tmp_path / "demo_results.md").read_text()
-    assert "| none (alpha=0) | grpo |" in table and "Gap study" not in table
+    assert "| none (alpha=0, 2 steps) | grpo |" in table and "Gap study" not in table
 
 
 @pytest.mark.parametrize("args, message", [
@@ -957,6 +1075,7 @@ def test_cli_toy_demo_without_mismatch_has_no_gap_study(tmp_path):
     (["toy", "--method", "ppo"], "invalid choice: 'ppo'"),
     (["toy", "--steps", "many"], "invalid int value: 'many'"),
     (["toy", "--method", "tis", "--accept-rule", "target"], "error: --accept-rule target only applies"),
+    (["train", "--method", "mipu", "--accept-rule", "oracle"], "error: --accept-rule oracle and --c-se are toy only"),
     (["-m", "toy.demo", "--presets", "none,bad"], "error: unknown --presets bad"),
     (["-m", "toy.demo", "--num-generations", "1"], "error: --num-generations must be >= 2"),
 ])

@@ -1,8 +1,9 @@
 """The toy demo: `python -m toy.demo` (from the repo root; about a minute on 2 cores).
 
-Every method × seeds × mismatch presets on the toy simulator of mipu.py, plus random rollback
-at the rejection rate mipu measured, and a gap study (T̂_post against the exact gap at several
-acceptance batch sizes, probed along the grpo runs). Writes demo_results.md / .csv,
+Every method × seeds × mismatch presets on the toy simulator of mipu.py, the oracle acceptance
+(the ceiling of every rule), random rollback at the rejection rate mipu measured (on the grpo
+update, the paper's control, and on mipu's TIS update), and a gap study (T̂_post against the
+exact gap at several acceptance batch sizes, probed along the grpo runs). Writes demo_results.md / .csv,
 demo_curves.png and demo_metrics.jsonl (every step of every run) into --out. Bit-for-bit
 reproducible for a seed, whatever --workers.
 """
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 import mipu
+from toy.collapse_study import collapsed
 
 # Demo rows: label -> Config overrides. random-rollback is added afterwards with the
 # rejection rate that mipu (paper rule) measured in the same preset.
@@ -29,27 +31,36 @@ TOY_DEMO_METHODS = {
     "step2 (Step 2)": {"method": "step2"},
     "mipu": {"method": "mipu"},
     "mipu, target rule (ours)": {"method": "mipu", "accept_rule": "target"},
+    "oracle on grpo (ceiling)": {"method": "step2", "accept_rule": "oracle"},
 }
-DEFAULT_PRESETS = "none,severe"        # fp8 (alpha 1, k3 ~ 0.002) is mild: `--presets fp8` or `all`
+# Demo presets: name -> (alpha, Config overrides, step multiplier). none/fp8/severe are mipu's TOY_PRESETS.
+# collapse: the fp8 preset's engine with its logits also through FP8 with one static scale, calibrated at
+# the warm start (no headroom): mismatch starts at the fp8 preset's level (k3 ~ 0.002) and grows as the
+# logits sharpen past the scale and saturate; 2x the steps, so that the growth has time to happen.
+DEMO_PRESETS = {**{p: (a, {}, 1) for p, a in mipu.TOY_PRESETS.items()},
+                "collapse": (1.0, {"toy_logit_fp8": "static", "toy_fp8_headroom": 1.0}, 2)}
+DEFAULT_PRESETS = "none,collapse"      # fp8 (k3 ~ 0.002) is mild, severe degrades without collapse: `all`
+RR_METHODS = {"random-rollback (mipu's rate)": "random-rollback", "random-rollback-tis (mipu's rate)":
+              "random-rollback-tis"}
 TOY_DROP = 0.02                        # a "drop" is a step whose J(μ) falls by more than this
 TOY_PROBE_PROMPTS = (4, 16, 64, 256)   # acceptance batches (prompts × G) of the gap study
-TOY_PROBE_EVERY = 2                    # probe every 2nd candidate (keeps the demo near a minute)
+TOY_PROBE_EVERY = 2                    # probe every 2nd candidate, x the preset's step multiplier (demo ~1 min)
 
 
 def demo_run(job: tuple) -> list[dict]:
     """One toy run; with probe sizes, also T̂_post of each probed candidate at those acceptance batch
     sizes, from a separate generator so the run itself is unchanged (grpo never rolls back, so the
     probed tables are the candidate's)."""
-    cfg_dict, alpha, probe = job
+    cfg_dict, alpha, probe, every = job
     cfg = mipu.Config(**cfg_dict)
     torch.set_num_threads(1)           # bit-for-bit: results must not depend on thread count
     run = mipu.toy_init(cfg, alpha)
     history = [{"step": -1, "exact/J_pi": run.J[0], "exact/J_mu": run.J[1]}]
     for k in range(cfg.steps):
         m = mipu.toy_step(run, k)
-        if probe and k % TOY_PROBE_EVERY == 0:
+        if probe and k % every == 0:
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + k)
-            m.update({f"probe/t_post_{n}": mipu.toy_gap_check(run, n, gen) for n in probe})
+            m.update({f"probe/t_post_{n}": mipu.toy_gap_check(run, n, gen)[0] for n in probe})
         history.append(m)
     return history
 
@@ -62,7 +73,7 @@ def run_jobs(jobs: list[tuple], pool) -> list[list[dict]]:
 def make_pool(workers: int):
     """A fork pool whose workers inherit a warmed-up torch (its first op costs ~2.5 s per process)."""
     demo_run((dataclasses.asdict(mipu.Config(steps=1, toy_prompts=2, prompts_per_step=2, val_prompts=1,
-                                             mini_batch_size=4)), 1.0, ()))
+                                             mini_batch_size=4)), 1.0, (), 1))
     if workers <= 1:
         return None
     import multiprocessing
@@ -90,6 +101,7 @@ def toy_summary(histories: list[list[dict]]) -> dict:
         "best J(mu)": f"{best.mean():.3f} ± {best.std():.3f}",
         "final J(pi)": f"{final_pi.mean():.3f}",
         "J(mu) drops > 0.02 per run": f"{np.mean(drops):.1f}",
+        "collapsed": f"{sum(collapsed([m['exact/J_mu'] for m in h]) for h in histories)}/{len(histories)}",
         "accept rate": f"{np.mean(history_column(histories, 'step2/accepted')):.2f}",
         "P(J(mu) down given J(pi) up)": f"{((d_mu < 0) & (d_pi > 0)).sum() / max((d_pi > 0).sum(), 1):.2f}",
         "T_post sign agreement": (f"{(np.sign(t_post[valid]) == np.sign(gap[valid])).mean():.2f}"
@@ -113,34 +125,42 @@ def gap_study_rows(histories: list[list[dict]], preset: str, group_size: int) ->
     return rows
 
 
+def preset_label(p: str, alpha: float, steps: int) -> str:
+    over = " static FP8 logits," if DEMO_PRESETS[p][1] else ""
+    return f"{p} (alpha={alpha:g},{over} {steps} steps)"
+
+
 def toy_demo(cfg: mipu.Config, presets: list[str], n_seeds: int, workers: int, out: Path) -> None:
     """All methods × seeds × presets; tables (md, csv), curves (png) and every step (jsonl) into `out`."""
     t0 = time.time()
-    base = dataclasses.asdict(cfg)
-    alphas = {p: (cfg.toy_mismatch if cfg.toy_mismatch >= 0 else mipu.TOY_PRESETS[p]) for p in presets}
+    alphas = {p: (cfg.toy_mismatch if cfg.toy_mismatch >= 0 else DEMO_PRESETS[p][0]) for p in presets}
+    bases = {p: {**dataclasses.asdict(cfg), **DEMO_PRESETS[p][1], "steps": cfg.steps * DEMO_PRESETS[p][2]}
+             for p in presets}
     seeds = [cfg.seed + i for i in range(n_seeds)]
     keys = [(p, label, s) for p in presets for label in TOY_DEMO_METHODS for s in seeds]
     # the grpo runs also probe T̂_post at several acceptance batch sizes (the gap study)
-    jobs = [({**base, **TOY_DEMO_METHODS[label], "seed": s}, alphas[p],
-             TOY_PROBE_PROMPTS if label == "grpo" and alphas[p] > 0 else ())    # at α = 0, T̂_post ≡ 0
+    jobs = [({**bases[p], **TOY_DEMO_METHODS[label], "seed": s}, alphas[p],
+             TOY_PROBE_PROMPTS if label == "grpo" and alphas[p] > 0 else (),    # at α = 0, T̂_post ≡ 0
+             TOY_PROBE_EVERY * DEMO_PRESETS[p][2])
             for p, label, s in keys]
     pool = make_pool(workers)
     results = dict(zip(keys, run_jobs(jobs, pool)))
     rates = {p: 1 - np.mean([m["step2/accepted"] for s in seeds for m in results[(p, "mipu", s)][1:]])
              for p in presets}
-    rr_label = "random-rollback (mipu's rate)"
-    rr_keys = [(p, rr_label, s) for p in presets for s in seeds]
-    rr_jobs = [({**base, "method": "random-rollback", "reject_rate": min(rates[p], 0.99), "seed": s}, alphas[p], ())
-               for p, _, s in rr_keys]
+    rr_keys = [(p, label, s) for p in presets for label in RR_METHODS for s in seeds]
+    rr_jobs = [({**bases[p], "method": RR_METHODS[label], "reject_rate": min(rates[p], 0.99), "seed": s},
+                alphas[p], (), 1) for p, label, s in rr_keys]
     results.update(zip(rr_keys, run_jobs(rr_jobs, pool)))
     if pool:
         pool.close()
-    labels = list(TOY_DEMO_METHODS) + [rr_label]
+    labels = list(TOY_DEMO_METHODS) + list(RR_METHODS)
     rows, study = [], []
     for p in presets:
         for label in labels:
-            rows.append({"preset": f"{p} (alpha={alphas[p]:g})", "method": label,
+            rows.append({"preset": preset_label(p, alphas[p], bases[p]["steps"]), "method": label,
                          **toy_summary([results[(p, label, s)] for s in seeds])})
+            if TOY_DEMO_METHODS.get(label, {}).get("accept_rule") == "oracle":   # its T_post IS the exact gap
+                rows[-1]["T_post sign agreement"] = "exact"
         if alphas[p] > 0:
             study += gap_study_rows([results[(p, "grpo", s)] for s in seeds], p, cfg.num_generations)
     write_outputs(cfg, out, rows, study, results, presets, labels, seeds, time.time() - t0)
@@ -148,7 +168,7 @@ def toy_demo(cfg: mipu.Config, presets: list[str], n_seeds: int, workers: int, o
 
 def write_outputs(cfg, out: Path, rows, study, results, presets, labels, seeds, wall) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    header = (f"Generated by `python -m toy.demo` (seeds {seeds[0]}..{seeds[-1]}, {cfg.steps} steps, "
+    header = (f"Generated by `python -m toy.demo` (seeds {seeds[0]}..{seeds[-1]}, "
               f"batch {cfg.prompts_per_step}x{cfg.num_generations}, acceptance {cfg.val_prompts}x"
               f"{cfg.num_generations}, c={cfg.c}). Exact J on all {cfg.toy_prompts} prompts.\n")
     md = header + "\n" + mipu.markdown_table(rows) + "\n"
@@ -178,7 +198,7 @@ def plot_curves(path: Path, results, presets, labels, seeds) -> None:
         for label in labels:
             curves = np.array([[m["exact/J_mu"] for m in results[(p, label, s)]] for s in seeds])
             ax.plot(np.arange(curves.shape[1]) - 1, curves.mean(0), label=label, lw=1.2)
-        ax.set_title(f"preset {p}: exact J(mu), mean of {len(seeds)} seeds")
+        ax.set_title(f"preset {p}: exact J(mu), mean of {len(seeds)} seeds", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("J(mu)")
     axes[0][0].legend(fontsize=7)
@@ -191,20 +211,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m toy.demo", description=__doc__.split("\n")[0])
     mipu.add_config_flags(parser, ("algo", "toy"))
     parser.add_argument("--presets", default=DEFAULT_PRESETS,
-                        help=f"comma-separated mismatch presets ({', '.join(mipu.TOY_PRESETS)}) or 'all'")
+                        help=f"comma-separated mismatch presets ({', '.join(DEMO_PRESETS)}) or 'all'; "
+                        "collapse runs 2x --steps")
     parser.add_argument("--seeds", type=int, default=5, help="seeds per method and preset (--seed, --seed+1, ...)")
     parser.add_argument("--workers", type=int, default=2, help="processes running runs in parallel "
                         "(results do not depend on it)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent), help="folder for tables and curves")
     args = vars(parser.parse_args())
-    presets = list(mipu.TOY_PRESETS) if args["presets"] == "all" else args["presets"].split(",")
+    presets = list(DEMO_PRESETS) if args["presets"] == "all" else args["presets"].split(",")
     return mipu.report_errors(check_and_run, args, presets)
 
 
 def check_and_run(args: dict, presets: list[str]) -> None:
-    unknown = [p for p in presets if p not in mipu.TOY_PRESETS]
+    unknown = [p for p in presets if p not in DEMO_PRESETS]
     if unknown:
-        raise mipu.MIPUError(f"unknown --presets {', '.join(unknown)}; expected {', '.join(mipu.TOY_PRESETS)} or all")
+        raise mipu.MIPUError(f"unknown --presets {', '.join(unknown)}; expected {', '.join(DEMO_PRESETS)} or all")
     if args["seeds"] < 1:
         raise mipu.MIPUError("--seeds must be >= 1")
     toy_demo(mipu.config_from(args), presets, args["seeds"], args["workers"], Path(args["out"]))
