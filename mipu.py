@@ -1246,7 +1246,7 @@ def rollout(run: LLMRun, rows: list, seed: int) -> Rollout:
     cfg, (rank, world) = run.cfg, rank_world()
     first = rank * len(rows) // world     # seeded as one process seeds these prompts: the ranks' samples differ
     rows = rows[first:first + len(rows) // world]
-    prompt_ids = [build_prompt_ids(run.tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in rows]
+    prompt_ids = prompts_of(run.tokenizer, rows, cfg)
     samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature,
                        seed + first * cfg.num_generations)
     scores = [sample_reward(s, rows[s["prompt_idx"]]["answer"], cfg) for s in samples]
@@ -1552,6 +1552,11 @@ def build_prompt_ids(tokenizer, question: str, suffix: str = "", thinking: bool 
     return tokenizer.encode(question, add_special_tokens=False)
 
 
+def prompts_of(tokenizer, rows: list, cfg: Config) -> list[list[int]]:
+    """The token ids vLLM is given for each row's prompt (with --prompt-suffix and --no-enable-thinking)."""
+    return [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in rows]
+
+
 # =============================================================================
 # CHECKPOINTS, METRICS, EVALUATION
 # =============================================================================
@@ -1710,7 +1715,7 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
     rows = []
     for name, data in datasets.items():
         mine = data[rank_world()[0]::rank_world()[1]]      # under torchrun each rank scores every world-th problem
-        prompt_ids = [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in mine]
+        prompt_ids = prompts_of(tokenizer, mine, cfg)
         samples = generate(llm, prompt_ids, cfg.eval_samples, cfg.max_new_tokens, cfg.eval_temperature, cfg.seed)
         correct, n = all_reduce([sum(sample_reward(s, mine[s["prompt_idx"]]["answer"], cfg) or 0.0 for s in samples),
                                  len(samples)])
@@ -1745,7 +1750,7 @@ def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
     from transformers import AutoConfig
     rows = load_rows(source, cfg.prompt_key, cfg.answer_key)
     context = cfg.max_model_len or AutoConfig.from_pretrained(cfg.model).max_position_embeddings  # vLLM's default
-    fits = [len(build_prompt_ids(tokenizer, r["prompt"])) < context for r in rows]
+    fits = [len(ids) < context for ids in prompts_of(tokenizer, rows, cfg)]      # as rollout builds them
     if all(fits):
         return rows
     if not cfg.drop_long_prompts or not any(fits):
@@ -1789,7 +1794,7 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
         print(f"resumed from {ckpt} at step {run.step}")
     sync_weights(llm, list(model.named_parameters()), cfg.rollout_quant)   # μ starts from the (maybe resumed) θ
     # the sync probe: a response the engine itself sampled, so no token is one μ finds very unlikely
-    prompt = build_prompt_ids(tokenizer, train_rows[0]["prompt"], cfg.prompt_suffix, cfg.enable_thinking)
+    prompt = prompts_of(tokenizer, train_rows[:1], cfg)[0]
     sample = generate(llm, [prompt], 1, min(cfg.max_new_tokens, PROBE_TOKENS), cfg.temperature, cfg.seed)[0]
     run.probe = (prompt, sample["completion_ids"] or [tokenizer.eos_token_id])
     run.probe_gap0 = sync(run, tol=math.inf)

@@ -1429,6 +1429,12 @@ def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_pa
         mipu.load_prompts(cfg, tokenizer, data)
     rows = mipu.load_prompts(dataclasses.replace(cfg, drop_long_prompts=True), tokenizer, data)
     assert rows == [{"prompt": "1+1=", "answer": "2"}]
+    # the check measures the prompt vLLM is given: --prompt-suffix included
+    short = _write(tmp_path / "s.jsonl", '{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = mipu.Config(model=model_dir, max_model_len=len(mipu.build_prompt_ids(tokenizer, "1+1=")) + 1).validate()
+    assert mipu.load_prompts(cfg, tokenizer, short) == [{"prompt": "1+1=", "answer": "2"}]
+    with pytest.raises(mipu.MIPUError, match="1 of 1 prompts"):
+        mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix=" (answer as a number)"), tokenizer, short)
 
 
 def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monkeypatch):

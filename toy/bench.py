@@ -66,7 +66,7 @@ def bench_rollout(run: mipu.LLMRun, repeats: int) -> tuple[float, float]:
     from vllm import SamplingParams, TokensPrompt
     cfg = run.cfg
     rows = run.train_rows[: cfg.prompts_per_step]
-    prompt_ids = [mipu.build_prompt_ids(run.tokenizer, r["prompt"]) for r in rows]
+    prompt_ids = mipu.prompts_of(run.tokenizer, rows, cfg)      # the prompts rollout() gives vLLM
     params = SamplingParams(n=cfg.num_generations, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                             seed=cfg.seed, logprobs=0)
     wrapper, bare = [], []

@@ -33,7 +33,7 @@ def sft_warm_start(cfg: mipu.Config, steps: int, lr: float, batch_size: int, out
     rows = mipu.load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
     model = mipu.load_trainer(cfg.model, "float32", cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    prompts = [mipu.build_prompt_ids(tokenizer, r["prompt"]) for r in rows]
+    prompts = mipu.prompts_of(tokenizer, rows, cfg)             # the prompts RL will sample from
     answers = [tokenizer.encode(r["answer"], add_special_tokens=False) + [tokenizer.eos_token_id] for r in rows]
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(cfg.seed)
