@@ -119,11 +119,11 @@ METHOD_SPEC = {
 TOY_PRESETS = {"none": 0.0, "fp8": 1.0, "severe": 8.0}
 # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
 AUTO_DEFAULTS = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"),
-                 "vllm_sleep": ("off", "on")}
+                 "vllm_sleep": ("off", "on"), "vllm_compile": ("off", "on")}
 # flags a --resume may change: length, evaluation, output, memory knobs (micro_batch_size: rounding only); no other
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_data", "eval_samples", "eval_temperature", "save_every", "output_dir",
                      "resume", "overwrite", "micro_batch_size", "gpu_memory_utilization", "reward_timeout",
-                     "report_to", "logprob_chunk", "grad_checkpointing", "vllm_sleep")
+                     "report_to", "logprob_chunk", "grad_checkpointing", "vllm_sleep", "vllm_compile")
 
 
 def _arg(default, help: str, group: str = "algo", choices=None):
@@ -186,6 +186,8 @@ class Config:
                                    "llm", choices=("auto", "on", "off"))
     vllm_sleep: str = _arg("auto", "vLLM sleep mode: free its KV cache and offload its weights during Step 1 "
                            "(CUDA only; auto = on on GPU)", "llm", choices=("auto", "on", "off"))
+    vllm_compile: str = _arg("auto", "let vLLM torch.compile its model (+ CUDA graphs on GPU): faster rollouts, slower "
+                             "start-up (auto = on on GPU; README: CPU measurements)", "llm", choices=("auto", "on", "off"))
     device: str = _arg("cpu", "training-engine device: cpu or cuda", "llm", choices=("cpu", "cuda"))
     gpu_memory_utilization: float = _arg(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)", "llm")
     max_model_len: int = _arg(0, "vLLM context length, prompt + response (0 = the model's own maximum)", "llm")
@@ -233,8 +235,11 @@ class Config:
 
     def validate(self) -> "Config":
         """Reject bad values and bad combinations with one clear message each."""
-        checks = [(math.isfinite(getattr(self, f.name)), f"--{f.name.replace('_', '-')} must be a finite number")
+        flag = {f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(self)}
+        checks = [(math.isfinite(getattr(self, f.name)), f"{flag[f.name]} must be a finite number")
                   for f in dataclasses.fields(self) if isinstance(f.default, float)] + [
+            (getattr(self, f.name) in f.metadata["choices"], f"{flag[f.name]} must be one of {f.metadata['choices']}")
+            for f in dataclasses.fields(self) if f.metadata["choices"]] + [
             (self.num_generations >= 2, "--num-generations must be >= 2 (group advantages need a group)"),
             (self.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
             (self.val_prompts >= 1, "--val-prompts must be >= 1"),
@@ -252,7 +257,6 @@ class Config:
              f"--accept-rule {self.accept_rule} only applies to methods with Step 2 (step2, mipu)"),
             (self.accept_rule == "paper" or 1 <= self.target_holdout < self.prompts_per_step,
              "--target-holdout must be in [1, prompts_per_step) for --accept-rule target"),
-            (self.toy_preset in TOY_PRESETS, f"--toy-preset must be one of {', '.join(TOY_PRESETS)}"),
             (self.toy_vocab >= 2 and self.toy_horizon >= 1 and self.toy_prompts >= 1, "toy sizes must be positive"),
             (0 <= self.toy_tolerance < self.toy_horizon, "--toy-tolerance must be in [0, toy_horizon)"),
             (0 < self.toy_init_prob < 1, "--toy-init-prob must be in (0, 1)"),
@@ -785,9 +789,6 @@ def toy_run(cfg: Config, alpha: float) -> list[dict]:
 # transformers 5.19.0).
 # =============================================================================
 
-_ROLLOUT_QUANTS = ("none", "fp8", "fp8-sim")
-
-
 def _check_model_path(model_path: str) -> None:
     """MIPUError unless model_path is a local model dir or a hub id already in the HF cache."""
     path = Path(model_path)
@@ -813,14 +814,11 @@ def require_gpu_for_fp8(rollout_quant: str) -> None:
                         "use --rollout-quant fp8-sim to simulate FP8 weights on CPU")
 
 
-def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization: float,
-                 max_model_len: int, rollout_quant: str, sleep_mode: bool = False) -> "vllm.LLM":
-    """The in-process vLLM engine that samples rollouts. rollout_quant: none; fp8 = vLLM's FP8 (GPU only);
-    fp8-sim = linear weights round-tripped through float8_e4m3fn (here at load, by sync_weights after)."""
-    if rollout_quant not in _ROLLOUT_QUANTS:
-        raise MIPUError(f"--rollout-quant must be one of {_ROLLOUT_QUANTS}, got {rollout_quant!r}")
-    require_gpu_for_fp8(rollout_quant)
-    _check_model_path(model_path)
+def make_sampler(cfg: Config) -> "vllm.LLM":
+    """The in-process vLLM engine of cfg.model that samples rollouts. --rollout-quant: none; fp8 = vLLM's FP8
+    (GPU only); fp8-sim = linear weights round-tripped through float8_e4m3fn (here at load, by sync_weights after)."""
+    require_gpu_for_fp8(cfg.rollout_quant)
+    _check_model_path(cfg.model)
     # in-process engine: model reachable via llm.apply_model, no child process to spawn
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # forced: a user's =1 would break apply_model
     # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
@@ -828,20 +826,20 @@ def make_sampler(model_path: str, dtype: str, seed: int, gpu_memory_utilization:
     from vllm import LLM
 
     llm = LLM(
-        model=model_path,
-        dtype=dtype,
-        seed=seed + rank_world()[0],
-        gpu_memory_utilization=gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
-        max_model_len=max_model_len or None,  # None: the model config's maximum
-        quantization="fp8_per_tensor" if rollout_quant == "fp8" else None,  # weights: one static scale per tensor
-        enforce_eager=not torch.cuda.is_available(),  # no CUDA graphs / torch.compile warm-up on CPU
+        model=cfg.model,
+        dtype=cfg.rollout_dtype,
+        seed=cfg.seed + rank_world()[0],
+        gpu_memory_utilization=cfg.gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
+        max_model_len=cfg.max_model_len or None,  # None: the model config's maximum
+        quantization="fp8_per_tensor" if cfg.rollout_quant == "fp8" else None,  # weights: one static scale per tensor
+        enforce_eager=cfg.vllm_compile == "off",  # on: torch.compile (+ CUDA graphs on GPU) at start-up
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
-        enable_sleep_mode=sleep_mode,  # CUDA only: engine_sleep frees its GPU memory during Step 1
+        enable_sleep_mode=cfg.vllm_sleep == "on",  # CUDA only: engine_sleep frees its GPU memory during Step 1
         distributed_executor_backend="external_launcher" if torchrun() else None,  # an engine per rank (TRL colocate)
     )
-    if rollout_quant == "fp8-sim":  # the first rollouts must already see FP8 weights
-        sync_weights(llm, _checkpoint_tensors(model_path), "fp8-sim")
+    if cfg.rollout_quant == "fp8-sim":  # the first rollouts must already see FP8 weights
+        sync_weights(llm, _checkpoint_tensors(cfg.model), "fp8-sim")
     return llm
 
 
@@ -1739,12 +1737,6 @@ def markdown_table(rows: list[dict]) -> str:
 # model builder are scripts under toy/ (python -m toy.demo, ...) that import this file.
 # =============================================================================
 
-def sampler_for(cfg: Config):
-    """The vLLM engine of cfg.model with cfg's rollout settings."""
-    return make_sampler(cfg.model, cfg.rollout_dtype, cfg.seed, cfg.gpu_memory_utilization, cfg.max_model_len,
-                        cfg.rollout_quant, cfg.vllm_sleep == "on")
-
-
 def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
     """load_rows; a prompt without room for 1 new token in the context is refused (or --drop-long-prompts)."""
     from transformers import AutoConfig
@@ -1785,7 +1777,7 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
-    llm = llm or sampler_for(cfg)
+    llm = llm or make_sampler(cfg)
     if cfg.device == "cuda":          # vLLM's worker sets "highest" (fp32 matmuls without TF32): undo it
         torch.set_float32_matmul_precision("high")
     run = LLMRun(cfg, llm, model, tokenizer, opt, train_rows, val_rows, probe=(), order=[])
@@ -1845,7 +1837,7 @@ def eval_command(cfg: Config) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
     from transformers import AutoTokenizer
     eval_sets = load_eval_sets(cfg)
-    llm = sampler_for(cfg)
+    llm = make_sampler(cfg)
     print(markdown_table(evaluate(llm, AutoTokenizer.from_pretrained(cfg.model), eval_sets, cfg)))
 
 

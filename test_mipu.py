@@ -371,8 +371,7 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="session")
 def llm(model_dir):
-    return mipu.make_sampler(model_dir, "bfloat16", seed=0, gpu_memory_utilization=0.5,
-                          max_model_len=256, rollout_quant="none")
+    return mipu.make_sampler(mipu.Config(model=model_dir, gpu_memory_utilization=0.5, max_model_len=256))
 
 
 @pytest.fixture(scope="session")
@@ -747,7 +746,7 @@ def test_fp8_roundtrip_per_row():
 def test_bad_model_path_and_fp8_on_cpu(tmp_path):
     for bad in (str(tmp_path / "missing"), "not-a-model", "no-such-org/no-such-model"):
         with pytest.raises(mipu.MIPUError, match="unknown model path"):
-            mipu.make_sampler(bad, "bfloat16", 0, 0.5, 256, "none")
+            mipu.make_sampler(mipu.Config(model=bad))
         with pytest.raises(mipu.MIPUError, match="unknown model path"):
             mipu.load_trainer(bad, "float32", "cpu")
     with pytest.raises(mipu.MIPUError, match="trainer dtype"):
@@ -755,10 +754,10 @@ def test_bad_model_path_and_fp8_on_cpu(tmp_path):
     with pytest.raises(mipu.MIPUError, match="no config.json"):
         mipu.load_trainer(str(tmp_path), "float32", "cpu")
     with pytest.raises(mipu.MIPUError, match="must be one of"):
-        mipu.make_sampler(str(tmp_path), "bfloat16", 0, 0.5, 256, "int4")
+        mipu.Config(model=str(tmp_path), rollout_quant="int4").validate()
     if not torch.cuda.is_available():
         with pytest.raises(mipu.MIPUError, match="fp8 needs a GPU.*fp8-sim"):
-            mipu.make_sampler(str(tmp_path), "bfloat16", 0, 0.5, 256, "fp8")
+            mipu.make_sampler(mipu.Config(model=str(tmp_path), rollout_quant="fp8"))
 
 
 def test_generate_layout_and_determinism(llm, prompt_ids):
@@ -1119,6 +1118,19 @@ def test_cli_train_resume_eval(model_dir, tmp_path):
                 "--eval-samples", "2", "--max-new-tokens", "4")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "| arith_val |" in p.stdout and "| arith_train |" in p.stdout and "pass@1" in p.stdout
+
+
+def test_cli_train_compiled_vllm_syncs(model_dir, tmp_path):
+    """--vllm-compile on: weight syncs reach the torch.compile'd engine. The untrained model earns no reward, so
+    AdamW's weight decay (LR x decay = 0.1) shrinks θ by 10 % a step: a stale engine fails the probe check (rc 2)."""
+    out = tmp_path / "run"
+    p = run_cli("train", "--model", model_dir, "--train-data", str(ARITH), "--output-dir", str(out), "--method", "grpo",
+                "--steps", "2", "--prompts-per-step", "4", "--num-generations", "4", "--mini-batch-size", "16",
+                "--max-new-tokens", "6", "--learning-rate", "0.05", "--weight-decay", "2", "--vllm-compile", "on")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "enforce_eager=False" in p.stdout + p.stderr      # vLLM's own config line: it did compile
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[1]["mismatch/k3"] < 0.01, lines[1]               # μ_1 = π_1 up to bf16
 
 
 def test_cli_train_datasets_tensorboard_progress_plot(model_dir, tmp_path, offline_datasets):

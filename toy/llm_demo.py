@@ -80,7 +80,7 @@ def llm_demo(args: dict) -> None:
     sft_warm_start(dataclasses.replace(cfg, model=tiny, **data), args["sft_steps"], args["sft_lr"],
                    args["sft_batch_size"], sft_out)                   # always: deterministic, ~1 min
     base = dataclasses.replace(cfg, model=sft_out, **data, **LLM_DEMO)
-    curves = rl_curves(base, mipu.sampler_for(base), mipu.load_eval_sets(base))
+    curves = rl_curves(base, mipu.make_sampler(base), mipu.load_eval_sets(base))
     plot(out / "llm_demo.png", curves)
     rows = [{"method": meth, "J(mu) held-out, start": f"{c[0][LLM_DEMO_EVAL]:.3f}",
              "J(mu) held-out, end": f"{c[-1][LLM_DEMO_EVAL]:.3f}",
