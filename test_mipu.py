@@ -757,7 +757,7 @@ def test_bad_model_path_and_fp8_on_cpu(tmp_path):
         mipu.Config(model=str(tmp_path), rollout_quant="int4").validate()
     if not torch.cuda.is_available():
         with pytest.raises(mipu.MIPUError, match="fp8 needs a GPU.*fp8-sim"):
-            mipu.make_sampler(mipu.Config(model=str(tmp_path), rollout_quant="fp8"))
+            mipu.Config(model=str(tmp_path), rollout_quant="fp8").validate()
 
 
 def test_generate_layout_and_determinism(llm, prompt_ids):
