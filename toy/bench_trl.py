@@ -175,6 +175,10 @@ def bench_trl(args: dict) -> dict:
 
 def bench(args: dict) -> None:
     cfg = grpo_cfg(args)
+    try:
+        import trl  # noqa: F401  (checked first: the run of ours takes a minute)
+    except ImportError as e:
+        raise mipu.MIPUError(f"this benchmark needs TRL: pip install trl==1.16.0 ({e})") from e
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()
