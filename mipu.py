@@ -1761,11 +1761,11 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
 def toy_command(cfg: Config) -> None:
     """`python mipu.py toy`: one toy run, a metrics line per step (the demo is `python -m toy.demo`)."""
     alpha = cfg.toy_mismatch if cfg.toy_mismatch >= 0 else TOY_PRESETS[cfg.toy_preset]
-    torch.set_num_threads(1)
-    run = toy_init(cfg, alpha)
-    print(f"toy run: alpha={alpha:g}, method {cfg.method}; initial J(pi)={run.J[0]:.4f} J(mu)={run.J[1]:.4f}")
-    for k in range(cfg.steps):
-        log_metrics(None, toy_step(run, k))
+    first, *steps = toy_run(cfg, alpha)
+    print(f"toy run: alpha={alpha:g}, method {cfg.method}; initial J(pi)={first['exact/J_pi']:.4f} "
+          f"J(mu)={first['exact/J_mu']:.4f}")
+    for m in steps:
+        log_metrics(None, m)
 
 
 def train(cfg: Config) -> None:
