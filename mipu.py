@@ -127,7 +127,7 @@ def _arg(default, help: str, group: str = "algo", choices=None):
 
 
 _llm, _toy = functools.partial(_arg, group="llm"), functools.partial(_arg, group="toy")   # the other two groups
-AUTO_ON_OFF = ("auto", "on", "off")      # "auto": AUTO_DEFAULTS' value for the device
+_auto = functools.partial(_llm, "auto", choices=("auto", "on", "off"))    # "auto": AUTO_DEFAULTS' value for the device
 
 
 @dataclass
@@ -178,12 +178,9 @@ class Config:
     train_dtype: str = _llm("auto", "float32 = exact (CPU default); bf16-mixed = fp32 weights + AdamW, bf16 autocast "
                             "(GPU default, as TRL/verl); bfloat16 = pure bf16: less memory, tiny updates round away",
                             choices=("auto", "float32", "bf16-mixed", "bfloat16"))
-    grad_checkpointing: str = _llm("auto", "recompute layers in backward: memory for time (auto = on on GPU)",
-                                   choices=AUTO_ON_OFF)
-    vllm_sleep: str = _llm("auto", "free vLLM's KV cache, offload its weights in Step 1 (CUDA only; auto = on on GPU)",
-                           choices=AUTO_ON_OFF)
-    vllm_compile: str = _llm("auto", "vLLM's torch.compile (+ CUDA graphs): faster rollouts, slower start-up, auto: on "
-                             "on GPU", choices=AUTO_ON_OFF)
+    grad_checkpointing: str = _auto("recompute layers in backward: memory for time (auto = on on GPU)")
+    vllm_sleep: str = _auto("free vLLM's KV cache, offload its weights in Step 1 (CUDA only; auto = on on GPU)")
+    vllm_compile: str = _auto("vLLM's torch.compile (+ CUDA graphs): faster rollouts, slower start (auto = on on GPU)")
     device: str = _llm("cpu", "training-engine device: cpu or cuda", choices=("cpu", "cuda"))
     gpu_memory_utilization: float = _llm(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)")
     max_model_len: int = _llm(0, "vLLM context length, prompt + response (0 = the model's own maximum)")
@@ -235,8 +232,9 @@ class Config:
             (getattr(self, n) >= 1, f"{flag[n]} must be >= 1") for n in ("prompts_per_step", "val_prompts", "epochs",
              "mini_batch_size", "micro_batch_size", "logprob_chunk", "max_new_tokens", "eval_samples", "save_every",
              "toy_prompts", "toy_horizon")] + [
+            (getattr(self, n) >= 0, f"{flag[n]} must be >= 0") for n in ("steps", "eval_every", "eval_temperature",
+                                                                           "weight_decay", "c_se")] + [
             (self.num_generations >= 2, "--num-generations must be >= 2 (group advantages need a group)"),
-            (self.steps >= 0 and self.eval_every >= 0, "--steps and --eval-every must be >= 0"),
             (0 < self.clip_eps < 1, "--clip-eps must be in (0, 1)"),
             (self.w_max >= 1, "--w-max must be >= 1 (a cap below 1 would down-weight on-policy tokens)"),
             (0 <= self.mis_low <= 1 <= self.mis_high, "--mis-low <= 1 <= --mis-high is required"),
@@ -251,11 +249,10 @@ class Config:
             (self.toy_vocab >= 2, "--toy-vocab must be >= 2"),
             (0 <= self.toy_tolerance < self.toy_horizon, "--toy-tolerance must be in [0, toy_horizon)"),
             (0 < self.toy_init_prob < 1, "--toy-init-prob must be in (0, 1)"),
-            (self.toy_fp8_headroom > 0 and self.c_se >= 0, "--toy-fp8-headroom must be > 0, --c-se >= 0"),
+            (self.toy_fp8_headroom > 0, "--toy-fp8-headroom must be > 0"),
             (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
                                    "greedy rollouts have no log-probs to learn from)"),
-            (self.eval_temperature >= 0, "--eval-temperature must be >= 0"),
-            (self.weight_decay >= 0, "--weight-decay must be >= 0"),
+
             (self.learning_rate > 0 and self.toy_lr > 0, "learning rates must be > 0"),
             (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
             (self.sync_tol > 0 and self.max_grad_norm > 0 and self.reward_timeout > 0,
@@ -279,8 +276,8 @@ class Config:
 
 
 # ==== MIPU MATH =====================================================================================================
-# Pure functions. Shapes: B responses, T tokens. logp* and mask are [B, T] (log-prob of each sampled token; mask 1 on
-# response tokens), adv is [B].
+# Pure functions. B responses, T tokens: logp* and mask are [B, T] (each sampled token's log-prob; mask 1 on response
+# tokens), adv is [B].
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantage A_i = (R_i − mean_g R) / (std_g R + eps), rewards ordered group by group. std has ddof=0:
@@ -315,14 +312,12 @@ def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: 
     with torch.no_grad():
         clipped = ((ratio < 1 - clip_eps) & (a < 0)) | ((ratio > 1 + clip_eps) & (a > 0))
         on = mask > 0
-        metrics = {
-            "loss": loss.item(),
-            "clip_frac": masked_mean(clipped.to(mask.dtype), mask).item(),
-            "weight_mean": masked_mean(weight, mask).item(),
-            "weight_max": weight[on].max().item() if on.any() else 0.0,
-            "frac_truncated": masked_mean((w > w_max).to(mask.dtype), mask).item(),
-            "frac_masked": masked_mean(outside.to(mask.dtype), mask).item(),
-        }
+        metrics = {"loss": loss.item(),
+                   "clip_frac": masked_mean(clipped.to(mask.dtype), mask).item(),
+                   "weight_mean": masked_mean(weight, mask).item(),
+                   "weight_max": weight[on].max().item() if on.any() else 0.0,
+                   "frac_truncated": masked_mean((w > w_max).to(mask.dtype), mask).item(),
+                   "frac_masked": masked_mean(outside.to(mask.dtype), mask).item()}
     return loss, metrics
 
 
@@ -357,15 +352,13 @@ def mismatch_metrics(logp_train, logp_sampler, mask) -> dict:
     d = logp_train - logp_sampler                                               # log π/μ, [B, T]
     seq_log_w = (d * mask).sum(1)                                               # log Π_t π/μ, [B]
     ess = torch.exp(2 * torch.logsumexp(seq_log_w, 0) - torch.logsumexp(2 * seq_log_w, 0)) / d.shape[0]
-    return {
-        "k1": masked_mean(-d, mask).item(),                      # E_μ[log μ − log π] = KL(μ‖π)
-        "k3": masked_mean(torch.exp(d) - 1 - d, mask).item(),   # E_μ[π/μ − 1 − log π/μ] ≥ 0
-        "abs_dlogp_mean": masked_mean(d.abs(), mask).item(),
-        "abs_dlogp_max": d.abs()[on].max().item() if on.any() else 0.0,
-        "abs_dp_max": (logp_train.exp() - logp_sampler.exp()).abs()[on].max().item() if on.any() else 0.0,
-        "frac_outside_0.5_2": masked_mean(((d < -math.log(2)) | (d > math.log(2))).to(mask.dtype), mask).item(),
-        "seq_ess": ess.item(),                                   # (Σw)²/(n Σw²) of sequence ratios
-    }
+    return {"k1": masked_mean(-d, mask).item(),                      # E_μ[log μ − log π] = KL(μ‖π)
+            "k3": masked_mean(torch.exp(d) - 1 - d, mask).item(),   # E_μ[π/μ − 1 − log π/μ] ≥ 0
+            "abs_dlogp_mean": masked_mean(d.abs(), mask).item(),
+            "abs_dlogp_max": d.abs()[on].max().item() if on.any() else 0.0,
+            "abs_dp_max": (logp_train.exp() - logp_sampler.exp()).abs()[on].max().item() if on.any() else 0.0,
+            "frac_outside_0.5_2": masked_mean(((d < -math.log(2)) | (d > math.log(2))).to(mask.dtype), mask).item(),
+            "seq_ess": ess.item()}                                   # (Σw)²/(n Σw²) of sequence ratios
 
 
 def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
@@ -380,22 +373,18 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
 
 # ==== THE ITERATION =================================================================================================
 # One MIPU step, on the toy simulator and on an LLM. Lines under a numbered banner are the algorithm (the docstring's
-# phases 0-4); the rest is bookkeeping (timing, metrics, --gap-batch next). Both use the math above and the helpers
-# right below; the pieces they call are defined in the sections further down.
+# phases 0-4), the rest bookkeeping (timing, metrics, --gap-batch next); the pieces they call are defined further down.
 
 def decide(cfg: Config, finite: bool, t_post: float, g_k: float, draw, se: float = 0.0) -> bool:
-    """Step 2's verdict for any method: a non-finite candidate is rejected; "gap" methods apply
-    the acceptance rule; random-rollback rejects with probability reject_rate (draw() ~ U[0, 1),
-    called only then, so other methods consume no randomness); the rest always accept.
-    se: T̂_post's standard error; --c-se moves the threshold by c_se·se (toy only)."""
+    """Step 2's verdict for any method: a non-finite candidate is rejected; "gap" methods apply the acceptance
+    rule (toy: --c-se moves the threshold by c_se·se, se = T̂_post's standard error); random-rollback rejects
+    with probability reject_rate (draw() ~ U[0, 1), called only then: other methods consume no randomness)."""
     accept_kind = METHOD_SPEC[cfg.method][1]
-    if not finite:
-        return False
     if accept_kind == "gap":
-        return accept_candidate(cfg.accept_rule, t_post, g_k, cfg.c + cfg.c_se * se)
+        return finite and accept_candidate(cfg.accept_rule, t_post, g_k, cfg.c + cfg.c_se * se)
     if accept_kind == "random":
-        return draw() >= cfg.reject_rate
-    return True
+        return finite and draw() >= cfg.reject_rate
+    return finite
 
 
 def toy_step(run: ToyRun, k: int) -> dict:
@@ -431,8 +420,7 @@ def toy_step(run: ToyRun, k: int) -> dict:
     m.update({"exact/cand_J_pi": cand_J_pi, "exact/cand_J_mu": cand_J_mu, "exact/cand_gap": cand_J_mu - cand_J_pi,
               "exact/cand_dJ_pi": cand_J_pi - J_pi, "exact/cand_dJ_mu": cand_J_mu - J_mu})
     # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule)
-    t_post = g_k = float("nan")
-    se = 0.0
+    t_post, g_k, se = float("nan"), float("nan"), 0.0
     if accept_kind == "gap":
         t_post, se = toy_gap_check(run, cfg.val_prompts, run.gen)
         if held:
@@ -532,9 +520,8 @@ def holdout_size(cfg: Config) -> int:
 
 def current_lr(cfg: Config, base_lr: float, k: int) -> float:
     """Constant LR, or linear decay to lr_final_frac·base over the run (--lr-decay)."""
-    if not cfg.lr_decay:
-        return base_lr
-    return base_lr * (1 - (1 - cfg.lr_final_frac) * min(k / max(cfg.steps - 1, 1), 1.0))
+    decay = (1 - cfg.lr_final_frac) * min(k / max(cfg.steps - 1, 1), 1.0) if cfg.lr_decay else 0.0
+    return base_lr * (1 - decay)
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
@@ -582,16 +569,15 @@ def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: 
 
 
 # ==== TOY SIMULATOR =================================================================================================
-# A small autoregressive policy with an "inference engine" that differs from the "training engine" in a controlled,
+# A small autoregressive policy whose "inference engine" differs from its "training engine" in a controlled,
 # deterministic way.
-#   policy: logits[p, t, prev] = tanh((E_p[p] + E_t[t] + E_v[prev]) W1) W2   (W1, W2 shared
-#           by every prompt and position, like an LLM's layers)
-#   engine: the same network with W1, W2 rounded through FP8 E4M3 (per-tensor scale, as
-#           vLLM's online FP8 quantization) and logits rounded to bf16;
-#           μ_logits = π_logits + α (engine_logits − π_logits). α = 0 gives μ = π bit for bit.
-#           --toy-logit-fp8 also rounds the engine's logits through FP8 (per-row or one static scale).
-#   task:   each prompt has a target of H tokens; reward 1 iff at most `tolerance` tokens
-#           differ, so a response needs many right tokens and per-token errors compound.
+#   policy: logits[p, t, prev] = tanh((E_p[p] + E_t[t] + E_v[prev]) W1) W2   (W1, W2 shared by every prompt and
+#           position, like an LLM's layers)
+#   engine: the same network with W1, W2 rounded through FP8 E4M3 (per-tensor scale, as vLLM's online FP8
+#           quantization) and logits rounded to bf16; μ_logits = π_logits + α (engine_logits − π_logits), so
+#           α = 0 gives μ = π bit for bit. --toy-logit-fp8: the engine's logits go through FP8 too (per row/static).
+#   task:   each prompt has a target of H tokens; reward 1 iff at most `tolerance` tokens differ, so a response
+#           needs many right tokens and per-token errors compound.
 #   J(π), J(μ) are exact (dynamic programming over (prev token, errors so far)).
 
 TOY_INIT_SCALE = 0.5          # std of the random embeddings before the warm start
@@ -664,8 +650,7 @@ def toy_sample(logp_table, prompts, group_size, gen) -> tuple[torch.Tensor, torc
     prev = torch.full((B,), V, dtype=torch.long)
     tokens = torch.empty(B, H, dtype=torch.long)
     for t in range(H):
-        probs = logp_table[prompt, t, prev].exp()                               # [B, V]
-        prev = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+        prev = torch.multinomial(logp_table[prompt, t, prev].exp(), 1, generator=gen).squeeze(1)   # [B]
         tokens[:, t] = prev
     return prompt, tokens, toy_token_logp(logp_table, prompt, tokens)
 
@@ -803,16 +788,14 @@ def make_sampler(cfg: Config) -> "vllm.LLM":
     from vllm import LLM
 
     llm = LLM(
-        model=cfg.model,
-        dtype=cfg.rollout_dtype,
-        seed=cfg.seed + rank_world()[0],
+        model=cfg.model, dtype=cfg.rollout_dtype, seed=cfg.seed + rank_world()[0],
         gpu_memory_utilization=cfg.gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
         max_model_len=cfg.max_model_len or None,  # None: the model config's maximum
         quantization="fp8_per_tensor" if cfg.rollout_quant == "fp8" else None,  # weights: one static scale per tensor
         enforce_eager=cfg.vllm_compile == "off",  # on: torch.compile (+ CUDA graphs on GPU) at start-up
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
-        enable_sleep_mode=cfg.vllm_sleep == "on",  # CUDA only: engine_sleep frees its GPU memory during Step 1
+        enable_sleep_mode=cfg.vllm_sleep == "on",  # CUDA only: step1_update frees its GPU memory during Step 1
         distributed_executor_backend="external_launcher" if torchrun() else None,  # an engine per rank (TRL colocate)
     )
     if cfg.rollout_quant == "fp8-sim":  # the first rollouts must already see FP8 weights
@@ -820,10 +803,7 @@ def make_sampler(cfg: Config) -> "vllm.LLM":
     return llm
 
 
-def engine_sleep(llm, enabled: bool, asleep: bool) -> None:
-    """vLLM sleep mode (if enabled): level 1 drops the KV cache and offloads the weights to host RAM."""
-    if enabled:
-        llm.sleep(level=1) if asleep else llm.wake_up()
+
 
 
 def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
@@ -858,9 +838,7 @@ def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
     return samples
 
 
-def _is_fp8_target(name: str, tensor: torch.Tensor) -> bool:
-    """Linear-layer weights, the ones vLLM's fp8 quantizes (it keeps embeddings, lm_head; norms, biases are 1-D)."""
-    return tensor.dim() == 2 and "embed" not in name and "lm_head" not in name
+
 
 
 def _reload_in_worker(model, weights: list[tuple[str, torch.Tensor]], model_config) -> None:
@@ -888,8 +866,8 @@ def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_qua
     the public llm.apply_model. Tied embeddings stay tied (values are copied into the existing storage)."""
     model_config = llm.llm_engine.vllm_config.model_config
     amax = {}   # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
-    for name, t in named_tensors:
-        if rollout_quant == "fp8-sim" and _is_fp8_target(name, t):
+    for name, t in named_tensors:     # linear weights, the ones vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
+        if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
             key = _fused_name(name)
             amax[key] = torch.maximum(amax.get(key, torch.zeros(())), full(t.detach().abs().max()).float().cpu())
     weights = []
@@ -1014,8 +992,7 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
     seqs = [p + c for p, c in zip(prompts, completions)]
     ids, attn = pad_right(seqs, 0, torch.long), pad_right([[1] * len(s) for s in seqs], 0, torch.long)  # [b, L]
     ids, attn = ids.to(device), attn.to(device)
-    # right padding: real tokens sit at positions 0..len-1 and never attend to the pads
-    # (causal), so position ids are a plain arange
+    # right padding: real tokens sit at positions 0..len-1, before the pads (causal: never see them): a plain arange
     pos = torch.arange(ids.shape[1], device=device).expand_as(ids)  # [b, L]
     # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head there, and
     # keep them gathered until backward); logits_to_keep=1: its own lm_head scores one position only
@@ -1039,11 +1016,10 @@ def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list
     if any(len(p) == 0 for p in prompt_ids):
         raise MIPUError("token_logprobs: every prompt needs at least one token")
     width = max(1, max(len(c) for c in completion_ids))  # T
-    mask = pad_right([[1.0] * len(c) + [0.0] * (width - len(c)) for c in completion_ids], 0.0)  # [B, T]
     logp = torch.cat([_micro_batch_logprobs(model, prompt_ids[s:s + micro_batch], completion_ids[s:s + micro_batch],
                                             temperature, width, chunk or Config.logprob_chunk)
                       for s in range(0, len(prompt_ids), micro_batch)])  # [B, T]
-    mask = mask.to(logp.device)
+    mask = pad_right([[1.0] * len(c) + [0.0] * (width - len(c)) for c in completion_ids], 0.0).to(logp.device)
     return logp.masked_fill(mask == 0, 0.0), mask
 
 
@@ -1256,7 +1232,8 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
     cfg, device = run.cfg, run.cfg.device
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
     stats, grad_norms = [], []
-    engine_sleep(run.llm, cfg.vllm_sleep == "on", True)
+    if cfg.vllm_sleep == "on":                             # level 1: drop the KV cache, offload weights to host RAM
+        run.llm.sleep(level=1)
     run.model.train()                                      # HF's gradient checkpointing acts in train mode only
     for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen, rank_world()[1]):
         run.opt.zero_grad(set_to_none=True)
@@ -1280,7 +1257,8 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
         run.opt.step()
     run.model.eval()
     run.opt.zero_grad(set_to_none=True)                   # free the gradients before vLLM wakes up
-    engine_sleep(run.llm, cfg.vllm_sleep == "on", False)
+    if cfg.vllm_sleep == "on":
+        run.llm.wake_up()
     finite = all_true(finite and all(torch.isfinite(local(p)).all() for p in run.model.parameters()))  # overflow?
     return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)),
             "step1/finite": float(finite)}
@@ -1320,8 +1298,7 @@ def sync(run: LLMRun, tol: float = 0.0) -> float:
 
 
 # ==== DATA & REWARD =================================================================================================
-# Prompts/answers from JSONL, parquet or HF datasets; a 1/0 math reward (exact for plain numbers, math-verify for the
-# rest).
+# Prompts/answers from JSONL, parquet or HF datasets; a 1/0 math reward (plain numbers exact, the rest math-verify).
 
 def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dict:
     """Validate one raw row and return {"prompt": str, "answer": str}."""
@@ -1509,9 +1486,8 @@ def build_prompt_ids(tokenizer, question: str, suffix: str = "", thinking: bool 
     """Token ids of question + suffix, through the chat template if any (enable_thinking: Qwen3's switch)."""
     question += suffix
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": question}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            enable_thinking=thinking)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                            tokenize=True, enable_thinking=thinking)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
@@ -1699,8 +1675,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 # ==== MAIN ==========================================================================================================
-# `toy` (one toy run), `train`, `eval`. The demos, the benchmark and the tiny model builder are scripts under toy/
-# (python -m toy.demo, ...) that import this file.
+# `toy` (one toy run), `train`, `eval`. Demos, benchmarks, the tiny model builder: toy/ scripts (python -m toy.demo).
 
 def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
     """load_rows; a prompt without room for 1 new token in the context is refused (or --drop-long-prompts)."""
@@ -1827,8 +1802,7 @@ def check_llm_flags(cfg: Config, command: str) -> None:
 
 
 SUBCOMMANDS = {   # name -> (Config groups it takes, help, function)
-    "toy": (("algo", "toy"), "one toy-simulator run on the CPU (the demo of every method: python -m toy.demo)",
-            toy_command),
+    "toy": (("algo", "toy"), "one toy-simulator run on the CPU (every method's demo: python -m toy.demo)", toy_command),
     "train": (("algo", "llm"), "RL training of an LLM: vLLM rollouts, HF trainer, Step 1 / Step 2", train),
     "eval": (("llm",), "pass@1 of a model through vLLM on --eval-data (alias --data)", eval_command),
 }
