@@ -1760,9 +1760,8 @@ def train(cfg: Config) -> None:
 def eval_command(cfg: Config) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
     from transformers import AutoTokenizer
-    eval_sets = load_eval_sets(cfg)
-    llm = make_sampler(cfg)
-    print(markdown_table(evaluate(llm, AutoTokenizer.from_pretrained(cfg.model), eval_sets, cfg)))
+    eval_sets = load_eval_sets(cfg)                   # before the engine starts: bad data fails fast
+    print(markdown_table(evaluate(make_sampler(cfg), AutoTokenizer.from_pretrained(cfg.model), eval_sets, cfg)))
 
 
 def check_llm_flags(cfg: Config, command: str) -> None:
