@@ -244,7 +244,6 @@ class Config:
             (self.toy_fp8_headroom > 0, "--toy-fp8-headroom must be > 0"),
             (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
                                    "greedy rollouts have no log-probs to learn from)"),
-
             (self.learning_rate > 0 and self.toy_lr > 0, "learning rates must be > 0"),
             (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
             (self.sync_tol > 0 and self.max_grad_norm > 0 and self.reward_timeout > 0,
