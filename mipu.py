@@ -789,15 +789,13 @@ def make_sampler(cfg: Config) -> "vllm.LLM":
     return llm
 
 
-
-
-
 def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
     """All (HF name, tensor) pairs of a local or HF-cached safetensors checkpoint."""
     from safetensors.torch import load_file
-    files = sorted(model_folder(model_path).glob("*.safetensors"))
+    folder = model_folder(model_path)
+    files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise MIPUError(f"--rollout-quant fp8-sim needs safetensors weights in {model_folder(model_path)}")
+        raise MIPUError(f"--rollout-quant fp8-sim needs safetensors weights in {folder}")
     return [item for f in files for item in load_file(f).items()]
 
 
@@ -822,9 +820,6 @@ def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
             samples.append({"prompt_idx": i, "prompt_ids": list(prompt_ids[i]), "completion_ids": ids,
                             "sampler_logprobs": lps, "text": comp.text, "truncated": comp.finish_reason == "length"})
     return samples
-
-
-
 
 
 def _reload_in_worker(model, weights: list[tuple[str, torch.Tensor]], model_config) -> None:
