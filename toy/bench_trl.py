@@ -28,13 +28,14 @@ entropies in the loss forward, and shuffles the prompts with its own sampler.
 
 The one workaround (TRL cannot sync on CPU): vLLM's CPU linear layers repack their weights after loading and
 drop the loadable `weight` (dispatch_cpu_unquantized_gemm), so TRL's bare `model.load_weights` fails on the
-first linear ("'Parameter' object has no attribute 'weight_loader'"). cpu_sync_weights runs TRL's own loop
-(VLLMGeneration._iter_named_params, one load_weights per tensor, reset_prefix_cache) inside vLLM's layerwise
-reload, which re-runs that repacking, and re-processes the tied lm_head as mipu.sync_weights does. Nothing else
+first linear ("'Parameter' object has no attribute 'weight_loader'"). cpu_sync_weights loads TRL's parameters
+(VLLMGeneration._iter_named_params, then reset_prefix_cache) through mipu._reload_in_worker: vLLM's layerwise
+reload, which re-runs that repacking, and the tied lm_head's re-processing, as mipu.sync_weights does. Nothing else
 in TRL is changed: the phase times come from wrappers around the trainer's own calls.
 """
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -96,16 +97,11 @@ class Timed:
 
 
 def cpu_sync_weights(vg) -> None:
-    """TRL's colocate sync (VLLMGeneration.sync_weights), wrapped in vLLM's layerwise reload (see the docstring)."""
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-    model = vg.llm.llm_engine.model_executor.driver_worker.model_runner.model
+    """TRL's colocate sync (VLLMGeneration.sync_weights: its parameters, then reset_prefix_cache), the weights loaded
+    through mipu's worker function: vLLM's layerwise reload plus the tied-lm_head re-processing (see the docstring)."""
     model_config = vg.llm.llm_engine.vllm_config.model_config
-    initialize_layerwise_reload(model)
-    for name, param in vg._iter_named_params():
-        model.load_weights([(name, param)])
-    finalize_layerwise_reload(model, model_config)
-    if getattr(model_config.hf_config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
-        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    weights = list(vg._iter_named_params())
+    vg.llm.apply_model(functools.partial(mipu._reload_in_worker, weights=weights, model_config=model_config))
     vg.llm.reset_prefix_cache()
 
 
