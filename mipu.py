@@ -102,6 +102,8 @@ class MIPUError(ValueError):
 METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mis", "always"),
                "step2": ("grpo", "gap"), "mipu": ("tis", "gap"),
                "random-rollback": ("grpo", "random"), "random-rollback-tis": ("tis", "random")}
+
+
 # Mismatch scale α of the toy per preset, chosen by mismatch level only (README: measured k3):
 # none = identical engines, fp8 = the FP8/bf16 engine as is, severe = its error amplified.
 TOY_PRESETS = {"none": 0.0, "fp8": 1.0, "severe": 8.0}
@@ -364,7 +366,7 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
 
 # ==== THE ITERATION =================================================================================================
 # One MIPU step, on the toy simulator and on an LLM. Lines under a numbered banner are the algorithm (the docstring's
-# phases 0-4), the rest bookkeeping (timing, metrics, --gap-batch next); the pieces they call are defined further down.
+# phases 0-4), the rest bookkeeping (timing, metrics, --gap-batch next); what they call comes right after.
 
 def decide(cfg: Config, finite: bool, t_post: float, g_k: float, draw, se: float = 0.0) -> bool:
     """Step 2's verdict for any method: a non-finite candidate is rejected; "gap" methods apply the acceptance
@@ -476,7 +478,181 @@ def mipu_step(run: LLMRun) -> dict:
     return global_metrics(m)
 
 
-# ---- helpers both iterations share ----------------------------------------------
+# ==== WHAT THE STEPS CALL ===========================================================================================
+# The LLM run's state and phases (rollout, recompute, Step 1, sync, Step 2), then the helpers both steps share.
+
+@dataclass
+class Rollout:
+    """Responses of a batch of prompts, group by group, padded to tensors."""
+    prompt_ids: list                          # B lists of prompt token ids
+    completion_ids: list                      # B lists of response token ids
+    logp_sampler: torch.Tensor                # [B, T] log μ of each sampled token
+    mask: torch.Tensor                        # [B, T] 1 on response tokens
+    rewards: torch.Tensor                     # [B]
+    adv: torch.Tensor                         # [B]
+    truncated: torch.Tensor                   # [B] 1 if cut by --max-new-tokens
+
+    def select(self, idx: torch.Tensor) -> "Rollout":
+        ids = idx.tolist()
+        return Rollout([self.prompt_ids[i] for i in ids], [self.completion_ids[i] for i in ids],
+                       self.logp_sampler[idx], self.mask[idx], self.rewards[idx], self.adv[idx], self.truncated[idx])
+
+
+@dataclass
+class LLMRun:
+    """Everything the LLM training loop carries from step to step (and checkpoints)."""
+    cfg: Config
+    llm: object                               # vllm.LLM: the inference engine, μ
+    model: torch.nn.Module                    # transformers model: the training engine, π
+    tokenizer: object
+    opt: torch.optim.Optimizer
+    train_rows: list
+    val_rows: list
+    probe: tuple                              # (prompt ids, completion ids) scored after every sync
+    order: list                               # shuffled training-row order of the current pass
+    data_pos: int = 0                         # next row of `order`
+    val_pos: int = 0
+    pending_rows: list = None                 # --gap-batch next: the prompts of step k+1's batch
+    pending: tuple = None                     # --gap-batch next, accepted: (Rollout from μ_{k+1}, log π_{k+1})
+    step: int = 0
+    rejections: int = 0
+    snapshot: tuple = None                    # clone_state's host buffers, reused step to step
+    probe_gap0: float = 0.0                   # the probe's max |log π - log μ| at start-up (sync check scale)
+    reward_timeouts: int = 0                  # reward calls past --reward-timeout, scored 0
+
+
+def next_batch(run: LLMRun, lap: Laps) -> tuple[Rollout, torch.Tensor]:
+    """Step k's rollouts from μ_k and their π_k log-probs [B, T]. With --gap-batch next and an
+    accepted step k-1, that step's Step-2 batch, already sampled from μ_k (no rollout, no recompute)."""
+    batch, rows = run.pending, run.pending_rows
+    run.pending = run.pending_rows = None
+    if batch is not None:
+        return batch
+    ro = rollout(run, rows or next_rows(run, run.cfg.prompts_per_step), seed=run.cfg.seed * 1_000_003 + 2 * run.step)
+    lap("rollout")
+    logp_old = trainer_logp(run, ro)                                        # π_k, [B, T]
+    lap("recompute")
+    return ro, logp_old
+
+
+def next_rows(run: LLMRun, n: int) -> list:
+    """The next n training rows; a new shuffled pass (seeded by seed + step) when one runs out."""
+    rows = []
+    while len(rows) < n:
+        if run.data_pos >= len(run.order):
+            g = torch.Generator().manual_seed(run.cfg.seed + run.step)
+            run.order, run.data_pos = torch.randperm(len(run.train_rows), generator=g).tolist(), 0
+        rows.append(run.train_rows[run.order[run.data_pos]])
+        run.data_pos += 1
+    return rows
+
+
+def next_val_rows(run: LLMRun, n: int) -> list:
+    """The next n acceptance prompts, cycling through --val-data."""
+    rows = [run.val_rows[(run.val_pos + i) % len(run.val_rows)] for i in range(n)]
+    run.val_pos = (run.val_pos + n) % len(run.val_rows)
+    return rows
+
+
+def rollout(run: LLMRun, rows: list, seed: int) -> Rollout:
+    """Sample G responses per prompt from μ (vLLM), score them, group advantages (torchrun: this rank's share)."""
+    cfg, (rank, world) = run.cfg, rank_world()
+    first = rank * len(rows) // world     # seeded as one process seeds these prompts: the ranks' samples differ
+    rows = rows[first:first + len(rows) // world]
+    prompt_ids = prompts_of(run.tokenizer, rows, cfg)
+    samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature,
+                       seed + first * cfg.num_generations)
+    scores = [sample_reward(s, rows[s["prompt_idx"]]["answer"], cfg) for s in samples]
+    run.reward_timeouts += scores.count(None)
+    rewards = torch.tensor([score or 0.0 for score in scores])
+    logp_sampler = pad_right([s["sampler_logprobs"] for s in samples], 0.0)
+    mask = pad_right([[1.0] * len(s["completion_ids"]) for s in samples], 0.0)
+    return Rollout([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples],
+                   logp_sampler, mask, rewards, group_advantages(rewards, cfg.num_generations),
+                   torch.tensor([float(s["truncated"]) for s in samples]))
+
+
+def trainer_logp(run: LLMRun, ro: Rollout) -> torch.Tensor:
+    """Training-engine log-probs of a rollout's tokens, no gradient, on the CPU. [B, T]"""
+    with torch.no_grad(), train_autocast(run.cfg):
+        logp, _ = token_logprobs(run.model, ro.prompt_ids, ro.completion_ids, run.cfg.temperature,
+                                 run.cfg.micro_batch_size, run.cfg.logprob_chunk)
+    reshard(run.model)
+    return logp.float().cpu()[:, : ro.mask.shape[1]]   # token_logprobs pads to >= 1 column
+
+
+def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int, loss_kind: str) -> dict:
+    """Step 1: mini-batches × epochs of the chosen loss from θ_k. Returns metrics; stops on a
+    non-finite loss or gradient (metrics["step1/finite"] = 0) so the candidate is rejected."""
+    cfg, device = run.cfg, run.cfg.device
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
+    stats, grad_norms = [], []
+    if cfg.vllm_sleep == "on":                             # level 1: drop the KV cache, offload weights to host RAM
+        run.llm.sleep(level=1)
+    run.model.train()                                      # HF's gradient checkpointing acts in train mode only
+    for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen, rank_world()[1]):
+        run.opt.zero_grad(set_to_none=True)
+        # FSDP averages gradients over ranks: dividing by the mean token count per rank gives the global token mean
+        n_tokens = max(all_mean(ro.mask[idx].sum().item()), 1.0)
+        for micro in idx.split(cfg.micro_batch_size):
+            mb = ro.select(micro)
+            with train_autocast(cfg):
+                logp, _ = token_logprobs(run.model, mb.prompt_ids, mb.completion_ids, cfg.temperature, len(micro),
+                                         cfg.logprob_chunk)
+            T = logp.shape[1]
+            loss, s = policy_loss(logp.float(), logp_old[micro, :T].to(device), mb.logp_sampler[:, :T].to(device),
+                                  mb.adv.to(device), mb.mask[:, :T].to(device), loss_kind,
+                                  cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
+            (loss * mb.mask.sum() / n_tokens).backward()       # token mean over the mini-batch
+            stats.append(s)
+        grad_norms.append(full(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)).item())
+        finite = all_true(math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats))
+        if not finite:
+            break
+        run.opt.step()
+    run.model.eval()
+    run.opt.zero_grad(set_to_none=True)                   # free the gradients before vLLM wakes up
+    if cfg.vllm_sleep == "on":
+        run.llm.wake_up()
+    finite = all_true(finite and all(torch.isfinite(local(p)).all() for p in run.model.parameters()))  # overflow?
+    return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)),
+            "step1/finite": float(finite)}
+
+
+SYNC_GAP_FLOOR = 0.01     # probe gaps below this are rounding (bf16 vLLM vs fp32 trainer: 0.006-0.03 measured)
+PROBE_TOKENS = 64         # probe response length: enough to see a sync that did not take effect, cheap to score
+
+
+def sync(run: LLMRun, tol: float = 0.0) -> float:
+    """Push θ into vLLM; check the probe's max |log π - log μ| <= tol or sync_tol × its start-up value."""
+    sync_weights(run.llm, list(run.model.named_parameters()), run.cfg.rollout_quant)
+    with train_autocast(run.cfg):
+        return check_sync(run.llm, run.model, run.probe[0], run.probe[1],
+                          tol or run.cfg.sync_tol * max(run.probe_gap0, SYNC_GAP_FLOOR))
+
+
+def step2_estimates(run: LLMRun, ro: Rollout, held: int, m: dict) -> tuple[float, float]:
+    """Step 2 on μ_{k+1}: (T̂_post on fresh samples of the acceptance prompts, Ĝ_k on the held-out
+    slice of step k's batch or NaN). Adds step2/val_reward and mismatch_post/* to m. With
+    --gap-batch next the prompts are the next step's, and their samples are kept in run.pending."""
+    cfg = run.cfg
+    rows = next_rows(run, cfg.prompts_per_step) if cfg.gap_batch == "next" else next_val_rows(run, cfg.val_prompts)
+    val = rollout(run, rows, seed=cfg.seed * 1_000_003 + 2 * run.step + 1)
+    logp_new = trainer_logp(run, val)                                       # π_{k+1} on y ~ μ_{k+1}
+    t_post = all_mean(gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item())   # the same on every rank
+    m["step2/val_reward"] = val.rewards.mean().item()
+    m.update(prefixed(mismatch_metrics(logp_new, val.logp_sampler, val.mask), "mismatch_post"))
+    g_k = float("nan")
+    if held:
+        heldout = ro.select(torch.arange(held))
+        g_k = all_mean(surrogate_gain(trainer_logp(run, heldout), heldout.logp_sampler, heldout.adv,
+                                      heldout.mask).item())
+    if cfg.gap_batch == "next":
+        run.pending_rows, run.pending = rows, (val, logp_new)
+    return t_post, g_k
+
+
+# ---- helpers both steps share --------------------------------------------------------------------------------------
 
 class Laps:
     """Stopwatch: lap(name) adds the seconds since the previous lap to `name`; times() = {time/...}."""
@@ -1030,7 +1206,11 @@ def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: li
     return gap
 
 
-# ==== SEVERAL GPUS ==================================================================================================
+# ==== ENGINEERING: A FIRST READ CAN STOP HERE =======================================================================
+# The algorithm is above. Below: several GPUs (torchrun + FSDP2), data and reward, checkpoints and metrics, the
+# command line.
+
+# ---- SEVERAL GPUS --------------------------------------------------------------------------------------------------
 # Under torchrun (env WORLD_SIZE, RANK, LOCAL_RANK) FSDP2 shards the trainer, each rank's vLLM engine samples an equal
 # share of whole prompt groups, decisions use global means. Else all are no-ops.
 
@@ -1103,181 +1283,7 @@ def global_metrics(m: dict) -> dict:
                                   for i, k in enumerate(keys)}}
 
 
-# ==== THE LLM STEP'S PIECES =========================================================================================
-# The state a run carries, rollout, Step 1, Step 2, sync.
-
-@dataclass
-class Rollout:
-    """Responses of a batch of prompts, group by group, padded to tensors."""
-    prompt_ids: list                          # B lists of prompt token ids
-    completion_ids: list                      # B lists of response token ids
-    logp_sampler: torch.Tensor                # [B, T] log μ of each sampled token
-    mask: torch.Tensor                        # [B, T] 1 on response tokens
-    rewards: torch.Tensor                     # [B]
-    adv: torch.Tensor                         # [B]
-    truncated: torch.Tensor                   # [B] 1 if cut by --max-new-tokens
-
-    def select(self, idx: torch.Tensor) -> "Rollout":
-        ids = idx.tolist()
-        return Rollout([self.prompt_ids[i] for i in ids], [self.completion_ids[i] for i in ids],
-                       self.logp_sampler[idx], self.mask[idx], self.rewards[idx], self.adv[idx], self.truncated[idx])
-
-
-@dataclass
-class LLMRun:
-    """Everything the LLM training loop carries from step to step (and checkpoints)."""
-    cfg: Config
-    llm: object                               # vllm.LLM: the inference engine, μ
-    model: torch.nn.Module                    # transformers model: the training engine, π
-    tokenizer: object
-    opt: torch.optim.Optimizer
-    train_rows: list
-    val_rows: list
-    probe: tuple                              # (prompt ids, completion ids) scored after every sync
-    order: list                               # shuffled training-row order of the current pass
-    data_pos: int = 0                         # next row of `order`
-    val_pos: int = 0
-    pending_rows: list = None                 # --gap-batch next: the prompts of step k+1's batch
-    pending: tuple = None                     # --gap-batch next, accepted: (Rollout from μ_{k+1}, log π_{k+1})
-    step: int = 0
-    rejections: int = 0
-    snapshot: tuple = None                    # clone_state's host buffers, reused step to step
-    probe_gap0: float = 0.0                   # the probe's max |log π - log μ| at start-up (sync check scale)
-    reward_timeouts: int = 0                  # reward calls past --reward-timeout, scored 0
-
-
-def next_rows(run: LLMRun, n: int) -> list:
-    """The next n training rows; a new shuffled pass (seeded by seed + step) when one runs out."""
-    rows = []
-    while len(rows) < n:
-        if run.data_pos >= len(run.order):
-            g = torch.Generator().manual_seed(run.cfg.seed + run.step)
-            run.order, run.data_pos = torch.randperm(len(run.train_rows), generator=g).tolist(), 0
-        rows.append(run.train_rows[run.order[run.data_pos]])
-        run.data_pos += 1
-    return rows
-
-
-def next_val_rows(run: LLMRun, n: int) -> list:
-    """The next n acceptance prompts, cycling through --val-data."""
-    rows = [run.val_rows[(run.val_pos + i) % len(run.val_rows)] for i in range(n)]
-    run.val_pos = (run.val_pos + n) % len(run.val_rows)
-    return rows
-
-
-def rollout(run: LLMRun, rows: list, seed: int) -> Rollout:
-    """Sample G responses per prompt from μ (vLLM), score them, group advantages (torchrun: this rank's share)."""
-    cfg, (rank, world) = run.cfg, rank_world()
-    first = rank * len(rows) // world     # seeded as one process seeds these prompts: the ranks' samples differ
-    rows = rows[first:first + len(rows) // world]
-    prompt_ids = prompts_of(run.tokenizer, rows, cfg)
-    samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature,
-                       seed + first * cfg.num_generations)
-    scores = [sample_reward(s, rows[s["prompt_idx"]]["answer"], cfg) for s in samples]
-    run.reward_timeouts += scores.count(None)
-    rewards = torch.tensor([score or 0.0 for score in scores])
-    logp_sampler = pad_right([s["sampler_logprobs"] for s in samples], 0.0)
-    mask = pad_right([[1.0] * len(s["completion_ids"]) for s in samples], 0.0)
-    return Rollout([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples],
-                   logp_sampler, mask, rewards, group_advantages(rewards, cfg.num_generations),
-                   torch.tensor([float(s["truncated"]) for s in samples]))
-
-
-def trainer_logp(run: LLMRun, ro: Rollout) -> torch.Tensor:
-    """Training-engine log-probs of a rollout's tokens, no gradient, on the CPU. [B, T]"""
-    with torch.no_grad(), train_autocast(run.cfg):
-        logp, _ = token_logprobs(run.model, ro.prompt_ids, ro.completion_ids, run.cfg.temperature,
-                                 run.cfg.micro_batch_size, run.cfg.logprob_chunk)
-    reshard(run.model)
-    return logp.float().cpu()[:, : ro.mask.shape[1]]   # token_logprobs pads to >= 1 column
-
-
-def next_batch(run: LLMRun, lap: Laps) -> tuple[Rollout, torch.Tensor]:
-    """Step k's rollouts from μ_k and their π_k log-probs [B, T]. With --gap-batch next and an
-    accepted step k-1, that step's Step-2 batch, already sampled from μ_k (no rollout, no recompute)."""
-    batch, rows = run.pending, run.pending_rows
-    run.pending = run.pending_rows = None
-    if batch is not None:
-        return batch
-    ro = rollout(run, rows or next_rows(run, run.cfg.prompts_per_step), seed=run.cfg.seed * 1_000_003 + 2 * run.step)
-    lap("rollout")
-    logp_old = trainer_logp(run, ro)                                        # π_k, [B, T]
-    lap("recompute")
-    return ro, logp_old
-
-
-def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int, loss_kind: str) -> dict:
-    """Step 1: mini-batches × epochs of the chosen loss from θ_k. Returns metrics; stops on a
-    non-finite loss or gradient (metrics["step1/finite"] = 0) so the candidate is rejected."""
-    cfg, device = run.cfg, run.cfg.device
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
-    stats, grad_norms = [], []
-    if cfg.vllm_sleep == "on":                             # level 1: drop the KV cache, offload weights to host RAM
-        run.llm.sleep(level=1)
-    run.model.train()                                      # HF's gradient checkpointing acts in train mode only
-    for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen, rank_world()[1]):
-        run.opt.zero_grad(set_to_none=True)
-        # FSDP averages gradients over ranks: dividing by the mean token count per rank gives the global token mean
-        n_tokens = max(all_mean(ro.mask[idx].sum().item()), 1.0)
-        for micro in idx.split(cfg.micro_batch_size):
-            mb = ro.select(micro)
-            with train_autocast(cfg):
-                logp, _ = token_logprobs(run.model, mb.prompt_ids, mb.completion_ids, cfg.temperature, len(micro),
-                                         cfg.logprob_chunk)
-            T = logp.shape[1]
-            loss, s = policy_loss(logp.float(), logp_old[micro, :T].to(device), mb.logp_sampler[:, :T].to(device),
-                                  mb.adv.to(device), mb.mask[:, :T].to(device), loss_kind,
-                                  cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
-            (loss * mb.mask.sum() / n_tokens).backward()       # token mean over the mini-batch
-            stats.append(s)
-        grad_norms.append(full(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)).item())
-        finite = all_true(math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats))
-        if not finite:
-            break
-        run.opt.step()
-    run.model.eval()
-    run.opt.zero_grad(set_to_none=True)                   # free the gradients before vLLM wakes up
-    if cfg.vllm_sleep == "on":
-        run.llm.wake_up()
-    finite = all_true(finite and all(torch.isfinite(local(p)).all() for p in run.model.parameters()))  # overflow?
-    return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)),
-            "step1/finite": float(finite)}
-
-
-def step2_estimates(run: LLMRun, ro: Rollout, held: int, m: dict) -> tuple[float, float]:
-    """Step 2 on μ_{k+1}: (T̂_post on fresh samples of the acceptance prompts, Ĝ_k on the held-out
-    slice of step k's batch or NaN). Adds step2/val_reward and mismatch_post/* to m. With
-    --gap-batch next the prompts are the next step's, and their samples are kept in run.pending."""
-    cfg = run.cfg
-    rows = next_rows(run, cfg.prompts_per_step) if cfg.gap_batch == "next" else next_val_rows(run, cfg.val_prompts)
-    val = rollout(run, rows, seed=cfg.seed * 1_000_003 + 2 * run.step + 1)
-    logp_new = trainer_logp(run, val)                                       # π_{k+1} on y ~ μ_{k+1}
-    t_post = all_mean(gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item())   # the same on every rank
-    m["step2/val_reward"] = val.rewards.mean().item()
-    m.update(prefixed(mismatch_metrics(logp_new, val.logp_sampler, val.mask), "mismatch_post"))
-    g_k = float("nan")
-    if held:
-        heldout = ro.select(torch.arange(held))
-        g_k = all_mean(surrogate_gain(trainer_logp(run, heldout), heldout.logp_sampler, heldout.adv,
-                                      heldout.mask).item())
-    if cfg.gap_batch == "next":
-        run.pending_rows, run.pending = rows, (val, logp_new)
-    return t_post, g_k
-
-
-SYNC_GAP_FLOOR = 0.01     # probe gaps below this are rounding (bf16 vLLM vs fp32 trainer: 0.006-0.03 measured)
-PROBE_TOKENS = 64         # probe response length: enough to see a sync that did not take effect, cheap to score
-
-
-def sync(run: LLMRun, tol: float = 0.0) -> float:
-    """Push θ into vLLM; check the probe's max |log π - log μ| <= tol or sync_tol × its start-up value."""
-    sync_weights(run.llm, list(run.model.named_parameters()), run.cfg.rollout_quant)
-    with train_autocast(run.cfg):
-        return check_sync(run.llm, run.model, run.probe[0], run.probe[1],
-                          tol or run.cfg.sync_tol * max(run.probe_gap0, SYNC_GAP_FLOOR))
-
-
-# ==== DATA & REWARD =================================================================================================
+# ---- DATA & REWARD -------------------------------------------------------------------------------------------------
 # Prompts/answers from JSONL, parquet or HF datasets; a 1/0 math reward (plain numbers exact, the rest math-verify).
 
 def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dict:
@@ -1478,12 +1484,11 @@ def prompts_of(tokenizer, rows: list, cfg: Config) -> list[list[int]]:
     return [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in rows]
 
 
-# ==== CHECKPOINTS, METRICS, EVALUATION ==============================================================================
+# ---- CHECKPOINTS, METRICS, EVALUATION ------------------------------------------------------------------------------
 
 CHECKPOINT_PREFIX = "checkpoint-"
 # the LLMRun fields a checkpoint keeps as they are (besides weights, optimizer, --gap-batch next's batch, RNG states)
 RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts")
-
 
 def save_checkpoint(run: LLMRun) -> Path:
     """Atomic: a temp dir renamed to checkpoint-<step> (the commit point; the step orders them), older ones
@@ -1652,7 +1657,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
 
 
-# ==== MAIN ==========================================================================================================
+# ---- MAIN ----------------------------------------------------------------------------------------------------------
 # `toy` (one toy run), `train`, `eval`. Demos, benchmarks, the tiny model builder: toy/ scripts (python -m toy.demo).
 
 def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
