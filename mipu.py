@@ -61,7 +61,6 @@ COMMANDS (the README has the rest: demo tables, benchmarks, eval, several GPUs, 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import fcntl
 import functools
@@ -76,6 +75,7 @@ import shutil
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -465,9 +465,8 @@ def mipu_step(run: LLMRun) -> dict:
         if run.snapshot is None:
             raise MIPUError(f"step {k}: non-finite update, and --method {cfg.method} keeps no rollback snapshot")
         restore_state(run.model, run.opt, run.snapshot)
-        run.snapshot = None                      # load_state_dict may keep CPU buffers as the optimizer's state
         run.pending = None                       # --gap-batch next: step k+1 re-samples these prompts from μ_k
-        if finite:
+        if finite or cfg.vllm_sleep == "on":     # a level-2 sleep in Step 1 dropped vLLM's weights: reload θ_k
             sync(run)
         run.rejections += 1
     lap("rollback")
@@ -587,8 +586,8 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
     cfg, device = run.cfg, run.cfg.device
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
     stats, grad_norms = [], []
-    if cfg.vllm_sleep == "on":                             # level 1: drop the KV cache, offload weights to host RAM
-        run.llm.sleep(level=1)
+    if cfg.vllm_sleep == "on":        # level 2 (TRL's colocate mode): drop vLLM's weights and KV cache, no host copy
+        run.llm.sleep(level=2)
     run.model.train()                                      # HF's gradient checkpointing acts in train mode only
     for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen, rank_world()[1]):
         run.opt.zero_grad(set_to_none=True)
@@ -612,8 +611,8 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
         run.opt.step()
     run.model.eval()
     run.opt.zero_grad(set_to_none=True)                   # free the gradients before vLLM wakes up
-    if cfg.vllm_sleep == "on":
-        run.llm.wake_up()
+    if cfg.vllm_sleep == "on":        # the weights only: the sync loads θ into them, then the KV cache wakes
+        run.llm.wake_up(tags=["weights"])
     finite = all_true(finite and all(torch.isfinite(local(p)).all() for p in run.model.parameters()))  # overflow?
     return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)),
             "step1/finite": float(finite)}
@@ -704,34 +703,38 @@ def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator, 
     return batches
 
 
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """θ and the optimizer state as this rank's plain tensors (FSDP2: shards), each parameter once (a tied lm_head)."""
+    params = list(model.parameters())
+    return {**{i: local(p).detach() for i, p in enumerate(params)},
+            **{(i, k): local(v) for i, p in enumerate(params) for k, v in opt.state.get(p, {}).items()}}
+
+
 def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: tuple | None = None) -> tuple:
-    """Host copies of θ and the optimizer state for restore_state, into `into`'s buffers (pinned with a GPU)."""
-    pin = torch.cuda.is_available()
-    old_w, old_opt = into or ({}, {"state": {}})
-    weights = {k: _host_copy(old_w.get(k), v, pin) for k, v in model.state_dict().items()}
-    opt_state = opt.state_dict()
-    opt_state["state"] = {i: {k: _host_copy(old_opt["state"].get(i, {}).get(k), v, pin) if torch.is_tensor(v) else v
-                              for k, v in st.items()} for i, st in opt_state["state"].items()}
-    opt_state["param_groups"] = copy.deepcopy(opt_state["param_groups"])
-    if pin:
-        torch.cuda.synchronize()                  # the copies must land before Step 1 changes θ
-    return weights, opt_state
-
-
-def _host_copy(buf: torch.Tensor | None, t: torch.Tensor, pin: bool) -> torch.Tensor:
-    t, shard, buf = local(t), t, None if buf is None else local(buf)       # FSDP2: this rank's shard only
-    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-    buf.copy_(t.detach(), non_blocking=pin)
-    if isinstance(shard, DTensor):          # as a DTensor again, which load_state_dict takes
-        return DTensor.from_local(buf, shard.device_mesh, shard.placements, shape=shard.shape, stride=shard.stride())
-    return buf
+    """Rollback snapshot: (one flat host buffer, its views holding state_tensors, the optimizer's hyper-parameters),
+    in `into`'s buffer while the layout holds; with a GPU, pinned by cudaHostRegister (as torch's DCP stager)."""
+    live = state_tensors(model, opt)
+    if into is None or into[1].keys() != live.keys():          # it changes once: when AdamW's state appears
+        items = sorted(live.items(), key=lambda kt: -kt[1].element_size())    # widest dtype first: views aligned
+        sizes = [t.nbytes for _, t in items]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        if torch.cuda.is_available():     # page-locked as it is: torch's pinned allocator rounds up to a power of 2
+            torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.nbytes, 0)
+            weakref.finalize(flat, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr()).atexit = False
+        into = flat, {k: v.view(t.dtype).view(t.shape) for (k, t), v in zip(items, flat.split(sizes))}
+    for k, t in live.items():
+        into[1][k].copy_(t)
+    return *into[:2], [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
 
 def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: tuple) -> None:
-    """Rollback: load a clone_state snapshot back into the model and the optimizer, bit for bit."""
-    model.load_state_dict(snapshot[0])
-    opt.load_state_dict(snapshot[1])
+    """Rollback, bit for bit and in place: θ's and the optimizer state's own tensors take the snapshot's values
+    (no second copy on the device). State Step 1 created (AdamW's first step) is zeroed: AdamW's fresh state."""
+    with torch.no_grad():
+        for k, t in state_tensors(model, opt).items():
+            t.copy_(snapshot[1].get(k, torch.zeros(())))
+    for group, values in zip(opt.param_groups, snapshot[2]):
+        group.update(values)
 
 
 # ==== TOY SIMULATOR =================================================================================================
@@ -1055,6 +1058,10 @@ def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool =
     return model.to(device)
 
 
+def matmul_precision(cfg: Config) -> str:     # TF32 ("high") only where bf16-mixed is chosen: float32 stays exact
+    return "high" if cfg.device == "cuda" and cfg.train_dtype == "bf16-mixed" else "highest"
+
+
 def train_autocast(cfg: Config):
     """The trainer's compute precision: bf16 autocast for --train-dtype bf16-mixed, else a no-op context."""
     return torch.autocast(cfg.device, torch.bfloat16, enabled=cfg.train_dtype == "bf16-mixed")
@@ -1185,6 +1192,8 @@ def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
     from the raw logits (no temperature, whatever logprobs_mode says: "prompt tokens skip sampling processors")."""
     from vllm import SamplingParams, TokensPrompt
 
+    if llm.llm_engine.is_sleeping():      # --vllm-sleep: the KV cache wakes here, after the sync loaded the weights
+        llm.wake_up(tags=["kv_cache"])
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
     out = llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False)[0]
     return [None if d is None else d[tok].logprob for d, tok in zip(out.prompt_logprobs, token_ids)]
@@ -1249,9 +1258,7 @@ def all_true(flag: bool) -> bool:
 
 def shard_model(model: torch.nn.Module, device: str) -> torch.nn.Module:
     """Join torchrun's process group (gloo on CPU, NCCL on GPU: one per rank), then FSDP2: fully_shard each
-    decoder layer, then the root (embeddings, final norm, lm_head)."""
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    decoder layer, then the root (embeddings, final norm, lm_head); a CPU model moves to the GPU as it is sharded."""
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     mesh = init_device_mesh(device, (rank_world()[1],))
     for layer in model.get_decoder().layers:
@@ -1694,15 +1701,15 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     val_rows = load_prompts(cfg, tokenizer, cfg.val_data) if cfg.val_data else []
     if state:
         check_resume(cfg, state, len(train_rows))
-    if cfg.device == "cuda":
+    if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         check_memory_plan(cfg)
-    model = load_trainer(weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on")
+    model = load_trainer(weights, cfg.train_dtype, "cpu" if torchrun() else cfg.device, cfg.grad_checkpointing == "on")
     model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
     llm = llm or make_sampler(cfg)
-    if cfg.device == "cuda":          # vLLM's worker sets "highest" (fp32 matmuls without TF32): undo it
-        torch.set_float32_matmul_precision("high")
+    torch.set_float32_matmul_precision(matmul_precision(cfg))     # after vLLM, whose worker sets "highest"
     run = LLMRun(cfg, llm, model, tokenizer, opt, train_rows, val_rows, probe=(), order=[])
     if ckpt:
         load_trainer_state(run, state)
