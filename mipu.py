@@ -515,7 +515,7 @@ class LLMRun:
     pending: tuple = None                     # --gap-batch next, accepted: (Rollout from μ_{k+1}, log π_{k+1})
     step: int = 0
     rejections: int = 0
-    snapshot: tuple = None                    # clone_state's host buffers, reused step to step
+    snapshot: list = None                     # clone_state's host buffer, refilled step to step
     probe_gap0: float = 0.0                   # the probe's max |log π - log μ| at start-up (sync check scale)
     reward_timeouts: int = 0                  # reward calls past --reward-timeout, scored 0
 
@@ -705,34 +705,34 @@ def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator, 
 
 def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
     """θ and the optimizer state as this rank's plain tensors (FSDP2: shards), each parameter once (a tied lm_head)."""
-    params = list(model.parameters())
-    return {**{i: local(p).detach() for i, p in enumerate(params)},
-            **{(i, k): local(v) for i, p in enumerate(params) for k, v in opt.state.get(p, {}).items()}}
+    return {**{i: local(p).detach() for i, p in enumerate(model.parameters())},
+            **{(i, k): local(v) for i, p in enumerate(model.parameters()) for k, v in opt.state.get(p, {}).items()}}
 
 
-def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: tuple | None = None) -> tuple:
-    """Rollback snapshot: (one flat host buffer, its views holding state_tensors, the optimizer's hyper-parameters),
-    in `into`'s buffer while the layout holds; with a GPU, pinned by cudaHostRegister (as torch's DCP stager)."""
-    live = state_tensors(model, opt)
-    if into is None or into[1].keys() != live.keys():          # it changes once: when AdamW's state appears
+def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list | None = None) -> list:
+    """Rollback snapshot [one flat host buffer, its views holding state_tensors, the optimizer's hyper-parameters],
+    refilled in place in `into`; with a GPU the buffer is pinned by cudaHostRegister (as torch's DCP stager does)."""
+    live, snap = state_tensors(model, opt), into or [None, {}, None]
+    if snap[1].keys() != live.keys():            # once, when AdamW's state appears: the old buffer goes first
+        snap[:2] = None, {}
         items = sorted(live.items(), key=lambda kt: -kt[1].element_size())    # widest dtype first: views aligned
         sizes = [t.nbytes for _, t in items]
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
         if torch.cuda.is_available():     # page-locked as it is: torch's pinned allocator rounds up to a power of 2
             torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.nbytes, 0)
             weakref.finalize(flat, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr()).atexit = False
-        into = flat, {k: v.view(t.dtype).view(t.shape) for (k, t), v in zip(items, flat.split(sizes))}
+        snap[:2] = flat, {k: v.view(t.dtype).view(t.shape) for (k, t), v in zip(items, flat.split(sizes))}
     for k, t in live.items():
-        into[1][k].copy_(t)
-    return *into[:2], [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        snap[1][k].copy_(t)
+    snap[2] = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return snap
 
 
-def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: tuple) -> None:
+def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: list) -> None:
     """Rollback, bit for bit and in place: θ's and the optimizer state's own tensors take the snapshot's values
     (no second copy on the device). State Step 1 created (AdamW's first step) is zeroed: AdamW's fresh state."""
-    with torch.no_grad():
-        for k, t in state_tensors(model, opt).items():
-            t.copy_(snapshot[1].get(k, torch.zeros(())))
+    for k, t in state_tensors(model, opt).items():      # detached: the copies stay out of autograd
+        t.copy_(snapshot[1].get(k, torch.zeros(())))
     for group, values in zip(opt.param_groups, snapshot[2]):
         group.update(values)
 

@@ -129,7 +129,7 @@ def bench(args: argparse.Namespace) -> str:
     snapshot = times["snapshot"][2]
     times["update"] = timed(one_update, cfg.device, model, opt, batch, cfg)
     times["rollback"] = timed(mipu.restore_state, cfg.device, model, opt, snapshot)
-    exact = all(torch.equal(v.cpu(), snapshot[0][k]) for k, v in model.state_dict().items())
+    exact = all(torch.equal(t.cpu(), snapshot[1][k]) for k, t in mipu.state_tensors(model, opt).items())
     return report(args, cfg, times, exact)
 
 
