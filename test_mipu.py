@@ -661,6 +661,12 @@ def test_auto_precision_defaults_per_device():
     assert mipu.Config(device="cuda", train_dtype="float32").train_dtype == "float32"
 
 
+def test_tf32_only_where_bf16_mixed_is_chosen():
+    assert mipu.matmul_precision(mipu.Config(device="cuda")) == "high"                  # auto on a GPU: bf16-mixed
+    assert mipu.matmul_precision(mipu.Config(device="cuda", train_dtype="float32")) == "highest"   # exact fp32
+    assert mipu.matmul_precision(mipu.Config()) == "highest"
+
+
 def test_bf16_mixed_keeps_fp32_master_and_computes_in_bf16(model_dir, trainer, prompt_ids):
     model = mipu.load_trainer(model_dir, "bf16-mixed", "cpu")
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -916,6 +922,20 @@ def _opt_state(run):
     return {i: {k: v.clone() for k, v in s.items()} for i, s in run.opt.state_dict()["state"].items()}
 
 
+def _state_ptrs(run) -> list[int]:
+    """Where θ's and the optimizer state's local tensors live: equal after a rollback = restored in place."""
+    return [mipu.local(t).data_ptr() for t in [*run.model.parameters(), *(v for s in run.opt.state.values()
+                                                                           for v in s.values())]]
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in a nest of dicts, lists and tuples (a rollback snapshot)."""
+    if torch.is_tensor(obj):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
+    return [t for x in items for t in _tensors(x)]
+
+
 def test_step1_changes_weights_and_sync_matches(llm, model_dir, tmp_path, restore):
     # the untrained tiny model rarely earns a reward, so every advantage may be 0: AdamW's
     # decoupled weight decay then still moves θ, which is what the sync check needs
@@ -938,13 +958,40 @@ def test_forced_rejection_restores_trainer_and_vllm_exactly(llm, model_dir, tmp_
     mipu.mipu_step(run)                                                # accepted: fills AdamW state
     run.cfg.c = -1e9                                                   # accept iff T_post >= 1e9: never
     weights = {k: v.clone() for k, v in run.model.state_dict().items()}
-    opt_state, probe_before = _opt_state(run), _probe_logprobs(run)
+    opt_state, probe_before, ptrs = _opt_state(run), _probe_logprobs(run), _state_ptrs(run)
     m = mipu.mipu_step(run)
     assert m["step2/accepted"] == 0.0 and m["step2/rejections"] == 1 and math.isfinite(m["step2/t_post"])
     assert all(torch.equal(weights[k], v) for k, v in run.model.state_dict().items())
     after = _opt_state(run)
     assert all(torch.equal(opt_state[i][k], after[i][k]) for i in opt_state for k in opt_state[i])
+    assert _state_ptrs(run) == ptrs                                    # in place: no second optimizer state
     assert _probe_logprobs(run) == probe_before                        # vLLM back to μ_k, bit for bit
+
+
+def test_snapshot_one_flat_buffer_tied_weights_once_and_rejected_first_step_never_happened(model_dir):
+    models = [mipu.load_trainer(model_dir, "float32", "cpu") for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in models]
+
+    def step(i):
+        opts[i].zero_grad()
+        models[i](torch.tensor([[5, 6, 7, 8]])).logits.logsumexp(-1).sum().backward()
+        opts[i].step()
+
+    snapshot = mipu.clone_state(models[0], opts[0])          # before the first step: AdamW has no state yet
+    step(0)
+    mipu.restore_state(models[0], opts[0], snapshot)         # that step rejected
+    step(0)
+    step(1)                                                  # a model that never took the rejected step
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    states = [o.state_dict()["state"] for o in opts]
+    assert all(torch.equal(states[0][i][k], v) for i, s in states[1].items() for k, v in s.items())
+    # one host buffer of exactly θ + AdamW state, the tied lm_head (Qwen3 up to 4B) stored once with the embedding
+    assert models[0].lm_head.weight is models[0].model.embed_tokens.weight
+    tensors = _tensors(mipu.clone_state(models[0], opts[0]))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    exact = sum(t.nbytes for t in [*models[0].parameters(), *(v for s in opts[0].state.values() for v in s.values())])
+    assert len(storages) == 1 and sum(storages.values()) == exact
+    assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
 
 
 def test_target_rule_and_random_rollback_run(llm, model_dir, tmp_path, restore):
@@ -960,7 +1007,6 @@ def test_gap_batch_next_reuses_accepted_batch_once(llm, model_dir, tmp_path, res
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu", gap_batch="next", c=1e9, weight_decay=0.1,
                                      val_data=""), llm=llm)
     m0 = mipu.mipu_step(run)                                           # accepted: its Step-2 batch is pending
-    snap = run.snapshot
     assert m0["step2/accepted"] == 1.0 and run.pending is not None
     ro, logp = run.pending
     # sampled by the inference policy it will be trained against: μ_{k+1} = what vLLM holds now
@@ -973,11 +1019,12 @@ def test_gap_batch_next_reuses_accepted_batch_once(llm, model_dir, tmp_path, res
     assert torch.equal(logp, mipu.trainer_logp(run, ro))
     m1 = mipu.mipu_step(run)                                           # consumes it: no rollout, no recompute
     assert m1["mismatch/k3"] == pytest.approx(m0["mismatch_post/k3"])
-    assert all(a is b for a, b in zip(snap[0].values(), run.snapshot[0].values()))   # host buffers reused
     assert run.pending is not None and run.pending[0] is not ro         # a new batch, never the same one twice
     run.cfg.c = -1e9                                                   # now reject
+    host_buffer = run.snapshot[0]
     m2 = mipu.mipu_step(run)
     assert m2["step2/accepted"] == 0.0 and run.pending is None and run.pending_rows is not None
+    assert run.snapshot[0] is host_buffer                              # reused, across a rollback too
     rejected_rows = run.pending_rows
     m3 = mipu.mipu_step(run)                                           # same prompts, sampled afresh from μ_k
     assert m3["time/rollout"] > 0 and run.pending_rows is not rejected_rows
@@ -1293,11 +1340,13 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
         m = mipu.mipu_step(run)
         decisions.append((m["step2/accepted"], m["step2/t_post"]))
     run.cfg.c = -1e9
-    before, probe = _local_state(run), _probe_logprobs(run)
+    before, probe, ptrs = _local_state(run), _probe_logprobs(run), _state_ptrs(run)
+    host = [type(t) is torch.Tensor and t.device.type == "cpu" for t in _tensors(run.snapshot)]
     m = mipu.mipu_step(run)
     restored = all(torch.equal(a, b) for a, b in zip(before, _local_state(run)))
     report = {"decisions": decisions + [(m["step2/accepted"], m["step2/t_post"])], "restored": restored,
-              "engine_restored": _probe_logprobs(run) == probe, "probe_gap": m["sync/probe_max_abs_dlogp"]}
+              "engine_restored": _probe_logprobs(run) == probe, "probe_gap": m["sync/probe_max_abs_dlogp"],
+              "snapshot_on_host": bool(host) and all(host), "in_place": _state_ptrs(run) == ptrs}
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     if rank == 0:
         torch.save(weights, Path(out, "step1_weights.pt"))
@@ -1332,6 +1381,7 @@ def test_two_ranks_same_decisions_and_exact_rollback(two_ranks):
     assert [d[0] for d in reports[0]["decisions"]][::2] == [1.0, 0.0]     # forced accept, forced reject
     for rep in reports:
         assert rep["restored"] and rep["engine_restored"] and rep["probe_gap"] < MAX_TOL
+        assert rep["snapshot_on_host"] and rep["in_place"]     # plain host tensors (no DTensor), restored in place
 
 
 def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
