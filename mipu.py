@@ -173,7 +173,7 @@ class Config:
                             "(GPU default, as TRL/verl); bfloat16 = pure bf16: less memory, tiny updates round away",
                             choices=("auto", "float32", "bf16-mixed", "bfloat16"))
     grad_checkpointing: str = _auto("recompute layers in backward: memory for time (auto = on on GPU)")
-    vllm_sleep: str = _auto("free vLLM's KV cache, offload its weights in Step 1 (CUDA only; auto = on on GPU)")
+    vllm_sleep: str = _auto("free vLLM's weights, KV cache in Step 1; the sync reloads θ (CUDA only; auto = on on GPU)")
     vllm_compile: str = _auto("vLLM's torch.compile (+ CUDA graphs): faster rollouts, slower start (auto = on on GPU)")
     device: str = _llm("cpu", "training-engine device: cpu or cuda", choices=("cpu", "cuda"))
     gpu_memory_utilization: float = _llm(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)")
@@ -711,14 +711,14 @@ def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list | None = None) -> list:
     """Rollback snapshot [one flat host buffer, its views holding state_tensors, the optimizer's hyper-parameters],
-    refilled in place in `into`; with a GPU the buffer is pinned by cudaHostRegister (as torch's DCP stager does)."""
+    refilled in place in `into`; for a GPU model, pinned by cudaHostRegister (as torch's DCP stager does)."""
     live, snap = state_tensors(model, opt), into or [None, {}, None]
     if snap[1].keys() != live.keys():            # once, when AdamW's state appears: the old buffer goes first
         snap[:2] = None, {}
         items = sorted(live.items(), key=lambda kt: -kt[1].element_size())    # widest dtype first: views aligned
         sizes = [t.nbytes for _, t in items]
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
-        if torch.cuda.is_available():     # page-locked as it is: torch's pinned allocator rounds up to a power of 2
+        if any(t.is_cuda for t in live.values()):    # pinned exactly: torch's pinned allocator rounds up to 2^k
             torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.nbytes, 0)
             weakref.finalize(flat, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr()).atexit = False
         snap[:2] = flat, {k: v.view(t.dtype).view(t.shape) for (k, t), v in zip(items, flat.split(sizes))}
