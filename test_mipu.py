@@ -924,8 +924,8 @@ def _opt_state(run):
 
 def _state_ptrs(run) -> list[int]:
     """Where θ's and the optimizer state's local tensors live: equal after a rollback = restored in place."""
-    return [mipu.local(t).data_ptr() for t in [*run.model.parameters(), *(v for s in run.opt.state.values()
-                                                                           for v in s.values())]]
+    opt_state = [v for s in run.opt.state.values() for v in s.values()]
+    return [mipu.local(t).data_ptr() for t in [*run.model.parameters(), *opt_state]]
 
 
 def _tensors(obj) -> list[torch.Tensor]:
