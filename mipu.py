@@ -1447,22 +1447,23 @@ class RewardWorker:
                 return None
             if self.proc is not None and self.proc.poll() is not None:      # found dead (OOM killer): restart
                 print(f"warning: the reward worker ended ({self._stop()}); restarted", file=sys.stderr)
-            if self.proc is None:   # a session of its own: a Ctrl-C at a terminal reaches this process only
-                code = inspect.getsource(_verify_worker) + "_verify_worker()"
-                self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE, text=True, start_new_session=True)
-                ready = self.proc.stdout.readline()  # imports done: the budget times the verification only
-                if ready != '"ready"\n':            # an import error's message, else nothing: the worker died
-                    why, ended = json.loads(ready) if ready else "", self._stop()
-                    raise MIPUError(f"the reward worker (math_verify) could not start: {why or 'no reply, ' + ended}")
             try:
+                if self.proc is None:   # a session of its own: a Ctrl-C at a terminal reaches this process only
+                    code = inspect.getsource(_verify_worker) + "_verify_worker()"
+                    self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
+                    ready = self.proc.stdout.readline()  # imports done: the budget times the verification only
+                    if ready != '"ready"\n':            # an import error's message, else nothing: the worker died
+                        why = json.loads(ready) if ready else f"no reply ({self._stop()})"
+                        raise MIPUError(f"the reward worker (math_verify) could not start: {why}")
                 self.proc.stdin.write(json.dumps([pred, answer]) + "\n")
                 self.proc.stdin.flush()
                 reply = self.proc.stdout.readline() if select.select([self.proc.stdout], [], [], timeout)[0] else None
             except BrokenPipeError:                  # died just now: as no reply
                 reply = ""
-            except BaseException:                    # Ctrl-C mid-call: no worker left computing
-                self._stop()
+            except BaseException:                    # Ctrl-C mid-call or mid-start: no worker left computing
+                if self.proc:
+                    self._stop()
                 raise
             if reply:                                # true, false, or null: math_verify cannot parse them
                 return _simple_equal(pred, answer) if reply == "null\n" else json.loads(reply)
