@@ -620,11 +620,15 @@ def test_math_reward_from_a_script_without_main_guard(tmp_path, how):
     assert p.returncode == 0 and p.stdout.split() == ["start", "1.0"] and "Traceback" not in p.stderr, p.stderr
 
 
-def test_reward_worker_start_failure_is_one_error(tmp_path, monkeypatch):
-    """math_verify missing or broken: one MIPUError naming it, not an EOFError from a dead worker."""
-    (tmp_path / "math_verify.py").write_text("raise ImportError('no math_verify here')\n")
+@pytest.mark.parametrize("module, message", [
+    ("raise ImportError('no math_verify here')", "ImportError: no math_verify here"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "no reply \\(SIGSEGV\\)"),   # a crash at import
+])
+def test_reward_worker_start_failure_is_one_error(tmp_path, monkeypatch, module, message):
+    """math_verify missing, broken or crashing: one MIPUError naming why, not an EOFError from a dead worker."""
+    (tmp_path / "math_verify.py").write_text(module + "\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))             # the worker's interpreter imports this one first
-    with pytest.raises(mipu.MIPUError, match="reward worker .math_verify. could not start: ImportError: no math_v"):
+    with pytest.raises(mipu.MIPUError, match="reward worker .math_verify. could not start: " + message):
         mipu.RewardWorker()("\\frac{1}{2}", "0.5", 5.0)
 
 
