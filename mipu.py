@@ -73,7 +73,6 @@ import numbers
 import os
 import pickle
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -83,6 +82,7 @@ import time
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
+from multiprocessing.connection import wait as wait_readable  # poll(2): no select(2) limit of 1024 descriptors
 from pathlib import Path
 
 import numpy as np
@@ -1458,7 +1458,7 @@ class RewardWorker:
                         raise MIPUError(f"the reward worker (math_verify) could not start: {why}")
                 self.proc.stdin.write(json.dumps([pred, answer]) + "\n")
                 self.proc.stdin.flush()
-                reply = self.proc.stdout.readline() if select.select([self.proc.stdout], [], [], timeout)[0] else None
+                reply = self.proc.stdout.readline() if wait_readable([self.proc.stdout], timeout) else None
             except BrokenPipeError:                  # died just now: as no reply
                 reply = ""
             except BaseException:                    # Ctrl-C mid-call or mid-start: no worker left computing
