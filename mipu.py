@@ -1855,7 +1855,7 @@ def report_errors(fn, *args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # checkpoints are written whole or not at all
-        print("error: interrupted (Ctrl-C); saved checkpoints are intact (continue with --resume)", file=sys.stderr)
+        print("error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)", file=sys.stderr)
         return 130
     return 0
 

@@ -1211,7 +1211,7 @@ def test_cli_ctrl_c_is_one_line(model_dir, tmp_path):
     text = err.read_text()
     assert proc.returncode == 130 and "Traceback" not in text, text[-3000:]
     assert [line for line in text.splitlines() if line.startswith("error:")] == [
-        "error: interrupted (Ctrl-C); saved checkpoints are intact (continue with --resume)"]
+        "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"]
 
 
 def test_cli_train_compiled_vllm_syncs(model_dir, tmp_path):
