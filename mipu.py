@@ -1388,7 +1388,7 @@ def extract_answer(text: str, boxed_only: bool = False) -> str | None:
     return numbers[-1].replace(",", "") if numbers else None
 
 
-NUMBER_MAX_CHARS = 20_000  # longer ones go to math_verify (time-bounded): Decimal is quadratic (25 ms here, 300k: 5 s)
+NUMBER_MAX_CHARS = 20_000  # longer ones go to math_verify (time-bounded): Decimal is quadratic (20k: 16 ms, 300k: 5 s)
 
 
 def _to_number(s: str) -> Fraction | None:
