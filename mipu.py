@@ -1119,11 +1119,12 @@ class SelectiveLogprobs(torch.autograd.Function):
         out = torch.empty_like(lse)
         for s in range(0, h.shape[0], chunk):
             logits = (hc[s:s + chunk] @ wc.T).float().div_(temperature)             # [c, V]
-            lse[s:s + chunk] = torch.logsumexp(logits, 1)
-            out[s:s + chunk] = logits.gather(1, targets[s:s + chunk, None])[:, 0] - lse[s:s + chunk]
+            out[s:s + chunk], m = logits.gather(1, targets[s:s + chunk, None])[:, 0], logits.amax(1)   # [c]
+            lse[s:s + chunk] = logits.sub_(m[:, None]).exp_().sum(1).log_().add_(m)   # logsumexp, in place
+            del logits           # freed before the next chunk's: one [c, V] at a time (torch.logsumexp makes more)
         ctx.save_for_backward(hc, wc, targets, lse)
         ctx.args = (temperature, chunk, h.dtype, weight.dtype)
-        return out
+        return out.sub_(lse)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -1133,9 +1134,10 @@ class SelectiveLogprobs(torch.autograd.Function):
         for s in range(0, hc.shape[0], chunk):
             g = grad[s:s + chunk, None] / temperature                               # [c, 1]
             d = (hc[s:s + chunk] @ wc.T).float().div_(temperature).sub_(lse[s:s + chunk, None]).exp_().mul_(-g)
-            d = d.scatter_add_(1, targets[s:s + chunk, None], g).to(hc.dtype)       # g (onehot - softmax), [c, V]
-            grad_h[s:s + chunk] = d @ wc
-            grad_w += (d.T @ hc[s:s + chunk]).float()
+            d.scatter_add_(1, targets[s:s + chunk, None], g)                        # g (onehot - softmax), [c, V]
+            grad_h[s:s + chunk] = d.to(hc.dtype) @ wc
+            grad_w.addmm_(d.T, hc[s:s + chunk].float())      # fp32 sum in place: no [V, H] temporary
+            del d
         return grad_h.to(h_dtype), grad_w.to(w_dtype), None, None, None
 
 
@@ -1151,16 +1153,17 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
     ids, attn = ids.to(device), attn.to(device)
     # right padding: real tokens sit at positions 0..len-1, before the pads (causal: never see them): a plain arange
     pos = torch.arange(ids.shape[1], device=device).expand_as(ids)  # [b, L]
-    # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head there, and
-    # keep them gathered until backward); logits_to_keep=1: its own lm_head scores one position only
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
-                output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1]  # [b, L, H], after the final norm
+    # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head there, and keep them
+    # gathered until backward); logits_to_keep=1: its own lm_head scores one position only. The decoder's output
+    # (after the final norm) is taken by a hook: output_hidden_states would keep every layer's
+    hidden = []                                                     # [b, L, H]
+    with model.get_decoder().register_forward_hook(lambda mod, args, out: hidden.append(out.last_hidden_state)):
+        model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, logits_to_keep=1)
     # position len(p)-1+t predicts completion token t: score only real completion tokens
     b_idx, t_idx = torch.nonzero(pad_right([[1] * len(c) for c in completions], 0, torch.long), as_tuple=True)
     rows = torch.tensor([len(p) - 1 for p in prompts])[b_idx] + t_idx  # [N]
     b_idx, t_idx, rows = b_idx.to(device), t_idx.to(device), rows.to(device)
-    lp = selective_logprobs(hidden[b_idx, rows], model.get_output_embeddings().weight, ids[b_idx, rows + 1],
+    lp = selective_logprobs(hidden[0][b_idx, rows], model.get_output_embeddings().weight, ids[b_idx, rows + 1],
                             temperature, chunk)  # [N]
     return torch.zeros(len(prompts), width, device=device).index_put((b_idx, t_idx), lp)  # [b, width]
 
