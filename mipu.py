@@ -998,12 +998,19 @@ def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
     return samples
 
 
-def _reload_in_worker(model, weights: list[tuple[str, torch.Tensor]], model_config) -> None:
-    """Runs inside the vLLM worker: layerwise reload, so quantized layers re-process weights."""
+def _reload_in_worker(model, weights: list[tuple[str, torch.Tensor]], model_config, first: bool = True,
+                      last: bool = True) -> None:
+    """Runs inside the vLLM worker: one piece of a layerwise reload (first: initialize it, last: finalize it), so
+    quantized layers re-process weights. vLLM buffers a layer's parts (q, k, v of the fused qkv_proj) until all have
+    arrived, in this piece or an earlier one, then processes it: start, receive pieces, finish, as vLLM 0.32's
+    weight-transfer engines do."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    initialize_layerwise_reload(model)
+    if first:
+        initialize_layerwise_reload(model)
     model.load_weights(iter(weights))  # HF names; vLLM fuses qkv / gate_up itself
+    if not last:
+        return
     finalize_layerwise_reload(model, model_config)
     # Tied embeddings (Qwen3 up to 4B): load_weights skips lm_head, so the reload restores lm_head's
     # *old* processed kernel ("ParallelLMHead: Failed to load weights"): on CPUs with AMX/AVX-512-BF16
@@ -1017,24 +1024,38 @@ def _fused_name(name: str) -> str:
     return re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name))
 
 
-def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
+# engine-dtype bytes gathered per load_weights call: verl's default weight-update bucket (update_weights_bucket_
+# megabytes 512); vLLM 0.32's packed weight transfer uses 1 GiB buffers. Bounds the sync's extra GPU memory
+SYNC_PIECE_BYTES = 512 * 2**20
+
+
+def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str,
+                 piece_bytes: int = SYNC_PIECE_BYTES) -> None:
     """Load HF-named weights (e.g. model.named_parameters()) into the running vLLM engine: vLLM's layerwise
     reload (what its weight-transfer engines use, so quantized layers re-quantize), run in the worker through
-    the public llm.apply_model. Tied embeddings stay tied (values are copied into the existing storage)."""
+    the public llm.apply_model, in pieces of at most max(piece_bytes, one tensor), never a second whole model.
+    Tied embeddings stay tied (values are copied into the existing storage)."""
     model_config = llm.llm_engine.vllm_config.model_config
     amax = {}   # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
     for name, t in named_tensors:     # linear weights, the ones vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
         if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
-            key = _fused_name(name)
+            key = _fused_name(name)   # FSDP2: a max over the shards, all-reduced (a scalar, not the whole tensor)
             amax[key] = torch.maximum(amax.get(key, torch.zeros(())), full(t.detach().abs().max()).float().cpu())
-    weights = []
+    piece, size, first = [], 0, True
     for name, t in named_tensors:
-        t = full(t.detach())                  # FSDP2: gathered one parameter at a time (every rank, same order)
-        if _fused_name(name) in amax:
+        nbytes = t.numel() * model_config.dtype.itemsize
+        if piece and size + nbytes > piece_bytes:   # hand the piece over before gathering the next tensor
+            llm.apply_model(functools.partial(_reload_in_worker, weights=piece, model_config=model_config,
+                                              first=first, last=False))
+            piece, size, first = [], 0, False
+        t = t.detach()
+        if _fused_name(name) in amax:     # elementwise given amax: on this rank's shard, before the gather
             t = fp8_roundtrip(t, per_row=False, amax=amax[_fused_name(name)].to(t.device))
-        weights.append((name, t.to(model_config.dtype)))  # engine dtype (bf16): no cast warnings
+        # engine dtype (bf16: no cast warnings), then FSDP2's gather: one tensor at a time, every rank, same order
+        piece.append((name, full(t.to(model_config.dtype))))
+        size += nbytes
     # functools.partial of a top-level function: picklable if apply_model must ship it
-    llm.apply_model(functools.partial(_reload_in_worker, weights=weights, model_config=model_config))
+    llm.apply_model(functools.partial(_reload_in_worker, weights=piece, model_config=model_config, first=first))
 
 
 def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool = False):

@@ -895,6 +895,19 @@ def test_sync_preserves_tied_embeddings(llm, trainer, prompt_ids, restore):
     mipu.check_sync(llm, trainer, prompt_ids[0], probe_c, tol=MAX_TOL)
 
 
+@pytest.mark.parametrize("quant", ["none", "fp8-sim"])
+def test_sync_in_pieces_equals_whole_sync(llm, trainer, prompt_ids, restore, quant):
+    """piece_bytes=1: every tensor its own load_weights call (q, k, v of one fused qkv_proj in three), one reload."""
+    _perturb(trainer, seed=3)
+    seq = prompt_ids[0] + [5, 6, 7, 8, 9, 10]
+    mipu.sync_weights(llm, list(trainer.named_parameters()), quant)                  # the tiny model: one piece
+    whole = mipu.vllm_prompt_logprobs(llm, seq)
+    mipu.sync_weights(llm, restore, "none")
+    assert mipu.vllm_prompt_logprobs(llm, seq) != whole
+    mipu.sync_weights(llm, list(trainer.named_parameters()), quant, piece_bytes=1)
+    assert mipu.vllm_prompt_logprobs(llm, seq) == whole                              # bit for bit
+
+
 # ---------------------------------------------------------------- the LLM training step
 
 ARITH = HERE / "toy" / "arith_train.jsonl"
