@@ -1310,7 +1310,7 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     m = mipu.mipu_step(run)
     restored = all(torch.equal(a, b) for a, b in zip(before, _local_state(run)))
     report = {"decisions": decisions + [(m["step2/accepted"], m["step2/t_post"])], "restored": restored,
-              "engine_restored": _probe_logprobs(run) == probe, "probe_gap": m["sync/probe_max_abs_dlogp"]}
+              "engine_restored": _probe_logprobs(run) == probe, "probe_gap": m["sync/probe_mean_abs_dlogp"]}
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     if rank == 0:
         torch.save(weights, Path(out, "step1_weights.pt"))
