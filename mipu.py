@@ -1214,7 +1214,7 @@ def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: li
     gap = all_reduce([gap if math.isfinite(gap) else math.inf], dist.ReduceOp.MAX)[0]   # NaN counts as inf
     if gap > tol or gap == math.inf:
         raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights" if gap == math.inf else
-                        f"weight sync did not take effect: mean |vLLM - trainer| log-prob of the probe {gap:.4g} > tol")
+                        f"weight sync did not take effect: mean |vLLM - trainer| log-prob {gap:.4g} > tol {tol:.4g}")
     return gap
 
 
