@@ -1033,7 +1033,7 @@ def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_qua
     amax = {}   # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
     for name, t in named_tensors:     # linear weights, the ones vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
         if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
-            amax[_fused_name(name)] = max(amax.get(_fused_name(name), 0), full(t.detach().abs().max()).float().cpu())
+            amax[_fused_name(name)] = max(full(t.detach().abs().max()).float().cpu(), amax.get(_fused_name(name), 0))
     piece, first = [], True
     for i, (name, t) in enumerate(named_tensors, 1):
         if _fused_name(name) in amax:     # elementwise given amax: on this rank's shard, before the gather
@@ -1077,8 +1077,8 @@ ACT_BYTES = {"float32": (24, 16, 16), "bf16-mixed": (26, 10, 8), "bfloat16": (16
 
 
 def memory_plan(c, cfg: Config, gpu_bytes: float, world: int = 1) -> dict:
-    """Estimated GiB per part of a training step on one GPU from a transformers config `c` and the flags; checkpointing
-    keeps each layer's input + one layer. peak = max(the sync's sum, Step 1's sum + vLLM unless it sleeps)."""
+    """Estimated GiB per part of a training step on one GPU from a transformers config `c` and the flags. peak =
+    max(sync: weights, AdamW, vLLM, its pieces; Step 1: + grads, bf16 copies, activations, log-prob head, vLLM?)."""
     H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
     hd = getattr(c, "head_dim", None) or H // c.num_attention_heads
     qkv = (c.num_attention_heads + c.num_key_value_heads) * hd               # q (and o), k (and v) widths
@@ -1089,7 +1089,7 @@ def memory_plan(c, cfg: Config, gpu_bytes: float, world: int = 1) -> dict:
     layer = tokens * sum(k * d for k, d in zip(ACT_BYTES[cfg.train_dtype], (H, qkv, c.intermediate_size)))
     gib = {"weights": n * b / world, "grads": n * b / world, "optimizer": 2 * n * b / world,   # FSDP2: sharded
            "bf16_copies": 2 * n * (cfg.train_dtype == "bf16-mixed"),        # autocast's cached bf16 weights
-           "activations": L * tokens * H * b + layer if cfg.grad_checkpointing == "on" else L * layer,
+           "activations": L * tokens * H * b + layer if cfg.grad_checkpointing == "on" else L * layer,  # inputs, 1
            "logprob_head": 4 * V * H + 6 * cfg.logprob_chunk * V,           # fp32 grad_w; a chunk's fp32 + bf16 logits
            "sync": SYNC_PIECE_BYTES + 2 * (V * H + 2 * layer_n),   # bf16: a piece + its last tensor, 2 vLLM layers
            "vllm": cfg.gpu_memory_utilization * gpu_bytes,
