@@ -183,8 +183,8 @@ class Config:
     device: str = _llm("cpu", "training-engine device: cpu or cuda", choices=("cpu", "cuda"))
     gpu_memory_utilization: float = _llm(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)")
     max_model_len: int = _llm(0, "vLLM context length, prompt + response (0 = the model's own maximum)")
-    sync_tol: float = _llm(4.0, "a sync failed if the probe's max |log pi - log mu| exceeds sync_tol x its value at "
-                                "start-up (floor SYNC_GAP_FLOOR)")
+    sync_tol: float = _llm(4.0, "a sync failed if the probe's mean |log pi - log mu| per token (largest over ranks) "
+                                "exceeds sync_tol x its value at start-up (floor SYNC_GAP_FLOOR)")
     enable_thinking: bool = _llm(True, "chat template's thinking mode (Qwen3); --no-enable-thinking: off")
     prompt_suffix: str = _llm("", "appended to every problem (README's GPU recipe: the \\boxed{} instruction)")
     answer_format: str = _llm("boxed", "boxed = only \\boxed{} counts (real math); last-number = else the text's last "
@@ -457,7 +457,7 @@ def mipu_step(run: LLMRun) -> dict:
     lap("update")
     # ---- 2. sync θ_{k+1} into vLLM: μ_{k+1} (a non-finite θ is never synced)
     if finite:
-        m["sync/probe_max_abs_dlogp"] = sync(run)
+        m["sync/probe_mean_abs_dlogp"] = sync(run)
     lap("sync")
     # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule)
     t_post = g_k = float("nan")
@@ -522,7 +522,7 @@ class LLMRun:
     step: int = 0
     rejections: int = 0
     snapshot: list = None                     # clone_state's host buffer, refilled step to step
-    probe_gap0: float = 0.0                   # the probe's max |log π - log μ| at start-up (sync check scale)
+    probe_gap0: float = 0.0                   # the probe's mean |log π - log μ| at start-up (sync check scale)
     reward_timeouts: int = 0                  # reward calls past --reward-timeout, scored 0
 
 
@@ -624,12 +624,14 @@ def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int
             "step1/finite": float(finite)}
 
 
-SYNC_GAP_FLOOR = 0.01     # probe gaps below this are rounding (bf16 vLLM vs fp32 trainer: 0.006-0.03 measured)
+# check_sync averages |Δ log p| over the probe (a max trips on the few tokens real FP8's per-token activation scales
+# hit hard). Tiny model: bf16 vs fp32 0.001-0.0014, fp8-sim 0.008-0.012, a missed N(0, 0.002) change of all weights 0.05
+SYNC_GAP_FLOOR = 0.01     # mean gaps below this are rounding
 PROBE_TOKENS = 64         # probe response length: enough to see a sync that did not take effect, cheap to score
 
 
 def sync(run: LLMRun, tol: float = 0.0) -> float:
-    """Push θ into vLLM; check the probe's max |log π - log μ| <= tol or sync_tol × its start-up value."""
+    """Push θ into vLLM; check the probe's mean |log π - log μ| <= tol or sync_tol × its start-up value."""
     sync_weights(run.llm, list(run.model.named_parameters()), run.cfg.rollout_quant)
     with train_autocast(run.cfg):
         return check_sync(run.llm, run.model, run.probe[0], run.probe[1],
@@ -1010,17 +1012,20 @@ def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
     return samples
 
 
-def _reload_in_worker(model, weights: list[tuple[str, torch.Tensor]], model_config) -> None:
-    """Runs inside the vLLM worker: layerwise reload, so quantized layers re-process weights."""
+def _reload_in_worker(model, weights: list, model_config, first: bool = True, last: bool = True) -> None:
+    """Runs inside the vLLM worker: a piece of a layerwise reload (first: initialize, last: finalize), so quantized
+    layers re-process weights. vLLM holds a layer's parts (q, k, v of qkv_proj) until all have come, over pieces too."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    initialize_layerwise_reload(model)
+    if first:
+        initialize_layerwise_reload(model)
     model.load_weights(iter(weights))  # HF names; vLLM fuses qkv / gate_up itself
-    finalize_layerwise_reload(model, model_config)
+    if last:
+        finalize_layerwise_reload(model, model_config)
     # Tied embeddings (Qwen3 up to 4B): load_weights skips lm_head, so the reload restores lm_head's
     # *old* processed kernel ("ParallelLMHead: Failed to load weights"): on CPUs with AMX/AVX-512-BF16
     # that is a GEMM pre-packed from the old weights. Re-process it from the (shared, new) weight.
-    if getattr(model_config.hf_config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+    if last and getattr(model_config.hf_config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
@@ -1029,24 +1034,27 @@ def _fused_name(name: str) -> str:
     return re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name))
 
 
+SYNC_PIECE_BYTES = 512 * 2**20   # weights per load_weights call: verl's default bucket (vLLM 0.32's transfer: 1 GiB)
+
+
 def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
     """Load HF-named weights (e.g. model.named_parameters()) into the running vLLM engine: vLLM's layerwise
-    reload (what its weight-transfer engines use, so quantized layers re-quantize), run in the worker through
-    the public llm.apply_model. Tied embeddings stay tied (values are copied into the existing storage)."""
+    reload (what its weight-transfer engines use, so quantized layers re-quantize), run in the worker through the
+    public llm.apply_model, in pieces of SYNC_PIECE_BYTES + one tensor at most. Tied embeddings stay tied."""
     model_config = llm.llm_engine.vllm_config.model_config
     amax = {}   # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
     for name, t in named_tensors:     # linear weights, the ones vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
         if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
-            key = _fused_name(name)
-            amax[key] = torch.maximum(amax.get(key, torch.zeros(())), full(t.detach().abs().max()).float().cpu())
-    weights = []
-    for name, t in named_tensors:
-        t = full(t.detach())                  # FSDP2: gathered one parameter at a time (every rank, same order)
-        if _fused_name(name) in amax:
-            t = fp8_roundtrip(t, per_row=False, amax=amax[_fused_name(name)].to(t.device))
-        weights.append((name, t.to(model_config.dtype)))  # engine dtype (bf16): no cast warnings
-    # functools.partial of a top-level function: picklable if apply_model must ship it
-    llm.apply_model(functools.partial(_reload_in_worker, weights=weights, model_config=model_config))
+            amax[_fused_name(name)] = max(full(t.detach().abs().max()).float().cpu(), amax.get(_fused_name(name), 0))
+    piece, first = [], True
+    for i, (name, t) in enumerate(named_tensors, 1):
+        if _fused_name(name) in amax:     # elementwise given amax: on this rank's shard, before the gather
+            t = fp8_roundtrip(t.detach(), per_row=False, amax=amax[_fused_name(name)].to(t.device))
+        piece.append((name, full(t.detach().to(model_config.dtype))))   # engine dtype (bf16), then FSDP2's gather
+        if i == len(named_tensors) or sum(w.nbytes for _, w in piece) >= SYNC_PIECE_BYTES:   # partial: picklable
+            llm.apply_model(functools.partial(_reload_in_worker, weights=piece, model_config=model_config,
+                                              first=first, last=i == len(named_tensors)))
+            piece, first = [], False
 
 
 def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool = False):
@@ -1079,27 +1087,34 @@ def train_autocast(cfg: Config):
 PLAN_PROMPT_TOKENS = 512   # prompt length the memory plan assumes when --max-model-len is 0 (math prompts: ~100-300)
 
 
+# bytes per token and layer kept for backward x (hidden, (heads + kv heads) x head_dim, MLP), saved-tensor hooks on
+# transformers 5.19's Qwen3 (7 shapes; sdpa: no seq² term). bf16-mixed: residuals, RMSNorms fp32, ~2x Korthikanti's 34·H
+ACT_BYTES = {"float32": (24, 16, 16), "bf16-mixed": (26, 10, 8), "bfloat16": (16, 10, 8)}
+
+
 def memory_plan(c, cfg: Config, gpu_bytes: float, world: int = 1) -> dict:
-    """Estimated GiB per part of a training step on one GPU, from a transformers config `c` and the flags. Per layer
-    34·tokens·hidden bytes of 16-bit activations (Korthikanti et al. 2022; sdpa: no seq² term); checkpointing keeps
-    each layer's input + one layer. peak = max(rollout: weights, AdamW, vLLM; Step 1: + grads, activations)."""
-    H, L = c.hidden_size, c.num_hidden_layers
+    """Estimated GiB per part of a training step on one GPU from a transformers config `c` and the flags. peak =
+    max(sync: weights, AdamW, vLLM, its pieces; Step 1: + grads, bf16 copies, activations, log-prob head, vLLM?)."""
+    H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
     hd = getattr(c, "head_dim", None) or H // c.num_attention_heads
-    heads = c.num_attention_heads + c.num_key_value_heads                    # q and o; k and v
-    n = L * (2 * H * hd * heads + 3 * H * c.intermediate_size + 2 * hd + 2 * H)   # + MLP, q/k norms, 2 norms
-    n += c.vocab_size * H * (1 if getattr(c, "tie_word_embeddings", False) else 2) + H   # embeddings, lm_head, norm
+    qkv = (c.num_attention_heads + c.num_key_value_heads) * hd               # q (and o), k (and v) widths
+    layer_n = 2 * H * qkv + 3 * H * c.intermediate_size + 2 * hd + 2 * H       # + MLP, q/k norms, 2 norms
+    n = L * layer_n + V * H * (1 if getattr(c, "tie_word_embeddings", False) else 2) + H   # embeddings, lm_head, norm
     b = 2 if cfg.train_dtype == "bfloat16" else 4                            # bytes per weight, grad, Adam moment
     tokens = cfg.micro_batch_size * (cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS)
-    layer = 34 * tokens * H * (2 if cfg.train_dtype == "float32" else 1)
+    layer = tokens * sum(k * d for k, d in zip(ACT_BYTES[cfg.train_dtype], (H, qkv, c.intermediate_size)))
     gib = {"weights": n * b / world, "grads": n * b / world, "optimizer": 2 * n * b / world,   # FSDP2: sharded
            "bf16_copies": 2 * n * (cfg.train_dtype == "bf16-mixed"),        # autocast's cached bf16 weights
-           "activations": L * tokens * H * b + layer if cfg.grad_checkpointing == "on" else L * layer,
-           "logprob_chunk": 4 * cfg.logprob_chunk * c.vocab_size * 4,        # ~4 fp32 [chunk, V] tensors
+           "activations": L * tokens * H * b + layer if cfg.grad_checkpointing == "on" else L * layer,  # inputs, 1
+           "logprob_head": 4 * V * H + 6 * cfg.logprob_chunk * V,           # fp32 grad_w; a chunk's fp32 + bf16 logits
+           "sync": SYNC_PIECE_BYTES + 2 * (V * H + 2 * layer_n),   # bf16: a piece + its last tensor, 2 vLLM layers
            "vllm": cfg.gpu_memory_utilization * gpu_bytes,
-           "snapshot_host": 3 * n * b / world * (METHOD_SPEC[cfg.method][1] != "always")}   # host RAM per rank
+           # host RAM per rank: θ (tied once) and AdamW's 2 moments in one pinned buffer; rollback copies back in place
+           "snapshot_host": 3 * n * b / world * (METHOD_SPEC[cfg.method][1] != "always")}
     gib = {"params_billion": n / 1e9, **{k: v / 2**30 for k, v in gib.items()}}
-    step1 = sum(gib[k] for k in ("weights", "grads", "optimizer", "bf16_copies", "activations", "logprob_chunk"))
-    gib["peak"] = max(gib["weights"] + gib["optimizer"] + gib["vllm"], step1 + gib["vllm"] * (cfg.vllm_sleep != "on"))
+    step1 = sum(gib[k] for k in ("weights", "grads", "optimizer", "bf16_copies", "activations", "logprob_head"))
+    gib["peak"] = max(gib["weights"] + gib["optimizer"] + gib["vllm"] + gib["sync"],
+                      step1 + gib["vllm"] * (cfg.vllm_sleep != "on"))
     return gib
 
 
@@ -1110,8 +1125,8 @@ def check_memory_plan(cfg: Config) -> None:
     plan = memory_plan(AutoConfig.from_pretrained(cfg.model), cfg, gpu, rank_world()[1])
     print("memory plan, GiB (estimated): " + ", ".join(f"{k} {v:.1f}" for k, v in plan.items()), flush=True)
     if plan["peak"] > gpu / 2**30:
-        raise MIPUError(f"the memory plan needs ~{plan['peak']:.0f} GiB, the GPU has {gpu / 2**30:.0f}: "
-                        "lower --micro-batch-size or --gpu-memory-utilization, or use --grad-checkpointing on, "
+        raise MIPUError(f"the memory plan needs ~{plan['peak']:.0f} GiB, the GPU has {gpu / 2**30:.0f}: lower "
+                        "--micro-batch-size or --gpu-memory-utilization, or use --grad-checkpointing on, "
                         "--vllm-sleep on, --train-dtype bfloat16")
 
 
@@ -1128,18 +1143,17 @@ class SelectiveLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, targets, temperature: float, chunk: int) -> torch.Tensor:
-        device = h.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else weight.dtype
         hc, wc = h.to(dtype), weight.to(dtype)                                      # [N, H], [V, H]
-        lse = torch.empty(h.shape[0], device=h.device)                             # [N] fp32
-        out = torch.empty_like(lse)
+        lse, out = torch.empty(h.shape[0], device=h.device), torch.empty(h.shape[0], device=h.device)   # [N] fp32
         for s in range(0, h.shape[0], chunk):
             logits = (hc[s:s + chunk] @ wc.T).float().div_(temperature)             # [c, V]
-            lse[s:s + chunk] = torch.logsumexp(logits, 1)
-            out[s:s + chunk] = logits.gather(1, targets[s:s + chunk, None])[:, 0] - lse[s:s + chunk]
+            out[s:s + chunk], m = logits.gather(1, targets[s:s + chunk, None])[:, 0], logits.amax(1)   # [c]
+            lse[s:s + chunk] = logits.sub_(m[:, None]).exp_().sum(1).log_().add_(m)   # logsumexp, in place
+            del logits           # freed before the next chunk's: one [c, V] at a time (torch.logsumexp makes more)
         ctx.save_for_backward(hc, wc, targets, lse)
         ctx.args = (temperature, chunk, h.dtype, weight.dtype)
-        return out
+        return out.sub_(lse)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -1149,9 +1163,10 @@ class SelectiveLogprobs(torch.autograd.Function):
         for s in range(0, hc.shape[0], chunk):
             g = grad[s:s + chunk, None] / temperature                               # [c, 1]
             d = (hc[s:s + chunk] @ wc.T).float().div_(temperature).sub_(lse[s:s + chunk, None]).exp_().mul_(-g)
-            d = d.scatter_add_(1, targets[s:s + chunk, None], g).to(hc.dtype)       # g (onehot - softmax), [c, V]
-            grad_h[s:s + chunk] = d @ wc
-            grad_w += (d.T @ hc[s:s + chunk]).float()
+            d.scatter_add_(1, targets[s:s + chunk, None], g)                        # g (onehot - softmax), [c, V]
+            grad_h[s:s + chunk] = d.to(hc.dtype) @ wc
+            grad_w.addmm_(d.T, hc[s:s + chunk].float())      # fp32 sum in place: no [V, H] temporary
+            del d
         return grad_h.to(h_dtype), grad_w.to(w_dtype), None, None, None
 
 
@@ -1162,21 +1177,17 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
                           temperature: float, width: int, chunk: int) -> torch.Tensor:
     """Completion-token log-probs for one micro-batch, right-padded to `width`: [b, width]."""
     device = next(model.parameters()).device
-    seqs = [p + c for p, c in zip(prompts, completions)]
-    ids, attn = pad_right(seqs, 0, torch.long), pad_right([[1] * len(s) for s in seqs], 0, torch.long)  # [b, L]
-    ids, attn = ids.to(device), attn.to(device)
-    # right padding: real tokens sit at positions 0..len-1, before the pads (causal: never see them): a plain arange
-    pos = torch.arange(ids.shape[1], device=device).expand_as(ids)  # [b, L]
-    # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head there, and
-    # keep them gathered until backward); logits_to_keep=1: its own lm_head scores one position only
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
-                output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1]  # [b, L, H], after the final norm
+    # right padding: real tokens sit at positions 0..len-1 and, causal, never see the pads: no mask, default positions
+    ids = pad_right([p + c for p, c in zip(prompts, completions)], 0, torch.long).to(device)  # [b, L]
+    # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head until backward), its lm_head
+    # on one position; a hook takes the decoder's output (final norm): output_hidden_states would keep every layer's
+    hidden = []                                                     # [b, L, H]
+    with model.get_decoder().register_forward_hook(lambda mod, args, out: hidden.append(out.last_hidden_state)):
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
     # position len(p)-1+t predicts completion token t: score only real completion tokens
-    b_idx, t_idx = torch.nonzero(pad_right([[1] * len(c) for c in completions], 0, torch.long), as_tuple=True)
-    rows = torch.tensor([len(p) - 1 for p in prompts])[b_idx] + t_idx  # [N]
-    b_idx, t_idx, rows = b_idx.to(device), t_idx.to(device), rows.to(device)
-    lp = selective_logprobs(hidden[b_idx, rows], model.get_output_embeddings().weight, ids[b_idx, rows + 1],
+    b_idx, t_idx = torch.nonzero(pad_right([[1] * len(c) for c in completions], 0).to(device), as_tuple=True)
+    rows = torch.tensor([len(p) - 1 for p in prompts], device=device)[b_idx] + t_idx  # [N]
+    lp = selective_logprobs(hidden[0][b_idx, rows], model.get_output_embeddings().weight, ids[b_idx, rows + 1],
                             temperature, chunk)  # [N]
     return torch.zeros(len(prompts), width, device=device).index_put((b_idx, t_idx), lp)  # [b, width]
 
@@ -1209,18 +1220,19 @@ def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
 
 
 def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: list[int], tol: float) -> float:
-    """Max |vLLM - trainer| log-prob over a probe completion; MIPUError if > tol.
-    vLLM's prompt log-probs ignore temperature (vllm_prompt_logprobs): both sides score at 1."""
+    """Mean |vLLM - trainer| log-prob per probe token, largest over ranks; MIPUError on every rank if > tol (none waits
+    in a collective for one that stopped). vLLM's prompt log-probs ignore temperature: both sides score at 1."""
     seq = list(probe_prompt_ids) + list(probe_completion_ids)
     vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, seq)[len(probe_prompt_ids):])  # [C]
     with torch.no_grad():
         hf_lp, _ = token_logprobs(model, [list(probe_prompt_ids)], [list(probe_completion_ids)],
                                   temperature=1.0, micro_batch=1)  # [1, C]
     reshard(model)
-    gap = (vllm_lp - hf_lp[0].float().cpu()).abs().max().item()
-    if not gap <= tol:                      # NaN fails too
-        raise MIPUError(f"weight sync did not take effect: max |vLLM - trainer| log-prob "
-                        f"on the probe is {gap:.4g} > tol {tol:.4g}")
+    gap = (vllm_lp - hf_lp[0].float().cpu()).abs().mean().item()
+    gap = all_reduce([gap if math.isfinite(gap) else math.inf], dist.ReduceOp.MAX)[0]   # NaN counts as inf
+    if gap > tol or gap == math.inf:
+        raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights" if gap == math.inf else
+                        f"weight sync did not take effect: mean |vLLM - trainer| log-prob {gap:.4g} > tol {tol:.4g}")
     return gap
 
 

@@ -759,13 +759,15 @@ def test_gradient_checkpointing_recomputes_with_equal_results(model_dir, prompt_
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("shape, gpu_gib, n_params, act_gib, step1_gib, rollout_gib", [
-    # hand-computed: n = L (2 H hd (heads + kv heads) + 3 H I + 2 hd + 2 H) + V H (tied) + H;
-    # tokens = 4 x (256 + 4096); activations = (L tokens H 4 + 34 tokens H) B; chunk = 4 x 512 x V x 4 B
-    ("qwen3-1.7b", 80, 1_720_574_976, 4.8477, 34.850, 43.229),     # 28 x 50,336,000 + 311,164,928 + 2048
-    ("qwen3-4b", 141, 4_022_468_096, 7.3877, 75.979, 87.255),      # 36 x 100,930,816 + 388,956,160 + 2560
+@pytest.mark.parametrize("shape, gpu_gib, n_params, act_gib, sync_gib, step1_gib, rollout_gib", [
+    # hand-computed: layer = 2 H hd (heads + kv heads) + 3 H I + 2 hd + 2 H; n = L layer + V H (tied) + H;
+    # tokens = 4 x (256 + 4096); activations = L tokens H 4 B (layer inputs) + tokens (26 H + 10 hd (heads + kv heads)
+    # + 8 I) B (one layer: 133,120 / 195,584 B per token); sync = 512 MiB + 2 B (V H + 2 layer);
+    # log-prob head = 4 B V H + 6 B x 512 x V; Step 1 = weights x 4.5 + activations + head; rollout = x 3 + sync + vLLM
+    ("qwen3-1.7b", 80, 1_720_574_976, 5.8770, 1.26711, 36.3142, 44.4960),   # layer 50,336,000, V H 311,164,928
+    ("qwen3-4b", 141, 4_022_468_096, 9.1475, 1.60048, 78.4630, 88.8551),    # layer 100,930,816, V H 388,956,160
 ])
-def test_memory_plan_hand_values(shape, gpu_gib, n_params, act_gib, step1_gib, rollout_gib):
+def test_memory_plan_hand_values(shape, gpu_gib, n_params, act_gib, sync_gib, step1_gib, rollout_gib):
     cfg = mipu.Config(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu")
     plan = mipu.memory_plan(bench_trainer.qwen3_config(shape), cfg, gpu_gib * 2**30)
     assert plan["params_billion"] == pytest.approx(n_params / 1e9, rel=1e-12)
@@ -774,7 +776,9 @@ def test_memory_plan_hand_values(shape, gpu_gib, n_params, act_gib, step1_gib, r
     assert plan["optimizer"] == pytest.approx(2 * weights)
     assert plan["bf16_copies"] == pytest.approx(weights / 2) and plan["snapshot_host"] == pytest.approx(3 * weights)
     assert plan["activations"] == pytest.approx(act_gib, abs=1e-4)
-    assert plan["logprob_chunk"] == pytest.approx(4 * 512 * 151936 * 4 / 2**30)
+    assert plan["sync"] == pytest.approx(sync_gib, abs=1e-5)
+    H = bench_trainer.SHAPES[shape]["hidden_size"]
+    assert plan["logprob_head"] == pytest.approx((4 * 151936 * H + 6 * 512 * 151936) / 2**30)
     assert plan["vllm"] == pytest.approx(0.3 * gpu_gib)
     assert plan["peak"] == pytest.approx(max(step1_gib, rollout_gib), abs=1e-3) and plan["peak"] < gpu_gib
     grpo = mipu.memory_plan(bench_trainer.qwen3_config(shape), dataclasses.replace(cfg, method="grpo"), 0)
@@ -975,6 +979,27 @@ def test_sync_preserves_tied_embeddings(llm, trainer, prompt_ids, restore):
     mipu.sync_weights(llm, list(trainer.named_parameters()), "none")
     probe_c = [5, 6, 7, 8, 9, 10]
     mipu.check_sync(llm, trainer, prompt_ids[0], probe_c, tol=MAX_TOL)
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8-sim"])
+def test_sync_in_pieces_equals_whole_sync(llm, trainer, prompt_ids, restore, quant, monkeypatch):
+    """1-byte pieces: every tensor its own load_weights call (q, k, v of one fused qkv_proj in three), one reload."""
+    _perturb(trainer, seed=3)
+    seq = prompt_ids[0] + [5, 6, 7, 8, 9, 10]
+    mipu.sync_weights(llm, list(trainer.named_parameters()), quant)                  # the tiny model: one piece
+    whole = mipu.vllm_prompt_logprobs(llm, seq)
+    mipu.sync_weights(llm, restore, "none")
+    assert mipu.vllm_prompt_logprobs(llm, seq) != whole
+    monkeypatch.setattr(mipu, "SYNC_PIECE_BYTES", 1)
+    mipu.sync_weights(llm, list(trainer.named_parameters()), quant)
+    assert mipu.vllm_prompt_logprobs(llm, seq) == whole                              # bit for bit
+
+
+def test_nonfinite_probe_is_its_own_error(llm, trainer, prompt_ids, restore):
+    with torch.no_grad():
+        trainer.model.norm.weight.fill_(float("nan"))                   # e.g. a damaged checkpoint
+    with pytest.raises(mipu.MIPUError, match="probe's log-probs are not finite: NaN or inf in the weights"):
+        mipu.check_sync(llm, trainer, prompt_ids[0], [5, 6, 7], tol=math.inf)   # as the start-up check
 
 
 # ---------------------------------------------------------------- the LLM training step
@@ -1439,8 +1464,18 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     m = mipu.mipu_step(run)
     restored = all(torch.equal(a, b) for a, b in zip(before, _local_state(run)))
     report = {"decisions": decisions + [(m["step2/accepted"], m["step2/t_post"])], "restored": restored,
-              "engine_restored": _probe_logprobs(run) == probe, "probe_gap": m["sync/probe_max_abs_dlogp"],
+              "engine_restored": _probe_logprobs(run) == probe, "probe_gap": m["sync/probe_mean_abs_dlogp"],
               "snapshot_on_host": bool(host) and all(host), "in_place": _state_ptrs(run) == ptrs}
+    # 3. a sync that reaches rank 0's engine only (rank 1's keeps its weights): the check fails on rank 1
+    if rank == 1:
+        mipu._reload_in_worker = lambda *args, **kwargs: None
+    with torch.no_grad():
+        for p in run.model.parameters():
+            p.mul_(1.5)
+    try:
+        mipu.sync(run)
+    except mipu.MIPUError as e:
+        report["sync_error"] = f"error: {e}"
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     if rank == 0:
         torch.save(weights, Path(out, "step1_weights.pt"))
@@ -1476,6 +1511,13 @@ def test_two_ranks_same_decisions_and_exact_rollback(two_ranks):
     for rep in reports:
         assert rep["restored"] and rep["engine_restored"] and rep["probe_gap"] < MAX_TOL
         assert rep["snapshot_on_host"] and rep["in_place"]     # plain host tensors (no DTensor), restored in place
+
+
+def test_two_ranks_stop_together_on_a_failed_sync(two_ranks):
+    """Rank 1's engine missed the sync: both ranks stop with the same error, none waits in a collective (the
+    fixture's torchrun run ends within its timeout)."""
+    errors = [json.loads((two_ranks / f"rank{r}.json").read_text()).get("sync_error") for r in range(2)]
+    assert errors[0] == errors[1] and errors[0].startswith("error: weight sync did not take effect"), errors
 
 
 def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
