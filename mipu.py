@@ -221,7 +221,7 @@ class Config:
     def validate(self, command: str = "") -> "Config":
         """Reject bad values and bad combinations with one clear message each, before anything heavy is loaded;
         `command` ("train" or "eval") adds what that command needs: its flags, the model folder, a checkpoint."""
-        for ok, message in self.value_checks(rank_world()[1]) + self.command_checks(command):
+        for ok, message in self.checks(command):
             if not ok:
                 raise MIPUError(message)
         if command in ("train", "eval"):
@@ -231,9 +231,10 @@ class Config:
         assert self.batch_size == self.prompts_per_step * self.num_generations
         return self
 
-    def value_checks(self, world: int) -> list[tuple[bool, str]]:
-        """(ok, message) of every flag's range and of combinations any command refuses."""
-        fields, gpu, step2 = dataclasses.fields(self), torch.cuda.is_available(), METHOD_SPEC[self.method][1]
+    def checks(self, command: str) -> list[tuple[bool, str]]:
+        """(ok, message) of every flag's range, of combinations, and of what `command` needs (the toy: nothing)."""
+        fields, gpu, world = dataclasses.fields(self), torch.cuda.is_available(), rank_world()[1]
+        step2, train, llm = METHOD_SPEC[self.method][1], command == "train", command in ("train", "eval")
         flag = {f.name: "--" + f.name.replace("_", "-") for f in fields}
         return [(math.isfinite(getattr(self, f.name)), f"{flag[f.name]} must be a finite number")
                 for f in fields if isinstance(f.default, float)] + [
@@ -244,6 +245,8 @@ class Config:
              "toy_prompts", "toy_horizon")] + [
             (getattr(self, n) >= 0, f"{flag[n]} must be >= 0") for n in ("steps", "eval_every", "eval_temperature",
                                                                            "weight_decay", "c_se")] + [
+            (getattr(self, n) > 0, f"{flag[n]} must be > 0") for n in ("learning_rate", "toy_lr", "sync_tol",
+                                                                         "max_grad_norm", "toy_fp8_headroom")] + [
             (self.num_generations >= 2, "--num-generations must be >= 2 (group advantages need a group)"),
             (0 <= self.seed <= SEED_LIMIT - world, f"--seed must be in [0, {SEED_LIMIT - world}] (numpy's range)"),
             (0 < self.clip_eps < 1, "--clip-eps must be in (0, 1)"),
@@ -262,12 +265,9 @@ class Config:
             (self.toy_vocab >= 2, "--toy-vocab must be >= 2"),
             (0 <= self.toy_tolerance < self.toy_horizon, "--toy-tolerance must be in [0, toy_horizon)"),
             (0 < self.toy_init_prob < 1, "--toy-init-prob must be in (0, 1)"),
-            (self.toy_fp8_headroom > 0, "--toy-fp8-headroom must be > 0"),
             (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
                                    "greedy rollouts have no log-probs to learn from)"),
-            (self.learning_rate > 0 and self.toy_lr > 0, "learning rates must be > 0"),
             (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
-            (self.sync_tol > 0 and self.max_grad_norm > 0, "--sync-tol and --max-grad-norm must be > 0"),
             (0 < self.reward_timeout <= POLL_LIMIT_S, f"--reward-timeout must be in (0, {POLL_LIMIT_S:g}] seconds"),
             (not (self.resume and self.overwrite), "--resume and --overwrite exclude each other"),
             (set(self.report_to.split(",")) <= {"", "tensorboard", "wandb"}, "--report-to takes tensorboard, wandb"),
@@ -279,17 +279,11 @@ class Config:
             (gpu or self.rollout_quant != "fp8", "--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only); "
                                                  "use --rollout-quant fp8-sim to simulate FP8 weights on CPU"),
             (gpu or self.vllm_sleep == "off", "--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)"),
-        ]
-
-    def command_checks(self, command: str) -> list[tuple[bool, str]]:
-        """(ok, message) of what `train` and `eval` need; none for the toy."""
-        train, llm = command == "train", command in ("train", "eval")
-        return [
             (not train or (self.accept_rule != "oracle" and not self.c_se),
              "--accept-rule oracle and --c-se are toy only (they need the exact J / T_post's SE)"),
             (not llm or self.model, f"{command} needs --model"),
             (not train or self.train_data, "train needs --train-data"),
-            (not train or self.val_data or METHOD_SPEC[self.method][1] != "gap" or self.gap_batch == "next",
+            (not train or self.val_data or step2 != "gap" or self.gap_batch == "next",
              f"train needs --val-data (--method {self.method} needs acceptance prompts)"),
             (self.eval_data or not (command == "eval" or train and self.eval_every), f"{command} needs --eval-data"),
         ]
@@ -983,7 +977,6 @@ def load_pretrained(auto_class: str, model_path: str, **kwargs):
 
 def make_sampler(cfg: Config) -> "vllm.LLM":
     """The in-process vLLM engine of cfg.model that samples rollouts (fp8-sim: FP8-rounded here and by sync_weights)."""
-    model_folder(cfg.model)
     # in-process engine: model reachable via llm.apply_model, no child process to spawn
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # forced: a user's =1 would break apply_model
     # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
@@ -991,7 +984,7 @@ def make_sampler(cfg: Config) -> "vllm.LLM":
     from vllm import LLM
 
     llm = LLM(
-        model=cfg.model, dtype=cfg.rollout_dtype, seed=cfg.seed + rank_world()[0],
+        model=str(model_folder(cfg.model)), dtype=cfg.rollout_dtype, seed=cfg.seed + rank_world()[0],  # no hub calls
         gpu_memory_utilization=cfg.gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
         max_model_len=cfg.max_model_len or None,  # None: the model config's maximum
         quantization="fp8_per_tensor" if cfg.rollout_quant == "fp8" else None,  # weights: one static scale per tensor
@@ -1365,15 +1358,18 @@ def _read_jsonl(path: Path) -> list[tuple[str, object]]:
 def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
     """(location, row) pairs of a .parquet file, a save_to_disk or hub-layout folder, or an HF id, via `datasets`."""
     import datasets                               # here: importing it takes seconds, JSONL runs skip it
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import errors, snapshot_download
     try:
         if Path(name).suffix == ".parquet":
             ds = datasets.load_dataset("parquet", data_files=name, split=split)
         elif any((Path(name) / f).is_file() for f in ("state.json", "dataset_dict.json")):   # save_to_disk
             ds = datasets.load_from_disk(name)
         else:   # a hub-layout folder, or a hub id's from the local HF cache only, as models (offline: no retries)
-            folder = name if Path(name).is_dir() else snapshot_download(name, repo_type="dataset", local_files_only=True)
-            ds = datasets.load_dataset(folder, split=split)
+            src = name if Path(name).is_dir() else snapshot_download(name, repo_type="dataset", local_files_only=True)
+            ds = datasets.load_dataset(src, split=split)
+    except errors.LocalEntryNotFoundError as e:
+        raise MIPUError(f"could not load dataset {name!r} (split {split!r}): no such local folder, nor a hub id in the "
+                        f"local HF cache (download it first: `hf download --repo-type dataset {name}`)") from e
     except (OSError, ValueError, IndexError, datasets.exceptions.DatasetsError) as e:  # IndexError: 0-row save_to_disk
         raise MIPUError(f"could not load dataset {name!r} (split {split!r}): {e}") from e
     if isinstance(ds, datasets.DatasetDict) and split not in ds:
