@@ -235,8 +235,8 @@ def test_random_rollback_rate():
     (dict(weight_decay=-0.1), "--weight-decay must be >= 0"),
     (dict(max_grad_norm=0.0), "--max-grad-norm must be > 0"),
     (dict(resume=True, overwrite=True), "--resume and --overwrite exclude each other"),
-    (dict(method="random-rollback"), "--reject-rate > 0 is needed by --method random-rollback"),   # else grpo
-    (dict(method="random-rollback-tis", reject_rate=0.0), "--reject-rate > 0 is needed"),
+    (dict(method="random-rollback"), r"--reject-rate must be in \(0, 1\) for --method random-rollback"),  # else grpo
+    (dict(method="random-rollback-tis", reject_rate=1.0), r"--reject-rate must be in \(0, 1\)"),
     (dict(seed=-1), r"--seed must be in \[0, 4294967295\]"),            # vLLM seeds numpy with it
     (dict(seed=2**32), r"--seed must be in \[0, 4294967295\]"),
     (dict(reward_timeout=1e10), r"--reward-timeout must be in \(0, 2.14748e\+06\] seconds"),   # poll()'s limit
@@ -1110,7 +1110,7 @@ def test_cli_toy_demo_without_mismatch_has_no_gap_study(tmp_path):
     (["toy", "--method", "tis", "--accept-rule", "target"], "error: --accept-rule target only applies"),
     (["train", "--method", "mipu", "--accept-rule", "oracle"], "error: --accept-rule oracle and --c-se are toy only"),
     (["train", "--accept-rule", "oracle", "--prompts-per-step", "2"], "error: --accept-rule oracle and --c-se are toy"),
-    (["toy", "--method", "random-rollback"], "error: --reject-rate > 0 is needed by --method random-rollback"),
+    (["toy", "--method", "random-rollback"], "error: --reject-rate must be in (0, 1) for --method random-rollback"),
     (["-m", "toy.demo", "--presets", "none,bad"], "error: unknown --presets bad"),
     (["-m", "toy.demo", "--num-generations", "1"], "error: --num-generations must be >= 2"),
 ])
