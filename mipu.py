@@ -76,6 +76,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
@@ -1334,24 +1335,20 @@ def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dic
     return {"prompt": prompt, "answer": str(answer).strip()}
 
 
-def _read_jsonl(path: Path) -> list[tuple[str, object]]:
+def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
     """Parse a .jsonl file (UTF-8, a BOM allowed) into (location, row) pairs; blank lines are skipped. Lines end at
     "\n" only: JSON strings may hold U+2028 or U+0085, where str.splitlines splits. Numbers become Decimal: exact
     text, and no digit limit (int's is 4,300)."""
-    items = []
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise MIPUError(f"{path}: not UTF-8 text (byte {e.start})") from e
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
+    for n, line in enumerate(text.split("\n"), start=1):
         try:
-            items.append((f"{path}:{lineno}", json.loads(line, parse_int=Decimal, parse_float=Decimal,
-                                                         parse_constant=Decimal)))
+            if line.strip():
+                yield f"{path}:{n}", json.loads(line, parse_int=Decimal, parse_float=Decimal, parse_constant=Decimal)
         except (json.JSONDecodeError, RecursionError) as e:          # RecursionError: nested too deeply
-            raise MIPUError(f"{path}:{lineno}: malformed JSON ({getattr(e, 'msg', 'nested too deeply')})") from e
-    return items
+            raise MIPUError(f"{path}:{n}: malformed JSON ({getattr(e, 'msg', 'nested too deeply')})") from e
 
 
 def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
