@@ -969,7 +969,8 @@ def load_pretrained(auto_class: str, model_path: str, **kwargs):
     try:     # OSError: missing or broken files; ValueError: unknown model_type or custom code; tokenizers: Exception
         loaded = getattr(transformers, auto_class).from_pretrained(folder, trust_remote_code=False, **kwargs)
     except Exception as e:
-        raise MIPUError(f"{folder}: {auto_class}: {type(e).__name__}: {str(e).strip().splitlines()[0]}") from e
+        first_line = str(e).strip().split("\n")[0]                  # transformers' messages run over several lines
+        raise MIPUError(f"{folder}: {auto_class}: {type(e).__name__}: {first_line}") from e
     if auto_class == "AutoTokenizer" and set(loaded.get_vocab()) <= set(loaded.all_special_tokens):
         raise MIPUError(f"{folder}: no tokenizer files (transformers made one of special tokens only)")
     return loaded
@@ -1332,7 +1333,8 @@ def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dic
                         f"{str(answer)[:60]}")
     if re.search("[\ud800-\udfff]", prompt + str(answer)):      # JSON's "\ud800" escape: no UTF-8 text
         raise MIPUError(f"{where}: the prompt or answer holds a lone surrogate (\\ud800-\\udfff): no text")
-    return {"prompt": prompt, "answer": str(answer).strip()}
+    plain = f"{answer:f}" if isinstance(answer, Decimal) else str(answer)   # JSONL's 1e3: 1000, as the reward reads
+    return {"prompt": prompt, "answer": plain.strip()}
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
@@ -1703,7 +1705,8 @@ def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
     rows = load_rows(source, cfg.prompt_key, cfg.answer_key)
     limit = load_pretrained("AutoConfig", cfg.model).max_position_embeddings    # vLLM's default and maximum
     if cfg.max_model_len > limit:
-        raise MIPUError(f"--max-model-len {cfg.max_model_len} is above {cfg.model}'s maximum of {limit} tokens")
+        raise MIPUError(f"--max-model-len {cfg.max_model_len} is above {cfg.model}'s maximum, {limit} tokens "
+                        "(max_position_embeddings)")
     context = cfg.max_model_len or limit
     # no token stands for more characters than its vocabulary entry: a longer prompt is too long untokenized
     max_chars = context * max(map(len, tokenizer.get_vocab()))

@@ -442,14 +442,14 @@ def test_load_rows_ok_and_roundtrip(tmp_path):
 
 def test_load_rows_jsonl_keeps_text_and_numbers_exact(tmp_path):
     """Lines end at "\n" only (U+2028 and U+0085 are text inside a JSON string); a BOM and CRLF are allowed; numbers
-    keep their digits (no int-conversion limit, no float rounding)."""
+    keep their digits (no int-conversion limit, no float rounding), in plain notation as the reward reads them."""
     big = "9" * 5000
-    lines = ['{"q": "a\u2028b", "a": 1.10}', '{"q": "c\u0085d", "a": ' + big + '}', '{"q": "e", "a": 1e400}']
+    lines = ['{"q": "a\u2028b", "a": 1.10}', '{"q": "c\u0085d", "a": ' + big + '}', '{"q": "e", "a": 1e3}']
     src = tmp_path / "u.jsonl"
     src.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode("utf-8"))
     assert mipu.load_rows(str(src), "q", "a") == [{"prompt": "a\u2028b", "answer": "1.10"},
                                                   {"prompt": "c\u0085d", "answer": big},
-                                                  {"prompt": "e", "answer": "1E+400"}]
+                                                  {"prompt": "e", "answer": "1000"}]
 
 
 @pytest.mark.parametrize("text, match", [
