@@ -79,6 +79,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
@@ -119,6 +120,8 @@ AUTO_DEFAULTS = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing":
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_data", "eval_samples", "eval_temperature", "save_every", "output_dir",
                      "resume", "overwrite", "micro_batch_size", "gpu_memory_utilization", "reward_timeout",
                      "report_to", "logprob_chunk", "grad_checkpointing", "vllm_sleep", "vllm_compile")
+SEED_LIMIT = 2**32                # --seed + rank seeds each rank's vLLM engine, which seeds numpy: [0, 2**32)
+POLL_LIMIT_S = (2**31 - 1) / 1000  # the reward worker waits with poll(): its timeout is a C int of milliseconds
 
 
 def _arg(default, help: str, group: str = "algo", choices=None):
@@ -221,12 +224,26 @@ class Config:
             if getattr(self, name) == "auto":
                 setattr(self, name, gpu if self.device == "cuda" else cpu)
 
-    def validate(self) -> "Config":
-        """Reject bad values and bad combinations with one clear message each."""
-        fields, world, gpu = dataclasses.fields(self), rank_world()[1], torch.cuda.is_available()
+    def validate(self, command: str = "") -> "Config":
+        """Reject bad values and bad combinations with one clear message each, before anything heavy is loaded;
+        `command` ("train" or "eval") adds what that command needs: its flags, the model folder, a checkpoint."""
+        for ok, message in self.checks(command):
+            if not ok:
+                raise MIPUError(message)
+        if command in ("train", "eval"):
+            model_folder(self.model)
+        if command in ("train", "eval") and self.resume:
+            latest_checkpoint(self.output_dir)
+        assert self.batch_size == self.prompts_per_step * self.num_generations
+        return self
+
+    def checks(self, command: str) -> list[tuple[bool, str]]:
+        """(ok, message) of every flag's range, of combinations, and of what `command` needs (the toy: nothing)."""
+        fields, gpu, world = dataclasses.fields(self), torch.cuda.is_available(), rank_world()[1]
+        step2, train, llm = METHOD_SPEC[self.method][1], command == "train", command in ("train", "eval")
         flag = {f.name: "--" + f.name.replace("_", "-") for f in fields}
-        checks = [(math.isfinite(getattr(self, f.name)), f"{flag[f.name]} must be a finite number")
-                  for f in fields if isinstance(f.default, float)] + [
+        return [(math.isfinite(getattr(self, f.name)), f"{flag[f.name]} must be a finite number")
+                for f in fields if isinstance(f.default, float)] + [
             (getattr(self, f.name) in f.metadata["choices"], f"{flag[f.name]} must be one of {f.metadata['choices']}")
             for f in fields if f.metadata["choices"]] + [
             (getattr(self, n) >= 1, f"{flag[n]} must be >= 1") for n in ("prompts_per_step", "val_prompts", "epochs",
@@ -234,28 +251,29 @@ class Config:
              "toy_prompts", "toy_horizon")] + [
             (getattr(self, n) >= 0, f"{flag[n]} must be >= 0") for n in ("steps", "eval_every", "eval_temperature",
                                                                            "weight_decay", "c_se")] + [
+            (getattr(self, n) > 0, f"{flag[n]} must be > 0") for n in ("learning_rate", "toy_lr", "sync_tol",
+                                                                         "max_grad_norm", "toy_fp8_headroom")] + [
             (self.num_generations >= 2, "--num-generations must be >= 2 (group advantages need a group)"),
+            (0 <= self.seed <= SEED_LIMIT - world, f"--seed must be in [0, {SEED_LIMIT - world}] (numpy's range)"),
             (0 < self.clip_eps < 1, "--clip-eps must be in (0, 1)"),
             (self.w_max >= 1, "--w-max must be >= 1 (a cap below 1 would down-weight on-policy tokens)"),
             (0 <= self.mis_low <= 1 <= self.mis_high, "--mis-low <= 1 <= --mis-high is required"),
             (0 < self.lr_final_frac <= 1, "--lr-final-frac must be in (0, 1]"),
-            (0 <= self.reject_rate < 1, "--reject-rate must be in [0, 1)"),
-            (self.reject_rate == 0 or METHOD_SPEC[self.method][1] == "random",
-             "--reject-rate only applies to --method random-rollback(-tis)"),
-            (self.accept_rule == "paper" or METHOD_SPEC[self.method][1] == "gap",
+            (0 < self.reject_rate < 1 if step2 == "random" else self.reject_rate == 0,
+             "--reject-rate must be in (0, 1) for --method random-rollback(-tis), 0 for any other method"),
+            (self.accept_rule == "paper" or step2 == "gap",
              f"--accept-rule {self.accept_rule} only applies to methods with Step 2 (step2, mipu)"),
-            (self.accept_rule == "paper" or 1 <= self.target_holdout < self.prompts_per_step,
+            (self.accept_rule != "target" or 1 <= self.target_holdout < self.prompts_per_step,
              "--target-holdout must be in [1, prompts_per_step) for --accept-rule target"),
+            (self.gap_batch == "heldout" or step2 == "gap",
+             f"--gap-batch next needs a method with Step 2 (step2, mipu), not {self.method}"),
             (self.toy_vocab >= 2, "--toy-vocab must be >= 2"),
             (0 <= self.toy_tolerance < self.toy_horizon, "--toy-tolerance must be in [0, toy_horizon)"),
             (0 < self.toy_init_prob < 1, "--toy-init-prob must be in (0, 1)"),
-            (self.toy_fp8_headroom > 0, "--toy-fp8-headroom must be > 0"),
             (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
                                    "greedy rollouts have no log-probs to learn from)"),
-            (self.learning_rate > 0 and self.toy_lr > 0, "learning rates must be > 0"),
             (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
-            (self.sync_tol > 0 and self.max_grad_norm > 0 and self.reward_timeout > 0,
-             "--sync-tol, --max-grad-norm and --reward-timeout must be > 0"),
+            (0 < self.reward_timeout <= POLL_LIMIT_S, f"--reward-timeout must be in (0, {POLL_LIMIT_S:g}] seconds"),
             (not (self.resume and self.overwrite), "--resume and --overwrite exclude each other"),
             (set(self.report_to.split(",")) <= {"", "tensorboard", "wandb"}, "--report-to takes tensorboard, wandb"),
             (not any(n % world for n in (self.prompts_per_step, self.val_prompts, self.mini_batch_size,
@@ -266,12 +284,14 @@ class Config:
             (gpu or self.rollout_quant != "fp8", "--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only); "
                                                  "use --rollout-quant fp8-sim to simulate FP8 weights on CPU"),
             (gpu or self.vllm_sleep == "off", "--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)"),
+            (not train or (self.accept_rule != "oracle" and not self.c_se),
+             "--accept-rule oracle and --c-se are toy only (they need the exact J / T_post's SE)"),
+            (not llm or self.model, f"{command} needs --model"),
+            (not train or self.train_data, "train needs --train-data"),
+            (not train or self.val_data or step2 != "gap" or self.gap_batch == "next",
+             f"train needs --val-data (--method {self.method} needs acceptance prompts)"),
+            (self.eval_data or not (command == "eval" or train and self.eval_every), f"{command} needs --eval-data"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise MIPUError(message)
-        assert self.batch_size == self.prompts_per_step * self.num_generations
-        return self
 
 
 # ==== MIPU MATH =====================================================================================================
@@ -951,9 +971,23 @@ def model_folder(model_path: str) -> Path:
                     f"first, e.g. `hf download {model_path}`)" if hub_id else "no such local directory"))
 
 
+def load_pretrained(auto_class: str, model_path: str, **kwargs):
+    """transformers' `auto_class` ("AutoConfig", "AutoTokenizer", ...).from_pretrained of the model folder: no
+    download, and never code the folder ships (trust_remote_code=False); a failure is one error naming the folder."""
+    import transformers
+    folder = model_folder(model_path)
+    try:     # OSError: missing or broken files; ValueError: unknown model_type or custom code; tokenizers: Exception
+        loaded = getattr(transformers, auto_class).from_pretrained(folder, trust_remote_code=False, **kwargs)
+    except Exception as e:
+        first_line = str(e).strip().split("\n")[0]                  # transformers' messages run over several lines
+        raise MIPUError(f"{folder}: {auto_class}: {type(e).__name__}: {first_line}") from e
+    if auto_class == "AutoTokenizer" and set(loaded.get_vocab()) <= set(loaded.all_special_tokens):
+        raise MIPUError(f"{folder}: no tokenizer files (transformers made one of special tokens only)")
+    return loaded
+
+
 def make_sampler(cfg: Config) -> "vllm.LLM":
     """The in-process vLLM engine of cfg.model that samples rollouts (fp8-sim: FP8-rounded here and by sync_weights)."""
-    model_folder(cfg.model)
     # in-process engine: model reachable via llm.apply_model, no child process to spawn
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # forced: a user's =1 would break apply_model
     # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
@@ -964,7 +998,7 @@ def make_sampler(cfg: Config) -> "vllm.LLM":
     from vllm import LLM
 
     llm = LLM(
-        model=cfg.model, dtype=cfg.rollout_dtype, seed=cfg.seed + rank_world()[0],
+        model=str(model_folder(cfg.model)), dtype=cfg.rollout_dtype, seed=cfg.seed + rank_world()[0],  # no hub calls
         gpu_memory_utilization=cfg.gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
         max_model_len=cfg.max_model_len or None,  # None: the model config's maximum
         quantization="fp8_per_tensor" if cfg.rollout_quant == "fp8" else None,  # weights: one static scale per tensor
@@ -1062,14 +1096,8 @@ def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool =
     `checkpointing` acts in train mode only, which step1_update sets (Qwen3 has no dropout)."""
     if dtype not in ("float32", "bf16-mixed", "bfloat16", "float16"):
         raise MIPUError(f"trainer dtype must be float32, bf16-mixed, bfloat16 or float16, got {dtype!r}")
-    model_folder(model_path)
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype.replace("bf16-mixed", "float32")), attn_implementation="sdpa")
-    except OSError as e:  # hub id not in the local cache, broken checkpoint, ...
-        raise MIPUError(f"could not load model {model_path!r}: {e}") from e
+    model = load_pretrained("AutoModelForCausalLM", model_path,
+                            dtype=getattr(torch, dtype.replace("bf16-mixed", "float32")), attn_implementation="sdpa")
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device)
@@ -1120,9 +1148,8 @@ def memory_plan(c, cfg: Config, gpu_bytes: float, world: int = 1) -> dict:
 
 def check_memory_plan(cfg: Config) -> None:
     """At start-up on a GPU: print the memory plan; MIPUError when its peak exceeds the GPU's memory."""
-    from transformers import AutoConfig
     gpu = torch.cuda.get_device_properties(0).total_memory
-    plan = memory_plan(AutoConfig.from_pretrained(cfg.model), cfg, gpu, rank_world()[1])
+    plan = memory_plan(load_pretrained("AutoConfig", cfg.model), cfg, gpu, rank_world()[1])
     print("memory plan, GiB (estimated): " + ", ".join(f"{k} {v:.1f}" for k, v in plan.items()), flush=True)
     if plan["peak"] > gpu / 2**30:
         raise MIPUError(f"the memory plan needs ~{plan['peak']:.0f} GiB, the GPU has {gpu / 2**30:.0f}: lower "
@@ -1249,7 +1276,10 @@ def torchrun() -> bool:      # the environment decides: vLLM may have made a pro
 
 
 def rank_world() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    if not (rank.isdecimal() and world.isdecimal() and int(world) >= 1):   # Config.validate's first call: at start
+        raise MIPUError(f"RANK={rank!r}, WORLD_SIZE={world!r} in the environment: torchrun's whole numbers expected")
+    return int(rank), int(world)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:   # an FSDP2 tensor gathered whole: a collective (every rank, same order)
@@ -1324,38 +1354,47 @@ def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dic
     prompt, answer = row[prompt_key], row[answer_key]
     if not isinstance(prompt, str) or not prompt.strip():
         raise MIPUError(f"{where}: prompt key {prompt_key!r} is empty or not a string")
-    if isinstance(answer, bool) or not isinstance(answer, (str, numbers.Real)) or str(answer).strip() == "":
-        raise MIPUError(f"{where}: answer key {answer_key!r} is empty or not a string or number: {str(answer)[:60]}")
-    return {"prompt": prompt, "answer": str(answer).strip()}
+    number = isinstance(answer, (numbers.Real, Decimal)) and not isinstance(answer, bool)  # finite: not NaN, inf
+    if not (isinstance(answer, str) or number and Decimal(str(answer)).is_finite()) or not str(answer).strip():
+        raise MIPUError(f"{where}: answer key {answer_key!r} is empty or not a string or number (finite): "
+                        f"{str(answer)[:60]}")
+    if re.search("[\ud800-\udfff]", prompt + str(answer)):      # JSON's "\ud800" escape: no UTF-8 text
+        raise MIPUError(f"{where}: the prompt or answer holds a lone surrogate (\\ud800-\\udfff): no text")
+    plain = f"{answer:f}" if isinstance(answer, Decimal) else str(answer)   # JSONL's 1e3: 1000, as the reward reads
+    return {"prompt": prompt, "answer": plain.strip()}
 
 
-def _read_jsonl(path: Path) -> list[tuple[str, object]]:
-    """Parse a .jsonl file into (location, row) pairs; blank lines are skipped."""
-    items = []
+def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
+    """Parse a .jsonl file (UTF-8, a BOM allowed) into (location, row) pairs; blank lines are skipped. Lines end at
+    "\n" only: JSON strings may hold U+2028 or U+0085, where str.splitlines splits. Numbers become Decimal: exact
+    text, and no digit limit (int's is 4,300)."""
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise MIPUError(f"{path}: not UTF-8 text (byte {e.start})") from e
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    for n, line in enumerate(text.split("\n"), start=1):
         try:
-            items.append((f"{path}:{lineno}", json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise MIPUError(f"{path}:{lineno}: malformed JSON ({e.msg})") from e
-    return items
+            if line.strip():
+                yield f"{path}:{n}", json.loads(line, parse_int=Decimal, parse_float=Decimal, parse_constant=Decimal)
+        except (json.JSONDecodeError, RecursionError) as e:          # RecursionError: nested too deeply
+            raise MIPUError(f"{path}:{n}: malformed JSON ({getattr(e, 'msg', 'nested too deeply')})") from e
 
 
 def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
     """(location, row) pairs of a .parquet file, a save_to_disk or hub-layout folder, or an HF id, via `datasets`."""
     import datasets                               # here: importing it takes seconds, JSONL runs skip it
+    from huggingface_hub import errors, snapshot_download
     try:
         if Path(name).suffix == ".parquet":
             ds = datasets.load_dataset("parquet", data_files=name, split=split)
         elif any((Path(name) / f).is_file() for f in ("state.json", "dataset_dict.json")):   # save_to_disk
             ds = datasets.load_from_disk(name)
-        else:
-            ds = datasets.load_dataset(name, split=split)
+        else:   # a hub-layout folder, or a hub id's from the local HF cache only, as models (offline: no retries)
+            src = name if Path(name).is_dir() else snapshot_download(name, repo_type="dataset", local_files_only=True)
+            ds = datasets.load_dataset(src, split=split)
+    except errors.LocalEntryNotFoundError as e:
+        raise MIPUError(f"could not load dataset {name!r} (split {split!r}): no such local folder, nor a hub id in the "
+                        f"local HF cache (download it first: `hf download --repo-type dataset {name}`)") from e
     except (OSError, ValueError, IndexError, datasets.exceptions.DatasetsError) as e:  # IndexError: 0-row save_to_disk
         raise MIPUError(f"could not load dataset {name!r} (split {split!r}): {e}") from e
     if isinstance(ds, datasets.DatasetDict) and split not in ds:
@@ -1719,10 +1758,16 @@ def markdown_table(rows: list[dict]) -> str:
 
 def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
     """load_rows; a prompt without room for 1 new token in the context is refused (or --drop-long-prompts)."""
-    from transformers import AutoConfig
     rows = load_rows(source, cfg.prompt_key, cfg.answer_key)
-    context = cfg.max_model_len or AutoConfig.from_pretrained(cfg.model).max_position_embeddings  # vLLM's default
-    fits = [len(ids) < context for ids in prompts_of(tokenizer, rows, cfg)]      # as rollout builds them
+    limit = load_pretrained("AutoConfig", cfg.model).max_position_embeddings    # vLLM's default and maximum
+    if cfg.max_model_len > limit:
+        raise MIPUError(f"--max-model-len {cfg.max_model_len} is above {cfg.model}'s maximum, {limit} tokens "
+                        "(max_position_embeddings)")
+    context = cfg.max_model_len or limit
+    # no token stands for more characters than its vocabulary entry: a longer prompt is too long untokenized
+    max_chars = context * max(map(len, tokenizer.get_vocab()))
+    fits = [len(r["prompt"]) <= max_chars and len(prompts_of(tokenizer, [r], cfg)[0]) < context  # as rollout does
+            for r in rows]
     if all(fits):
         return rows
     if not cfg.drop_long_prompts or not any(fits):
@@ -1734,19 +1779,20 @@ def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
 
 
 def load_eval_sets(cfg: Config) -> dict:
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    return {Path(src).stem: load_prompts(cfg, tokenizer, src) for src in cfg.eval_data.split(",") if src}
+    """{name: rows} of each --eval-data source, named by its file stem, or in full where two share a stem."""
+    sources = [src for src in cfg.eval_data.split(",") if src]
+    stems, tokenizer = [Path(src).stem for src in sources], load_pretrained("AutoTokenizer", cfg.model)
+    return {stem if stems.count(stem) == 1 else src: load_prompts(cfg, tokenizer, src)
+            for stem, src in zip(stems, sources)}
 
 
 def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     """Data, training engine, optimizer, vLLM engine (resumed from the latest checkpoint with --resume).
     llm: an existing engine of cfg.model to reuse (tests run one engine per session)."""
-    from transformers import AutoTokenizer
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
     state = read_trainer_state(ckpt) if ckpt else None          # everything is checked before the engines start
     weights = str(ckpt) if ckpt else cfg.model
-    tokenizer = AutoTokenizer.from_pretrained(weights)
+    tokenizer = load_pretrained("AutoTokenizer", weights)
     train_rows = load_prompts(cfg, tokenizer, cfg.train_data)
     val_rows = load_prompts(cfg, tokenizer, cfg.val_data) if cfg.val_data else []
     if state:
@@ -1815,29 +1861,8 @@ def train(cfg: Config) -> None:
 
 def eval_command(cfg: Config) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
-    from transformers import AutoTokenizer
     eval_sets = load_eval_sets(cfg)                   # before the engine starts: bad data fails fast
-    print(markdown_table(evaluate(make_sampler(cfg), AutoTokenizer.from_pretrained(cfg.model), eval_sets, cfg)))
-
-
-def check_llm_flags(cfg: Config, command: str) -> None:
-    """Flag combinations of the LLM commands, checked before anything heavy is loaded."""
-    if command == "train" and (cfg.accept_rule == "oracle" or cfg.c_se):
-        raise MIPUError("--accept-rule oracle and --c-se are toy only (they need the exact J / T_post's SE)")
-    needs = {"train": ["model", "train_data"], "eval": ["model", "eval_data"]}[command]
-    if command == "train" and METHOD_SPEC[cfg.method][1] == "gap" and cfg.gap_batch == "heldout":
-        needs.append("val_data")
-    if cfg.gap_batch == "next" and METHOD_SPEC[cfg.method][1] != "gap":
-        raise MIPUError(f"--gap-batch next needs a method with Step 2 (step2, mipu), not {cfg.method}")
-    if command == "train" and cfg.eval_every:
-        needs.append("eval_data")
-    for name in needs:
-        if not getattr(cfg, name):
-            why = f" (--method {cfg.method} needs acceptance prompts)" if name == "val_data" else ""
-            raise MIPUError(f"{command} needs --{name.replace('_', '-')}{why}")
-    model_folder(cfg.model)
-    if cfg.resume:
-        latest_checkpoint(cfg.output_dir)
+    print(markdown_table(evaluate(make_sampler(cfg), load_pretrained("AutoTokenizer", cfg.model), eval_sets, cfg)))
 
 
 SUBCOMMANDS = {   # name -> (Config groups it takes, help, function)
@@ -1860,10 +1885,10 @@ def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: st
                                 choices=f.metadata["choices"], help=f.metadata["help"] + " (default: %(default)s)")
 
 
-def config_from(args: dict) -> Config:
-    """The validated Config of parsed flags (keys that are not Config fields are ignored)."""
+def config_from(args: dict, command: str = "") -> Config:
+    """The Config of parsed flags, validated for `command` (keys that are not Config fields are ignored)."""
     names = {f.name for f in dataclasses.fields(Config)}
-    return Config(**{k: v for k, v in args.items() if k in names}).validate()
+    return Config(**{k: v for k, v in args.items() if k in names}).validate(command)
 
 
 def report_errors(fn, *args) -> int:
@@ -1879,13 +1904,6 @@ def report_errors(fn, *args) -> int:
     return 0
 
 
-def run_command(command: str, args: dict) -> None:
-    cfg = config_from(args)
-    if command in ("train", "eval"):
-        check_llm_flags(cfg, command)
-    SUBCOMMANDS[command][2](cfg)
-
-
 def main(argv: list[str] | None = None) -> int:
     faulthandler.enable(all_threads=False)  # a fatal signal in native code (SIGSEGV, SIGILL) is named, with where
     parser = argparse.ArgumentParser(prog="mipu.py", description=__doc__.split("\n")[0])
@@ -1893,7 +1911,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, (groups, help_text, _) in SUBCOMMANDS.items():
         add_config_flags(sub.add_parser(name, help=help_text, description=help_text), groups, name)
     args = vars(parser.parse_args(argv))
-    return report_errors(run_command, args.pop("command"), args)
+    command = args.pop("command")
+    return report_errors(lambda: SUBCOMMANDS[command][2](config_from(args, command)))
 
 
 if __name__ == "__main__":

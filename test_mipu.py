@@ -235,8 +235,14 @@ def test_random_rollback_rate():
     (dict(temperature=float("inf")), "--temperature must be a finite number"),
     (dict(weight_decay=float("nan")), "--weight-decay must be a finite number"),
     (dict(weight_decay=-0.1), "--weight-decay must be >= 0"),
-    (dict(max_grad_norm=0.0), "--max-grad-norm and --reward-timeout must be > 0"),
+    (dict(max_grad_norm=0.0), "--max-grad-norm must be > 0"),
     (dict(resume=True, overwrite=True), "--resume and --overwrite exclude each other"),
+    (dict(method="random-rollback"), r"--reject-rate must be in \(0, 1\) for --method random-rollback"),  # else grpo
+    (dict(method="random-rollback-tis", reject_rate=1.0), r"--reject-rate must be in \(0, 1\)"),
+    (dict(seed=-1), r"--seed must be in \[0, 4294967295\]"),            # vLLM seeds numpy with it
+    (dict(seed=2**32), r"--seed must be in \[0, 4294967295\]"),
+    (dict(reward_timeout=1e10), r"--reward-timeout must be in \(0, 2.14748e\+06\] seconds"),   # poll()'s limit
+    (dict(reward_timeout=0.0), r"--reward-timeout must be in \(0, "),
 ])
 def test_bad_config(kw, message):
     with pytest.raises(mipu.MIPUError, match=message):
@@ -315,9 +321,9 @@ def test_oracle_rule_keeps_J_mu_monotone_and_is_toy_only():
     assert 0 < sum(m["step2/accepted"] for m in h[1:]) < 12
     with pytest.raises(mipu.MIPUError, match="accept-rule oracle"):
         small_cfg(method="grpo", accept_rule="oracle")
-    for kw in (dict(accept_rule="oracle"), dict(c_se=2.0)):
+    for kw in (dict(accept_rule="oracle"), dict(c_se=2.0), dict(accept_rule="oracle", prompts_per_step=2)):
         with pytest.raises(mipu.MIPUError, match="toy only"):
-            mipu.check_llm_flags(small_cfg(method="mipu", **kw), "train")
+            small_cfg(method="mipu", **kw).validate("train")
 
 
 def test_toy_new_flags_reproduce_bit_for_bit():
@@ -339,8 +345,8 @@ def test_c_se_rejects_only_when_significantly_below():
 
 def test_random_rollback_tis_uses_the_tis_update():
     tis = mipu.toy_run(small_cfg(method="tis", steps=1), 8.0)
-    rr_tis = mipu.toy_run(small_cfg(method="random-rollback-tis", steps=1), 8.0)
-    rr = mipu.toy_run(small_cfg(method="random-rollback", steps=1), 8.0)
+    rr_tis = mipu.toy_run(small_cfg(method="random-rollback-tis", reject_rate=0.5, steps=1), 8.0)
+    rr = mipu.toy_run(small_cfg(method="random-rollback", reject_rate=0.5, steps=1), 8.0)
     assert rr_tis[1]["exact/cand_J_mu"] == tis[1]["exact/cand_J_mu"] != rr[1]["exact/cand_J_mu"]
     h = mipu.toy_run(small_cfg(method="random-rollback-tis", reject_rate=0.5, steps=40), 1.0)
     assert 0.25 < 1 - sum(m["step2/accepted"] for m in h[1:]) / 40 < 0.75
@@ -436,6 +442,18 @@ def test_load_rows_ok_and_roundtrip(tmp_path):
                                           {"prompt": "x", "answer": "y"}]
 
 
+def test_load_rows_jsonl_keeps_text_and_numbers_exact(tmp_path):
+    """Lines end at "\n" only (U+2028 and U+0085 are text inside a JSON string); a BOM and CRLF are allowed; numbers
+    keep their digits (no int-conversion limit, no float rounding), in plain notation as the reward reads them."""
+    big = "9" * 5000
+    lines = ['{"q": "a\u2028b", "a": 1.10}', '{"q": "c\u0085d", "a": ' + big + '}', '{"q": "e", "a": 1e3}']
+    src = tmp_path / "u.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode("utf-8"))
+    assert mipu.load_rows(str(src), "q", "a") == [{"prompt": "a\u2028b", "answer": "1.10"},
+                                                  {"prompt": "c\u0085d", "answer": big},
+                                                  {"prompt": "e", "answer": "1000"}]
+
+
 @pytest.mark.parametrize("text, match", [
     ('{"prompt": "a", "answer": "1"}\n{bad json\n', r"b\.jsonl:2: malformed JSON"),
     ('[1, 2]\n', r"b\.jsonl:1: row is a list"),
@@ -443,6 +461,11 @@ def test_load_rows_ok_and_roundtrip(tmp_path):
     ('{"prompt": "  ", "answer": "1"}\n', r"b\.jsonl:1: prompt key 'prompt' is empty"),
     ('{"prompt": "a", "answer": ""}\n', r"b\.jsonl:1: answer key 'answer' is empty"),
     ('\n\n', r"is empty"),
+    ('{"prompt": "a", "answer": ' + "[" * 200_000 + "]" * 200_000 + '}\n', r"b\.jsonl:1: malformed JSON \(nested too"),
+    ('{"prompt": "1+\\ud800=", "answer": "1"}\n', r"b\.jsonl:1: the prompt or answer holds a lone surrogate"),
+    ('{"prompt": "a", "answer": "\\udfff"}\n', r"b\.jsonl:1: the prompt or answer holds a lone surrogate"),
+    ('{"prompt": "a", "answer": NaN}\n', r"b\.jsonl:1: answer key 'answer' is empty or not a string or number \(fin"),
+    ('{"prompt": "a", "answer": -Infinity}\n', r"b\.jsonl:1: answer key 'answer' .* \(finite\): -Infinity"),
 ])
 def test_load_rows_errors(tmp_path, text, match):
     src = _write(tmp_path / "b.jsonl", text)
@@ -465,6 +488,17 @@ def test_load_rows_missing_file_and_bad_types(tmp_path, offline_datasets):
         mipu.load_rows(str(pq), "prompt", "answer")
     with pytest.raises(mipu.MIPUError, match="could not load dataset 'someorg/somedata' \\(split 'test'\\)"):
         mipu.load_rows("someorg/somedata:test", "prompt", "answer")   # offline: no hub
+
+
+def test_load_rows_uncached_hub_dataset_fails_at_once(monkeypatch):
+    """A hub dataset id is read from the local HF cache only, as a model: no minute of retries without a network."""
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    start = time.time()
+    with pytest.raises(mipu.MIPUError, match="could not load dataset 'someorg/no-such-data' \\(split 'train'\\): "
+                                             "no such local folder, nor a hub id in the local HF cache .download it"):
+        mipu.load_rows("someorg/no-such-data", "prompt", "answer")
+    assert time.time() - start < 10          # datasets' own retries took 24 s offline
 
 
 @pytest.fixture()
@@ -517,6 +551,7 @@ def test_load_rows_datasets_formats_and_splits(tmp_path, offline_datasets):
     ([{"prompt": "a", "answer": "1"}, {"prompt": "  ", "answer": "1"}], r":row 1: prompt key 'prompt' is empty"),
     ([{"prompt": "a", "answer": ""}], r":row 0: answer key 'answer' is empty"),
     ([{"prompt": "a", "answer": None}], r":row 0: answer key 'answer' is empty"),
+    ([{"prompt": "a", "answer": float("nan")}], r":row 0: answer key 'answer' .* number \(finite\): nan"),
 ])
 @pytest.mark.parametrize("fmt", ["parquet", "save_to_disk", "save_to_disk dict", "hub folder"])
 def test_load_rows_datasets_errors_match_jsonl(tmp_path, offline_datasets, rows, match, fmt):
@@ -1144,9 +1179,8 @@ def test_probe_is_engine_sampled_and_a_sync_that_did_not_take_is_caught(llm, mod
 
 
 def test_gap_batch_next_needs_step2():
-    cfg = mipu.Config(method="grpo", gap_batch="next", model="m", train_data="t").validate()
     with pytest.raises(mipu.MIPUError, match="--gap-batch next needs a method with Step 2"):
-        mipu.check_llm_flags(cfg, "train")
+        mipu.Config(method="grpo", gap_batch="next", model="m", train_data="t").validate("train")
 
 
 def test_nonfinite_loss_rejects_candidate(llm, model_dir, tmp_path, restore):
@@ -1170,7 +1204,7 @@ def test_nonfinite_loss_rejects_candidate(llm, model_dir, tmp_path, restore):
 def run_cli(*args, timeout=600):
     """`python mipu.py ARGS`, or `python -m toy.SCRIPT ARGS` when the first arg is "-m", from the repo root."""
     cmd = [sys.executable, *args] if args[0] == "-m" else [sys.executable, str(HERE / "mipu.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE, stdin=subprocess.DEVNULL)
 
 
 def test_cli_toy_one_run():
@@ -1223,6 +1257,8 @@ def test_cli_toy_demo_without_mismatch_has_no_gap_study(tmp_path):
     (["toy", "--steps", "many"], "invalid int value: 'many'"),
     (["toy", "--method", "tis", "--accept-rule", "target"], "error: --accept-rule target only applies"),
     (["train", "--method", "mipu", "--accept-rule", "oracle"], "error: --accept-rule oracle and --c-se are toy only"),
+    (["train", "--accept-rule", "oracle", "--prompts-per-step", "2"], "error: --accept-rule oracle and --c-se are toy"),
+    (["toy", "--method", "random-rollback"], "error: --reject-rate must be in (0, 1) for --method random-rollback"),
     (["-m", "toy.demo", "--presets", "none,bad"], "error: unknown --presets bad"),
     (["-m", "toy.demo", "--num-generations", "1"], "error: --num-generations must be >= 2"),
 ])
@@ -1230,6 +1266,42 @@ def test_cli_bad_input_one_clear_error(args, message):
     p = run_cli(*args)
     assert p.returncode == 2
     assert message in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("world", ["0", "abc"])
+def test_cli_bad_torchrun_environment_one_clear_error(monkeypatch, world):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    p = run_cli("toy", "--steps", "1")
+    assert p.returncode == 2 and f"error: RANK='0', WORLD_SIZE='{world}' in the environment" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def _edit_config(**kw):
+    def edit(folder: Path) -> None:
+        (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **kw}))
+    return edit
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_edit_config(model_type="evil", auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.Evil"}),
+     "AutoConfig: ValueError: The repository"),                     # the folder's own code: never asked, never run
+    (_edit_config(model_type="nosuchmodel"), "AutoConfig: ValueError: The checkpoint you are trying to load has model "
+                                             "type `nosuchmodel`"),
+    (lambda folder: (folder / "config.json").write_text("{oops"), "AutoTokenizer: OSError: It looks like the config "
+                                                                  "file at '{folder}/config.json' is not a valid JSON"),
+    (lambda folder: (folder / "tokenizer.json").write_text("{oops"), "AutoTokenizer: JSONDecodeError: Expecting"),
+    (lambda folder: (folder / "tokenizer.json").write_text('{"model": {}}'), "AutoTokenizer: KeyError: 'added_tokens'"),
+    (lambda folder: [f.unlink() for f in folder.glob("tokenizer*")], "no tokenizer files"),
+])
+def test_cli_bad_model_folder_one_clear_error(model_dir, tmp_path, edit, message):
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    (folder / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    edit(folder)
+    p = run_cli("eval", "--model", str(folder), "--data", str(ARITH_VAL))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert f"error: {folder}: " + message.format(folder=folder) in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "ran").exists()
 
 
 def test_cli_train_resume_eval(model_dir, tmp_path):
@@ -1373,6 +1445,8 @@ def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
     (None, ["--learning-rate", "inf"], "error: --learning-rate must be a finite number"),
     (None, ["--weight-decay", "-1"], "error: --weight-decay must be >= 0"),
     (None, ["--temperature", "inf"], "error: --temperature must be a finite number"),
+    (None, ["--seed", "-1"], "error: --seed must be in [0, 4294967295]"),
+    (None, ["--max-model-len", "100000"], "error: --max-model-len 100000 is above"),
 ])
 def test_cli_train_bad_input(tmp_path, model_dir, make_file, extra, message):
     data = str(ARITH)
@@ -1633,6 +1707,34 @@ def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_pa
     assert mipu.load_prompts(cfg, tokenizer, short) == [{"prompt": "1+1=", "answer": "2"}]
     with pytest.raises(mipu.MIPUError, match="1 of 1 prompts"):
         mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix=" (answer as a number)"), tokenizer, short)
+
+
+def test_load_prompts_refuses_a_huge_prompt_untokenized(model_dir, tokenizer, tmp_path):
+    """A prompt of more characters than the context's tokens can spell is refused before tokenizing (a 3 MB line
+    took 7.6 s to tokenize here; 50 MB took minutes and GBs)."""
+    data = _write(tmp_path / "big.jsonl", '{"prompt": "1+1=", "answer": "2"}\n'
+                  + json.dumps({"prompt": "1+" * 1_500_000 + "1=", "answer": "1"}) + "\n")
+
+    class Guarded:  # the real tokenizer, which must not be handed the 3 MB prompt
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def encode(self, text, **kw):
+            assert len(text) < 10_000, "the huge prompt was tokenized"
+            return tokenizer.encode(text, **kw)
+
+    with pytest.raises(mipu.MIPUError, match=r"1 of 2 prompts \(the first: row 1\) leave no room"):
+        mipu.load_prompts(mipu.Config(model=model_dir).validate(), Guarded(), data)
+
+
+def test_load_eval_sets_names_sets_with_one_stem_apart(model_dir, tmp_path):
+    for folder, answer in (("a", "2"), ("b", "3")):
+        (tmp_path / folder).mkdir()
+        _write(tmp_path / folder / "val.jsonl", json.dumps({"prompt": "1+1=", "answer": answer}) + "\n")
+    _write(tmp_path / "test.jsonl", '{"prompt": "2+2=", "answer": "4"}\n')
+    sources = [str(tmp_path / "a" / "val.jsonl"), str(tmp_path / "b" / "val.jsonl"), str(tmp_path / "test.jsonl")]
+    sets = mipu.load_eval_sets(mipu.Config(model=model_dir, eval_data=",".join(sources)).validate())
+    assert {name: rows[0]["answer"] for name, rows in sets.items()} == {sources[0]: "2", sources[1]: "3", "test": "4"}
 
 
 def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monkeypatch):

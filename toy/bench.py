@@ -26,8 +26,7 @@ BENCH_VARIANTS = {   # label -> Config overrides; c = ±1e9 makes every candidat
 
 def bench(args: dict) -> None:
     """Per-phase medians of grpo and mipu variants, interleaved step by step on one vLLM engine."""
-    cfg = mipu.config_from(args)
-    mipu.check_llm_flags(cfg, "train")
+    cfg = mipu.config_from(args, "train")
     llm = mipu.make_sampler(cfg)
     runs = {label: mipu.setup_llm_run(dataclasses.replace(cfg, val_prompts=cfg.prompts_per_step, **kw), llm=llm)
             for label, kw in BENCH_VARIANTS.items()}

@@ -72,7 +72,7 @@ def grpo_cfg(args: dict) -> mipu.Config:
 def bench_ours(args: dict) -> dict:
     """Our grpo step (the phases of mipu_step); sync = reload + probe, rollout = generate + rewards."""
     cfg = grpo_cfg(args)
-    mipu.check_llm_flags(cfg, "train")
+    cfg.validate("train")
     t0 = time.perf_counter()
     run = mipu.setup_llm_run(cfg)
     startup = time.perf_counter() - t0

@@ -155,7 +155,7 @@ def reject_rate(runs: list[dict]) -> float:
 
 def rollback_control(base: dict, alpha: float, rate: float, method: str, seeds: list, runner: Runner) -> str:
     """Random rollback (method random-rollback or random-rollback-tis) at `rate`: final J(μ), collapses."""
-    if rate == 0:
+    if round(rate, 2) == 0:       # the rate the runs would take: a random method refuses --reject-rate 0
         return "-"
     runs = runner.run_all([({**base, "method": method, "reject_rate": round(min(rate, 0.99), 2), "seed": s}, alpha)
                                   for s in seeds])

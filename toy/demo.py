@@ -130,6 +130,13 @@ def preset_label(p: str, alpha: float, steps: int) -> str:
     return f"{p} (alpha={alpha:g},{over} {steps} steps)"
 
 
+def rollback_at(base: dict, method: str, rate: float) -> dict:
+    """Random rollback at `rate`; at rate 0 it is its update method alone (a random method refuses --reject-rate 0)."""
+    if rate == 0:
+        return {**base, "method": mipu.METHOD_SPEC[method][0]}
+    return {**base, "method": method, "reject_rate": min(rate, 0.99)}
+
+
 def toy_demo(cfg: mipu.Config, presets: list[str], n_seeds: int, workers: int, out: Path) -> None:
     """All methods × seeds × presets; tables (md, csv), curves (png) and every step (jsonl) into `out`."""
     t0 = time.time()
@@ -148,8 +155,8 @@ def toy_demo(cfg: mipu.Config, presets: list[str], n_seeds: int, workers: int, o
     rates = {p: 1 - np.mean([m["step2/accepted"] for s in seeds for m in results[(p, "mipu", s)][1:]])
              for p in presets}
     rr_keys = [(p, label, s) for p in presets for label in RR_METHODS for s in seeds]
-    rr_jobs = [({**bases[p], "method": RR_METHODS[label], "reject_rate": min(rates[p], 0.99), "seed": s},
-                alphas[p], (), 1) for p, label, s in rr_keys]
+    rr_jobs = [({**rollback_at(bases[p], RR_METHODS[label], rates[p]), "seed": s}, alphas[p], (), 1)
+               for p, label, s in rr_keys]
     results.update(zip(rr_keys, run_jobs(rr_jobs, pool)))
     if pool:
         pool.close()
