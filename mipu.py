@@ -65,7 +65,6 @@ import copy
 import dataclasses
 import fcntl
 import functools
-import gc
 import json
 import math
 import multiprocessing
@@ -1273,10 +1272,9 @@ def reshard(model: torch.nn.Module) -> None:
 
 def dist_close(run: "LLMRun") -> None:
     """vLLM's engine shutdown destroys the process groups itself (at exit, after ours are gone, it fails):
-    so the engine first, then the group. vllm 0.32's LLM has no shutdown(): dropping the last reference to it
-    runs its engine core's finalizer, which shuts the engine down."""
-    run.llm = None
-    gc.collect()
+    so the engine first, then the group. vllm 0.32 has no public way: LLM has no shutdown(), and dropping it
+    (del + gc.collect) leaves the engine alive until exit, so its in-process engine core's shutdown (internal)."""
+    run.llm.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
 
