@@ -1037,10 +1037,9 @@ def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_qua
     llm.apply_model(functools.partial(_reload_in_worker, weights=weights, model_config=model_config))
 
 
-def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool = False, strict: bool = False):
+def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool = False):
     """HF AutoModelForCausalLM on `device` in `dtype` (bf16-mixed: fp32 weights), sdpa attention, eval mode;
-    `checkpointing` acts in train mode only, which step1_update sets (Qwen3 has no dropout). A tensor missing or
-    of another shape is refused (never random-initialised); `strict` (our checkpoints): an unexpected one too."""
+    `checkpointing` acts in train mode only, which step1_update sets (Qwen3 has no dropout)."""
     if dtype not in ("float32", "bf16-mixed", "bfloat16", "float16"):
         raise MIPUError(f"trainer dtype must be float32, bf16-mixed, bfloat16 or float16, got {dtype!r}")
     model_folder(model_path)
@@ -1049,11 +1048,10 @@ def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool =
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, dtype.replace("bf16-mixed", "float32")), attn_implementation="sdpa",
-            output_loading_info=True, ignore_mismatched_sizes=True)     # misfits reported in `info`, refused below
-    except OSError as e:  # hub id not in the local cache, broken checkpoint, ...
+            output_loading_info=True, ignore_mismatched_sizes=True)    # a tensor renamed, reshaped, missing or extra:
+    except OSError as e:  # hub id not in the local cache, broken checkpoint, ...            # in `info`, never random
         raise MIPUError(f"could not load model {model_path!r}: {e}") from e
-    misfits = {k: sorted(map(str, v))[:3] for k, v in info.items() if v and (strict or k != "unexpected_keys")}
-    if misfits:
+    if misfits := {k: sorted(map(str, v))[:3] for k, v in info.items() if v}:
         raise MIPUError(f"{model_path}: its weight files do not fit its config.json: {misfits}")
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -1272,8 +1270,8 @@ def reshard(model: torch.nn.Module) -> None:
 
 def dist_close(run: "LLMRun") -> None:
     """vLLM's engine shutdown destroys the process groups itself (at exit, after ours are gone, it fails):
-    so the engine first, then the group. vllm 0.32 has no public way: LLM has no shutdown(), and dropping it
-    (del + gc.collect) leaves the engine alive until exit, so its in-process engine core's shutdown (internal)."""
+    so the engine first, then the group: vllm 0.32's in-process engine core (LLM has no public shutdown, and
+    del + gc.collect leaves the engine alive until exit)."""
     run.llm.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -1492,19 +1490,15 @@ def prompts_of(tokenizer, rows: list, cfg: Config) -> list[list[int]]:
 
 # ---- CHECKPOINTS, METRICS, EVALUATION ------------------------------------------------------------------------------
 
-CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")     # the run's checkpoint folders: checkpoint-<step>, nothing else
+CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders: this name only (not checkpoint-best)
 # the LLMRun fields a checkpoint keeps as they are, with their types (besides weights, optimizer, --gap-batch next's
-# batch, RNG states); the probe too: a resumed run scores its syncs as the uninterrupted run would
+# batch, RNG states); the sync probe too: a resumed run scores its syncs as the uninterrupted run does
 RUN_COUNTERS = {"step": int, "rejections": int, "order": list, "data_pos": int, "val_pos": int,
                 "pending_rows": (list, type(None)), "reward_timeouts": int, "probe": tuple, "probe_gap0": float}
-TRAINER_STATE = {**RUN_COUNTERS, "pending": (tuple, type(None)), "torch_rng": torch.Tensor, "numpy_rng": list,
-                 "config": dict}     # trainer_state.pt: keys and types
-
 
 def save_checkpoint(run: LLMRun) -> Path:
-    """Atomic: a temp dir renamed to checkpoint-<step> (the commit point; the step orders them), older ones
-    deleted after (a failed write, e.g. a full disk, leaves them). Under torchrun rank 0 writes the full weights and
-    optimizer state: any number of ranks resumes."""
+    """Atomic: a temp dir renamed to checkpoint-<step> (the commit point; the step orders them), older ones deleted
+    after. Under torchrun rank 0 writes the full weights and optimizer state: any number of ranks resumes."""
     full_sd = StateDictOptions(full_state_dict=True, cpu_offload=True)       # collectives: every rank calls them
     weights, opt_state = get_model_state_dict(run.model, options=full_sd), get_optimizer_state_dict(
         run.model, run.opt, options=full_sd)
@@ -1521,10 +1515,8 @@ def save_checkpoint(run: LLMRun) -> Path:
                         "torch_rng": torch.get_rng_state(),  # numpy's key array as a list: loads with weights_only
                         "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
                         "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
-        except OSError as e:
+        except OSError as e:                  # a full disk: the older checkpoints stay as they are
             raise write_failed(e, tmp, final) from e
-        if final.exists():                    # a re-run of this step after a resume: replace it
-            shutil.rmtree(final)
         os.replace(tmp, final)
         for old in run_checkpoints(out):
             if old != final:
@@ -1535,22 +1527,18 @@ def save_checkpoint(run: LLMRun) -> Path:
 
 
 def write_failed(e: OSError, tmp: Path, target: Path) -> MIPUError:
-    """A write that failed (a full disk): its temp file or folder removed, the earlier files left as they were."""
     shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-    return MIPUError(f"could not write {target} ({e.strerror or e}); the run's last checkpoint is intact: "
-                     "make room, then continue with --resume")
+    return MIPUError(f"could not write {target} ({e.strerror or e}); the last checkpoint is intact (--resume)")
 
 
 def run_checkpoints(out: Path) -> list[Path]:
-    """The run's checkpoints, oldest first: folders named exactly checkpoint-<step> (a user's copy such as
-    checkpoint-best or checkpoint-000001-keep is neither resumed from nor deleted; temp folders start with '.tmp-')."""
+    """The run's checkpoints, oldest first (a user's copy, e.g. checkpoint-best or checkpoint-000001-keep, is none)."""
     found = [p for p in out.glob("checkpoint-*") if CHECKPOINT.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
-    return sorted(found, key=lambda p: int(CHECKPOINT.fullmatch(p.name)[1]))
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
 def latest_checkpoint(output_dir: str) -> Path:
-    found = run_checkpoints(Path(output_dir))
-    if not found:
+    if not (found := run_checkpoints(Path(output_dir))):
         raise MIPUError(f"--resume: no checkpoint in {output_dir} (start afresh there with --overwrite)")
     return found[-1]
 
@@ -1558,8 +1546,7 @@ def latest_checkpoint(output_dir: str) -> Path:
 def claim_output_dir(cfg: Config):
     """Make --output-dir this run's: a writable directory, locked while the run lives (flock: the kernel
     releases a killed run's lock, so a stale one is taken over), without temp folders of a killed save,
-    and holding no other run unless --resume (continue it) or --overwrite (delete it, unless this run reads a
-    file of it). Returns the lock."""
+    and holding no other run unless --resume (continue it) or --overwrite (delete it, if no input is in it)."""
     out = Path(cfg.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -1575,33 +1562,30 @@ def claim_output_dir(cfg: Config):
     runs = run_checkpoints(out) + [p for p in [out / "metrics.jsonl"] if p.exists()]
     if runs and not cfg.resume and not cfg.overwrite:
         raise MIPUError(f"--output-dir {out} holds a run: continue it with --resume, or delete it with --overwrite")
-    reads = {"model": cfg.model, "train-data": cfg.train_data, "val-data": cfg.val_data, "eval-data": cfg.eval_data}
-    for flag, src in [(f, s) for f, v in reads.items() for s in v.split(",") if s] if cfg.overwrite else []:
+    reads = [(f, s) for f in ("model", "train_data", "val_data", "eval_data") for s in getattr(cfg, f).split(",") if s]
+    for flag, src in reads if cfg.overwrite else []:
         if any(Path(src).resolve().is_relative_to(p.resolve()) for p in runs):
-            raise MIPUError(f"--{flag} {src} is in the run that --overwrite would delete (copy it elsewhere first)")
+            raise MIPUError(f"--{flag.replace('_', '-')} {src} is in the run --overwrite would delete (copy it first)")
     for path in runs if cfg.overwrite else []:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     return lock
 
 
-METRICS_RECORD = re.compile(r'\{"step": (\d+)[,}]')   # how log_metrics starts a step's line
-
-
 def keep_metrics_before(path: Path, step: int) -> None:
-    """Cut metrics.jsonl's records of steps >= step and a torn last line (atomically: temp file, then rename);
-    a line that is no record of a step (a user's note) is kept."""
+    """Cut metrics.jsonl's records of steps >= step and a torn last line, atomically (temp file, then rename);
+    a line that is no record of a step (a user's note) stays."""
     if path.exists():
         lines = [x for x in path.read_text().splitlines(keepends=True) if x.endswith("\n")]
+        keep = [x for x in lines if not (r := re.match(r'\{"step": (\d+)[,}]', x)) or int(r[1]) < step]  # log_metrics'
         try:
-            path.with_suffix(".tmp").write_text("".join(
-                x for x in lines if not ((r := METRICS_RECORD.match(x)) and int(r[1]) >= step)))
+            path.with_suffix(".tmp").write_text("".join(keep))
         except OSError as e:
             raise write_failed(e, path.with_suffix(".tmp"), path) from e
         os.replace(path.with_suffix(".tmp"), path)
 
 
 def _canonical(value):
-    """An existing path resolved (so a/b/, ./a/b and /abs/a/b compare equal); any other value as it is."""
+    """An existing path resolved (a/b/, ./a/b and /abs/a/b are one), any other value as it is."""
     return os.path.realpath(value) if isinstance(value, str) and os.path.exists(value) else value
 
 
@@ -1615,59 +1599,40 @@ def check_resume(cfg: Config, state: dict, n_train: int) -> None:
         raise MIPUError(f"--resume: --train-data has {n_train} rows, the run's had {len(state['order'])}")
 
 
-def check_weight_files(folder: Path, required: bool = False) -> None:
-    """Every *.safetensors file of a model folder whole (header read, size checked) before an engine loads it;
-    `required`: a checkpoint of this program, which holds its weights as safetensors only."""
-    from safetensors import SafetensorError, safe_open
-    files = sorted(folder.glob("*.safetensors"))
-    if required and not files:
-        raise MIPUError(f"{folder}: no *.safetensors weights (a checkpoint holds model.safetensors)")
-    for path in files:
-        try:
-            safe_open(path, "pt").keys()
-        except (OSError, SafetensorError) as e:
-            raise MIPUError(f"{path}: refused or damaged ({e})") from e
-
-
 def read_trainer_state(ckpt: Path) -> dict:
     """trainer_state.pt (+ optimizer.pt on rank 0, which sends it) read with weights_only=True: tensors and plain
-    containers only, so a planted pickle payload is refused, never run. Weight files first, then the state's keys and
-    types (TRAINER_STATE) and RNG states: a damaged or edited checkpoint is refused before the engines start."""
-    check_weight_files(ckpt, required=True)
-    path = ckpt / "trainer_state.pt"              # the file an error names
+    containers only, so a planted pickle payload is refused, never run. Weight files' headers first, then the state's
+    keys and types, RNG states and the optimizer's shapes: an edited or damaged checkpoint is refused here."""
+    from safetensors import SafetensorError, safe_open
+    kinds = {**RUN_COUNTERS, "pending": (tuple, type(None)), "torch_rng": torch.Tensor, "numpy_rng": list,
+             "config": dict}                                   # trainer_state.pt's keys and types
+    shapes = {}
     try:
+        for path in sorted(ckpt.glob("*.safetensors")):        # `path`: the file an error names
+            with safe_open(path, "pt") as f:
+                shapes |= {k: f.get_slice(k).get_shape() for k in f.keys()}
+        path = ckpt / "trainer_state.pt"
         state = torch.load(path, weights_only=True)
-        wrong = [k for k, kind in TRAINER_STATE.items() if not isinstance(state.get(k), kind)]  # a list: AttributeError
-        if wrong:
+        if wrong := [k for k, kind in kinds.items() if not isinstance(state.get(k), kind)]:  # a list: AttributeError
             raise ValueError(f"missing or of the wrong type: {', '.join(wrong)}")
-        state["numpy_rng"] = tuple(np.array(x, dtype=np.uint32) if isinstance(x, list) else x for x in state["numpy_rng"])
         torch.Generator().set_state(state["torch_rng"])
         np.random.RandomState().set_state(state["numpy_rng"])
         path = ckpt / "optimizer.pt"
         state["optimizer"] = torch.load(path, weights_only=True) if rank_world()[0] == 0 else {}
-    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError, TypeError, LookupError,
-            AttributeError) as e:
+        if any(torch.is_tensor(v) and v.dim() and list(v.shape) != shapes.get(k, list(v.shape))   # AdamW takes any
+               for k, st in state["optimizer"].get("state", {}).items() for v in st.values()):
+            raise ValueError("its tensors' shapes are not the weights'")
+    except (pickle.UnpicklingError, SafetensorError, EOFError, OSError, RuntimeError, ValueError, TypeError,
+            LookupError, AttributeError) as e:
         raise MIPUError(f"{path}: refused or damaged ({e if isinstance(e, ValueError) else type(e).__name__}); a "
                         "checkpoint holds only tensors and plain values") from e
     return state
 
 
-def load_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict, path: Path) -> None:
-    """A checkpoint's optimizer state (under torchrun rank 0 holds it and sends the shards), its tensors checked
-    against the parameters' shapes first (AdamW would take any, and fail at its first step)."""
-    shapes = {k: p.shape for k, p in model.named_parameters()}          # FSDP2's DTensors: the full shape
-    try:
-        if not all(v.shape == shapes[k] for k, st in saved.get("state", {}).items() for v in st.values()
-                   if torch.is_tensor(v) and v.dim()):
-            raise ValueError("its tensors' shapes differ from the model's")
-        set_optimizer_state_dict(model, opt, saved, options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)
-    except (KeyError, ValueError, RuntimeError, TypeError, AttributeError) as e:
-        raise MIPUError(f"{path}: does not fit the model ({e})") from e
-
-
 def load_trainer_state(run: LLMRun, state: dict) -> None:
-    """Counters, data position, sync probe and RNG states of a checkpoint (weights and optimizer load earlier)."""
+    """Optimizer, counters, data position, sync probe and RNG states of a checkpoint (weights load with the model)."""
+    set_optimizer_state_dict(run.model, run.opt, state["optimizer"], options=StateDictOptions(   # rank 0 sends
+        full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)               # the shards
     for k in RUN_COUNTERS:
         setattr(run, k, state[k])
     run.pending = state["pending"] and (Rollout(**state["pending"][0]), state["pending"][1])   # --gap-batch next
@@ -1676,10 +1641,9 @@ def load_trainer_state(run: LLMRun, state: dict) -> None:
 
 
 def open_reporter(cfg: Config):
-    """--report-to, imported only when asked: a SummaryWriter in <output-dir>/tensorboard (on --resume the steps an
-    earlier try logged past its checkpoint are purged), mirrored by wandb (one wandb run per --output-dir: its id is
-    kept in <output-dir>/wandb-id, and --resume continues that run)."""
-    step = int(CHECKPOINT.fullmatch(latest_checkpoint(cfg.output_dir).name)[1]) if cfg.resume else 0
+    """--report-to, imported only when asked: a SummaryWriter in <output-dir>/tensorboard (--resume purges the steps
+    an earlier try logged past its checkpoint), mirrored by wandb (--resume continues the run named in
+    <output-dir>/wandb-id)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
         if "wandb" in cfg.report_to:
@@ -1691,6 +1655,7 @@ def open_reporter(cfg: Config):
                        resume="allow", config=dataclasses.asdict(cfg), sync_tensorboard=True)
     except ImportError as e:
         raise MIPUError(f"--report-to {cfg.report_to}: {e} (pip install tensorboard, and wandb for wandb)") from e
+    step = int(latest_checkpoint(cfg.output_dir).name.split("-")[1]) if cfg.resume else 0
     return SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"), purge_step=step)
 
 
@@ -1781,12 +1746,10 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
         check_resume(cfg, state, len(train_rows))
     if cfg.device == "cuda":
         check_memory_plan(cfg)
-    model = load_trainer(weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on", strict=bool(ckpt))
+    model = load_trainer(weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on")
     model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
-    if ckpt:
-        load_optimizer(model, opt, state["optimizer"], ckpt / "optimizer.pt")
     llm = llm or make_sampler(cfg)
     if cfg.device == "cuda":          # vLLM's worker sets "highest" (fp32 matmuls without TF32): undo it
         torch.set_float32_matmul_precision("high")
@@ -1847,7 +1810,6 @@ def eval_command(cfg: Config) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
     from transformers import AutoTokenizer
     eval_sets = load_eval_sets(cfg)                   # before the engine starts: bad data fails fast
-    check_weight_files(model_folder(cfg.model))
     print(markdown_table(evaluate(make_sampler(cfg), AutoTokenizer.from_pretrained(cfg.model), eval_sets, cfg)))
 
 

@@ -1171,7 +1171,7 @@ def test_cli_train_datasets_tensorboard_progress_plot(model_dir, tmp_path, offli
     for m in records:
         for key, value in m.items():
             logged = {e.step: e.value for e in events.Scalars(key)}
-            assert logged[m["step"]] == pytest.approx(value, rel=1e-6, nan_ok=True), key
+            assert logged[m["step"]] == pytest.approx(math.nan if value is None else value, rel=1e-6, nan_ok=True), key
     p = run_cli("-m", "toy.plot_run", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
     assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -1640,7 +1640,7 @@ def _only_bin(ckpt):
 
 
 def _three_layers(weights):
-    weights.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in list(weights.items()) if "layers.1." in k})
+    weights.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in weights.items() if "layers.1." in k})
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -1652,8 +1652,8 @@ def _three_layers(weights):
      "trainer_state.pt: refused"),
     (lambda c: _edit_state(c, lambda s: list(s.values())), "trainer_state.pt: refused or damaged"),
     (lambda c: _edit_state(c, lambda s: {k: v for k, v in s.items() if k != "config"}), "wrong type: config"),
-    (_edit_optimizer, "optimizer.pt: does not fit the model"),
-    (_only_bin, "checkpoint-000001: no .*.safetensors weights"),
+    (_edit_optimizer, "optimizer.pt: refused or damaged .its tensors' shapes are not the weights'"),
+    (_only_bin, None),                      # resumes: transformers reads the .bin with weights_only=True
     (lambda c: _edit_weights(c, lambda w: w.update({"model.norm.weightX": w.pop("model.norm.weight")})),
      "checkpoint-000001: its weight files do not fit its config.json: .*model.norm.weight"),
     (lambda c: _edit_weights(c, lambda w: w.update({"model.norm.weight": w["model.norm.weight"][:64]})),
@@ -1670,6 +1670,9 @@ def test_resume_refuses_an_edited_checkpoint(llm, model_dir, tmp_path, tokenizer
     run = _bare_run(cfg, trainer, tokenizer)
     run.step = 1
     damage(mipu.save_checkpoint(run))
+    if message is None:
+        assert mipu.setup_llm_run(dataclasses.replace(cfg, resume=True), llm=llm).step == 1
+        return
     with pytest.raises(mipu.MIPUError, match=message):
         mipu.setup_llm_run(dataclasses.replace(cfg, resume=True), llm=llm)
 
