@@ -1048,8 +1048,8 @@ def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool =
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, dtype.replace("bf16-mixed", "float32")), attn_implementation="sdpa",
-            output_loading_info=True, ignore_mismatched_sizes=True)    # a tensor renamed, reshaped, missing or extra:
-    except OSError as e:  # hub id not in the local cache, broken checkpoint, ...            # in `info`, never random
+            output_loading_info=True, ignore_mismatched_sizes=True)    # misfit tensors: in `info`, refused below
+    except OSError as e:  # hub id not in the local cache, broken checkpoint, ...
         raise MIPUError(f"could not load model {model_path!r}: {e}") from e
     if misfits := {k: sorted(map(str, v))[:3] for k, v in info.items() if v}:
         raise MIPUError(f"{model_path}: its weight files do not fit its config.json: {misfits}")
@@ -1270,8 +1270,8 @@ def reshard(model: torch.nn.Module) -> None:
 
 def dist_close(run: "LLMRun") -> None:
     """vLLM's engine shutdown destroys the process groups itself (at exit, after ours are gone, it fails):
-    so the engine first, then the group: vllm 0.32's in-process engine core (LLM has no public shutdown, and
-    del + gc.collect leaves the engine alive until exit)."""
+    so the engine first (vllm 0.32's in-process engine core: LLM has no public shutdown, and del + gc.collect
+    leaves the engine alive until exit), then the group."""
     run.llm.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -1491,10 +1491,9 @@ def prompts_of(tokenizer, rows: list, cfg: Config) -> list[list[int]]:
 # ---- CHECKPOINTS, METRICS, EVALUATION ------------------------------------------------------------------------------
 
 CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders: this name only (not checkpoint-best)
-# the LLMRun fields a checkpoint keeps as they are, with their types (besides weights, optimizer, --gap-batch next's
-# batch, RNG states); the sync probe too: a resumed run scores its syncs as the uninterrupted run does
+# the LLMRun fields (and types) a checkpoint keeps as they are; the sync probe too: a resumed run's syncs score alike
 RUN_COUNTERS = {"step": int, "rejections": int, "order": list, "data_pos": int, "val_pos": int,
-                "pending_rows": (list, type(None)), "reward_timeouts": int, "probe": tuple, "probe_gap0": float}
+                "pending_rows": list | None, "reward_timeouts": int, "probe": tuple, "probe_gap0": float}
 
 def save_checkpoint(run: LLMRun) -> Path:
     """Atomic: a temp dir renamed to checkpoint-<step> (the commit point; the step orders them), older ones deleted
@@ -1505,18 +1504,15 @@ def save_checkpoint(run: LLMRun) -> Path:
     out = Path(run.cfg.output_dir)
     final = out / f"checkpoint-{run.step:06d}"
     tmp = out / f".tmp-{final.name}-{os.getpid()}"
-    if rank_world()[0] == 0:
-        try:
-            run.model.save_pretrained(tmp, state_dict=weights)
-            run.tokenizer.save_pretrained(tmp)
-            torch.save(opt_state, tmp / "optimizer.pt")
-            torch.save({**{k: getattr(run, k) for k in RUN_COUNTERS},
-                        "pending": run.pending and (vars(run.pending[0]), run.pending[1]),   # --gap-batch next's batch
-                        "torch_rng": torch.get_rng_state(),  # numpy's key array as a list: loads with weights_only
-                        "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
-                        "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
-        except OSError as e:                  # a full disk: the older checkpoints stay as they are
-            raise write_failed(e, tmp, final) from e
+    if rank_world()[0] == 0:                  # (a temp folder of a killed save is removed at the next start)
+        run.model.save_pretrained(tmp, state_dict=weights)
+        run.tokenizer.save_pretrained(tmp)
+        torch.save(opt_state, tmp / "optimizer.pt")
+        torch.save({**{k: getattr(run, k) for k in RUN_COUNTERS},
+                    "pending": run.pending and (vars(run.pending[0]), run.pending[1]),    # --gap-batch next's batch
+                    "torch_rng": torch.get_rng_state(),   # numpy's key array as a list: loads with weights_only=True
+                    "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+                    "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
         os.replace(tmp, final)
         for old in run_checkpoints(out):
             if old != final:
@@ -1524,11 +1520,6 @@ def save_checkpoint(run: LLMRun) -> Path:
     if torchrun():
         dist.barrier()                        # every rank returns once the checkpoint is complete
     return final
-
-
-def write_failed(e: OSError, tmp: Path, target: Path) -> MIPUError:
-    shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-    return MIPUError(f"could not write {target} ({e.strerror or e}); the last checkpoint is intact (--resume)")
 
 
 def run_checkpoints(out: Path) -> list[Path]:
@@ -1546,53 +1537,42 @@ def latest_checkpoint(output_dir: str) -> Path:
 def claim_output_dir(cfg: Config):
     """Make --output-dir this run's: a writable directory, locked while the run lives (flock: the kernel
     releases a killed run's lock, so a stale one is taken over), without temp folders of a killed save,
-    and holding no other run unless --resume (continue it) or --overwrite (delete it, if no input is in it)."""
+    and holding no other run unless --resume (continue it) or --overwrite (delete it). Returns the lock."""
     out = Path(cfg.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = open(out / ".lock", "w")
-    except OSError as e:
-        raise MIPUError(f"--output-dir {out} is not a writable directory ({e.strerror})") from e
-    try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise MIPUError(f"--output-dir {out} is in use by another run (give each run its own)") from None
+    except OSError as e:
+        raise MIPUError(f"--output-dir {out} is not a writable directory ({e.strerror})") from e
     for tmp in out.glob(".tmp-*"):
         shutil.rmtree(tmp)
     runs = run_checkpoints(out) + [p for p in [out / "metrics.jsonl"] if p.exists()]
     if runs and not cfg.resume and not cfg.overwrite:
         raise MIPUError(f"--output-dir {out} holds a run: continue it with --resume, or delete it with --overwrite")
-    reads = [(f, s) for f in ("model", "train_data", "val_data", "eval_data") for s in getattr(cfg, f).split(",") if s]
-    for flag, src in reads if cfg.overwrite else []:
-        if any(Path(src).resolve().is_relative_to(p.resolve()) for p in runs):
-            raise MIPUError(f"--{flag.replace('_', '-')} {src} is in the run --overwrite would delete (copy it first)")
+    for src in [s for v in (cfg.model, cfg.train_data, cfg.val_data, cfg.eval_data) for s in v.split(",") if s]:
+        if cfg.overwrite and any(Path(src).resolve().is_relative_to(p.resolve()) for p in runs):   # this run reads it
+            raise MIPUError(f"--overwrite would delete {src}, an input of this run (copy it elsewhere first)")
     for path in runs if cfg.overwrite else []:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     return lock
 
 
 def keep_metrics_before(path: Path, step: int) -> None:
-    """Cut metrics.jsonl's records of steps >= step and a torn last line, atomically (temp file, then rename);
-    a line that is no record of a step (a user's note) stays."""
+    """Cut metrics.jsonl's records of steps >= step (a user's line stays) and a torn last line, atomically."""
     if path.exists():
         lines = [x for x in path.read_text().splitlines(keepends=True) if x.endswith("\n")]
-        keep = [x for x in lines if not (r := re.match(r'\{"step": (\d+)[,}]', x)) or int(r[1]) < step]  # log_metrics'
-        try:
-            path.with_suffix(".tmp").write_text("".join(keep))
-        except OSError as e:
-            raise write_failed(e, path.with_suffix(".tmp"), path) from e
+        keep = [x for x in lines if not (r := re.match(r'\{"step": (\d+)[,}]', x)) or int(r[1]) < step]
+        path.with_suffix(".tmp").write_text("".join(keep))
         os.replace(path.with_suffix(".tmp"), path)
-
-
-def _canonical(value):
-    """An existing path resolved (a/b/, ./a/b and /abs/a/b are one), any other value as it is."""
-    return os.path.realpath(value) if isinstance(value, str) and os.path.exists(value) else value
 
 
 def check_resume(cfg: Config, state: dict, n_train: int) -> None:
     """Refuse to continue a run under other flags (but RESUME_MAY_CHANGE) or other training data."""
     for name, saved in state["config"].items():
-        if name not in RESUME_MAY_CHANGE and hasattr(cfg, name) and _canonical(getattr(cfg, name)) != _canonical(saved):
+        if name not in RESUME_MAY_CHANGE and hasattr(cfg, name) and getattr(cfg, name) != saved:
             raise MIPUError(f"--resume: --{name.replace('_', '-')} is {getattr(cfg, name)!r}, the run's is {saved!r} "
                             "(`train --help` lists the flags --resume may change)")
     if state["order"] and len(state["order"]) != n_train:
@@ -1601,29 +1581,17 @@ def check_resume(cfg: Config, state: dict, n_train: int) -> None:
 
 def read_trainer_state(ckpt: Path) -> dict:
     """trainer_state.pt (+ optimizer.pt on rank 0, which sends it) read with weights_only=True: tensors and plain
-    containers only, so a planted pickle payload is refused, never run. Weight files' headers first, then the state's
-    keys and types, RNG states and the optimizer's shapes: an edited or damaged checkpoint is refused here."""
+    containers only, so a planted pickle payload is refused, never run; weight files' headers, then keys and types."""
     from safetensors import SafetensorError, safe_open
-    kinds = {**RUN_COUNTERS, "pending": (tuple, type(None)), "torch_rng": torch.Tensor, "numpy_rng": list,
-             "config": dict}                                   # trainer_state.pt's keys and types
-    shapes = {}
+    kinds = {**RUN_COUNTERS, "pending": tuple | None, "torch_rng": torch.Tensor, "numpy_rng": list, "config": dict}
     try:
         for path in sorted(ckpt.glob("*.safetensors")):        # `path`: the file an error names
-            with safe_open(path, "pt") as f:
-                shapes |= {k: f.get_slice(k).get_shape() for k in f.keys()}
-        path = ckpt / "trainer_state.pt"
-        state = torch.load(path, weights_only=True)
+            safe_open(path, "pt").keys()
+        state = torch.load(path := ckpt / "trainer_state.pt", weights_only=True)
         if wrong := [k for k, kind in kinds.items() if not isinstance(state.get(k), kind)]:  # a list: AttributeError
             raise ValueError(f"missing or of the wrong type: {', '.join(wrong)}")
-        torch.Generator().set_state(state["torch_rng"])
-        np.random.RandomState().set_state(state["numpy_rng"])
-        path = ckpt / "optimizer.pt"
-        state["optimizer"] = torch.load(path, weights_only=True) if rank_world()[0] == 0 else {}
-        if any(torch.is_tensor(v) and v.dim() and list(v.shape) != shapes.get(k, list(v.shape))   # AdamW takes any
-               for k, st in state["optimizer"].get("state", {}).items() for v in st.values()):
-            raise ValueError("its tensors' shapes are not the weights'")
-    except (pickle.UnpicklingError, SafetensorError, EOFError, OSError, RuntimeError, ValueError, TypeError,
-            LookupError, AttributeError) as e:
+        state["optimizer"] = {} if rank_world()[0] else torch.load(path := ckpt / "optimizer.pt", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, SafetensorError, ValueError, AttributeError) as e:
         raise MIPUError(f"{path}: refused or damaged ({e if isinstance(e, ValueError) else type(e).__name__}); a "
                         "checkpoint holds only tensors and plain values") from e
     return state
@@ -1641,21 +1609,16 @@ def load_trainer_state(run: LLMRun, state: dict) -> None:
 
 
 def open_reporter(cfg: Config):
-    """--report-to, imported only when asked: a SummaryWriter in <output-dir>/tensorboard (--resume purges the steps
-    an earlier try logged past its checkpoint), mirrored by wandb (--resume continues the run named in
-    <output-dir>/wandb-id)."""
+    """--report-to, imported only when asked: a SummaryWriter in <output-dir>/tensorboard, mirrored by wandb."""
     try:
         from torch.utils.tensorboard import SummaryWriter
         if "wandb" in cfg.report_to:
             import wandb
-            run_id = Path(cfg.output_dir) / "wandb-id"
-            if not (cfg.resume and run_id.exists()):
-                run_id.write_text(os.urandom(8).hex())
-            wandb.init(project="mipu", name=Path(cfg.output_dir).name, dir=cfg.output_dir, id=run_id.read_text(),
-                       resume="allow", config=dataclasses.asdict(cfg), sync_tensorboard=True)
+            wandb.init(project="mipu", name=Path(cfg.output_dir).name, dir=cfg.output_dir,
+                       config=dataclasses.asdict(cfg), sync_tensorboard=True)
     except ImportError as e:
         raise MIPUError(f"--report-to {cfg.report_to}: {e} (pip install tensorboard, and wandb for wandb)") from e
-    step = int(latest_checkpoint(cfg.output_dir).name.split("-")[1]) if cfg.resume else 0
+    step = int(latest_checkpoint(cfg.output_dir).name.split("-")[1]) if cfg.resume else 0   # purged: steps past it
     return SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"), purge_step=step)
 
 
@@ -1672,12 +1635,11 @@ def progress(done: int, total: int, first: int, start: float) -> str:
 
 
 def log_metrics(path: Path | None, m: dict, head: str = "") -> None:
-    """Print one compact line (after `head`, default 'step k'); append the record to the JSONL file `path` (step
-    first; null for NaN and infinities, which JSON lacks)."""
+    """Print one compact line (after `head`, default 'step k'); append the record (NaN, inf: null) to JSONL `path`."""
     if path is not None:
         with open(path, "a") as f:
-            f.write(json.dumps({"step": m["step"], **{k: v if not isinstance(v, float) or math.isfinite(v) else None
-                                                      for k, v in m.items()}}) + "\n")
+            f.write(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                for k, v in m.items()}) + "\n")
     keys = list(LINE_KEYS) + [k for k in m if k.startswith("eval/")]
     head = head or f"step {m['step']:>4}"
     print(head, " ".join(f"{k.split('/', 1)[-1]}={m[k]:.4g}" for k in keys if k in m), flush=True)
@@ -1702,9 +1664,8 @@ def eval_metrics(run: LLMRun, eval_sets: dict) -> dict:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    return "\n".join(lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
+    table = [list(rows[0]), ["---"] * len(rows[0])] + [[str(r[k]) for k in rows[0]] for r in rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in table)
 
 
 # ---- MAIN ----------------------------------------------------------------------------------------------------------
@@ -1760,7 +1721,7 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     sample = generate(llm, [prompt], 1, min(cfg.max_new_tokens, PROBE_TOKENS), cfg.temperature, cfg.seed)[0]
     run.probe = (prompt, sample["completion_ids"] or [tokenizer.eos_token_id])
     run.probe_gap0 = sync(run, tol=math.inf)
-    if ckpt:             # last: the start-up's vLLM calls draw from torch's RNG; the run's probe replaces this one
+    if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe replaces this one
         load_trainer_state(run, state)
         print(f"resumed from {ckpt} at step {run.step}")
     return run

@@ -4,7 +4,6 @@ vLLM path on a tiny model, and the command line as a user runs it.
 Run: python -m pytest -q test_mipu.py
 """
 import dataclasses
-import errno
 import fcntl
 import json
 import math
@@ -14,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -1188,12 +1186,10 @@ def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
         mipu.open_reporter(cfg)
 
 
-def test_tensorboard_and_wandb_continue_the_run_on_resume(tmp_path, monkeypatch):
-    """--resume from checkpoint-000002 after a try that logged steps 0-3: TensorBoard keeps steps 0-1 and the
-    resumed 2-3 once each (purge_step); wandb continues the same run (id kept in the output dir)."""
-    inits = []
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: inits.append(kw)))
-    cfg = mipu.Config(output_dir=str(tmp_path), report_to="tensorboard,wandb").validate()
+def test_tensorboard_purges_the_steps_a_resume_reruns(tmp_path):
+    """--resume from checkpoint-000002 after a try that logged steps 0-3 (killed before checkpoint 4): TensorBoard
+    shows steps 0-1 and the resumed 2-3, once each (purge_step)."""
+    cfg = mipu.Config(output_dir=str(tmp_path), report_to="tensorboard").validate()
     for resume, steps in ((False, range(4)), (True, range(2, 4))):
         writer = mipu.open_reporter(dataclasses.replace(cfg, resume=resume))
         for k in steps:
@@ -1204,9 +1200,6 @@ def test_tensorboard_and_wandb_continue_the_run_on_resume(tmp_path, monkeypatch)
 
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert [(e.step, e.value) for e in events.Scalars("x")] == [(0, 0), (1, 1), (2, 12), (3, 13)]
-    assert inits[0]["id"] == inits[1]["id"] and inits[1]["resume"] == "allow" and len(inits[0]["id"]) >= 8
-    mipu.open_reporter(cfg).close()                                    # a fresh run (--overwrite): a new wandb run
-    assert inits[2]["id"] != inits[0]["id"]
 
 
 @pytest.mark.parametrize("make_file, extra, message", [
@@ -1460,14 +1453,14 @@ def test_only_the_runs_own_checkpoints_are_resumed_or_deleted(tmp_path, trainer,
 
 
 def test_overwrite_refuses_to_delete_what_the_run_reads(tmp_path):
+    """train --model RUN/checkpoint-000001 --output-dir RUN --overwrite (or data in RUN): refused, nothing deleted."""
     out = tmp_path / "run"
     (out / "checkpoint-000001").mkdir(parents=True)
     (out / "checkpoint-000001" / "train.jsonl").write_text("")
-    for kw, flag in ((dict(model=str(out / "checkpoint-000001") + "/"), "--model"),
-                     (dict(train_data=str(out / "checkpoint-000001" / "train.jsonl")), "--train-data"),
-                     (dict(eval_data=f"{ARITH_VAL},{out}/checkpoint-000001/../checkpoint-000001/train.jsonl"),
-                      "--eval-data")):
-        with pytest.raises(mipu.MIPUError, match=f"{flag} .* is in the run that --overwrite would delete"):
+    for kw in (dict(model=str(out / "checkpoint-000001") + "/"),
+               dict(train_data=str(out / "checkpoint-000001" / "train.jsonl")),
+               dict(eval_data=f"{ARITH_VAL},{out}/checkpoint-000001/../checkpoint-000001/train.jsonl")):
+        with pytest.raises(mipu.MIPUError, match="--overwrite would delete .*, an input of this run"):
             mipu.claim_output_dir(mipu.Config(output_dir=str(out), overwrite=True, **kw).validate())
         assert (out / "checkpoint-000001" / "train.jsonl").exists()
     mipu.claim_output_dir(mipu.Config(output_dir=str(out), overwrite=True, model=str(ARITH)).validate()).close()
@@ -1483,32 +1476,12 @@ def test_keep_metrics_before(tmp_path):
     assert path.read_text() == '{"step": 0, "a": 1}\n{"step": 1, "a": 1}\n' + notes
 
 
-def test_metrics_lines_are_json_and_a_full_disk_is_one_error(tmp_path, trainer, tokenizer, monkeypatch):
-    """NaN and infinities are logged as null (metrics.jsonl is JSON); a full disk while writing a checkpoint or
-    cutting metrics.jsonl is a MIPUError (one `error:` line) that leaves the last checkpoint and no temp files."""
+def test_metrics_lines_are_json(tmp_path):
+    """NaN and infinities are logged as null: every line of metrics.jsonl is JSON."""
     path = tmp_path / "metrics.jsonl"
     mipu.log_metrics(path, {"step": 0, "a": float("nan"), "b": float("-inf"), "c": 1.5})
     assert json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(c)) == \
         {"step": 0, "a": None, "b": None, "c": 1.5}
-    run = _bare_run(mipu.Config(output_dir=str(tmp_path)).validate(), trainer, tokenizer)
-    run.step = 1
-    mipu.save_checkpoint(run)
-    before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoint-000001").iterdir()}
-
-    def full_disk(obj, file, *args, **kw):                              # the file is created, then the disk is full
-        Path(file).write_bytes(b"")
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(torch, "save", full_disk)
-    run.step = 2
-    with pytest.raises(mipu.MIPUError, match="could not write .*checkpoint-000002 .No space left on device.; the "
-                                             "run's last checkpoint is intact"):
-        mipu.save_checkpoint(run)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000001", "metrics.jsonl"]
-    assert {p.name: p.read_bytes() for p in (tmp_path / "checkpoint-000001").iterdir()} == before
-    monkeypatch.setattr(Path, "write_text", lambda self, text: full_disk(None, self))
-    with pytest.raises(mipu.MIPUError, match="could not write .*metrics.jsonl .No space left on device."):
-        mipu.keep_metrics_before(path, 0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000001", "metrics.jsonl"]
 
 
 def test_check_resume_names_the_flag():
@@ -1521,9 +1494,6 @@ def test_check_resume_names_the_flag():
         mipu.check_resume(dataclasses.replace(cfg, method="grpo"), state, 10)
     with pytest.raises(mipu.MIPUError, match="--train-data has 5 rows, the run's had 10"):
         mipu.check_resume(cfg, state, 5)
-    for spelled in (str(ARITH.parent) + "/", str(ARITH.parent / ".." / "toy")):   # the same folder
-        mipu.check_resume(dataclasses.replace(cfg, model=spelled), {**state, "config": {"model": str(ARITH.parent)}},
-                          10)
     help_text = next(f.metadata["help"] for f in dataclasses.fields(mipu.Config) if f.name == "resume")
     assert all("--" + n.replace("_", "-") in help_text for n in mipu.RESUME_MAY_CHANGE)
 
@@ -1625,13 +1595,6 @@ def _edit_weights(ckpt, edit):
     save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
 
 
-def _edit_optimizer(ckpt):
-    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
-    first = next(iter(opt["state"].values()))
-    first["exp_avg"] = torch.zeros(3, 3)
-    torch.save(opt, ckpt / "optimizer.pt")
-
-
 def _only_bin(ckpt):
     from safetensors.torch import load_file
 
@@ -1647,12 +1610,9 @@ def _three_layers(weights):
     (lambda c: _edit_state(c, lambda s: {k: v for k, v in s.items() if k != "rejections"}),
      "trainer_state.pt: refused or damaged .missing or of the wrong type: rejections"),
     (lambda c: _edit_state(c, lambda s: {**s, "step": "1"}), "trainer_state.pt: .* wrong type: step"),
-    (lambda c: _edit_state(c, lambda s: {**s, "torch_rng": s["torch_rng"][:100]}), "trainer_state.pt: refused"),
-    (lambda c: _edit_state(c, lambda s: {**s, "numpy_rng": ["MT19937", [1, 2], 0, 0, 0.0]}),
-     "trainer_state.pt: refused"),
+    (lambda c: _edit_state(c, lambda s: {**s, "torch_rng": s["torch_rng"].float()}), "wrong type: torch_rng"),
     (lambda c: _edit_state(c, lambda s: list(s.values())), "trainer_state.pt: refused or damaged"),
     (lambda c: _edit_state(c, lambda s: {k: v for k, v in s.items() if k != "config"}), "wrong type: config"),
-    (_edit_optimizer, "optimizer.pt: refused or damaged .its tensors' shapes are not the weights'"),
     (_only_bin, None),                      # resumes: transformers reads the .bin with weights_only=True
     (lambda c: _edit_weights(c, lambda w: w.update({"model.norm.weightX": w.pop("model.norm.weight")})),
      "checkpoint-000001: its weight files do not fit its config.json: .*model.norm.weight"),
@@ -1676,14 +1636,6 @@ def test_resume_refuses_an_edited_checkpoint(llm, model_dir, tmp_path, tokenizer
     with pytest.raises(mipu.MIPUError, match=message):
         mipu.setup_llm_run(dataclasses.replace(cfg, resume=True), llm=llm)
 
-
-def test_cli_eval_truncated_checkpoint(model_dir, tmp_path):
-    ckpt = tmp_path / "checkpoint-000001"
-    shutil.copytree(model_dir, ckpt)
-    (ckpt / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes()[:20000])
-    p = run_cli("eval", "--model", str(ckpt), "--data", str(ARITH_VAL))
-    assert p.returncode == 2 and "model.safetensors: refused or damaged" in p.stderr, p.stderr[-2000:]
-    assert "Traceback" not in p.stderr
 
 
 def test_cli_eval_missing_local_checkpoint(tmp_path):
