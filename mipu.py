@@ -70,7 +70,6 @@ import math
 import multiprocessing
 import numbers
 import os
-import pickle
 import re
 import shutil
 import sys
@@ -1535,9 +1534,8 @@ def latest_checkpoint(output_dir: str) -> Path:
 
 
 def claim_output_dir(cfg: Config):
-    """Make --output-dir this run's: a writable directory, locked while the run lives (flock: the kernel
-    releases a killed run's lock, so a stale one is taken over), without temp folders of a killed save,
-    and holding no other run unless --resume (continue it) or --overwrite (delete it). Returns the lock."""
+    """Make --output-dir this run's: writable, locked while the run lives (flock: the kernel releases a killed run's
+    lock), without temp folders of a killed save, holding no other run unless --resume or --overwrite; the lock."""
     out = Path(cfg.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -1582,7 +1580,7 @@ def check_resume(cfg: Config, state: dict, n_train: int) -> None:
 def read_trainer_state(ckpt: Path) -> dict:
     """trainer_state.pt (+ optimizer.pt on rank 0, which sends it) read with weights_only=True: tensors and plain
     containers only, so a planted pickle payload is refused, never run; weight files' headers, then keys and types."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
     kinds = {**RUN_COUNTERS, "pending": tuple | None, "torch_rng": torch.Tensor, "numpy_rng": list, "config": dict}
     try:
         for path in sorted(ckpt.glob("*.safetensors")):        # `path`: the file an error names
@@ -1590,8 +1588,10 @@ def read_trainer_state(ckpt: Path) -> dict:
         state = torch.load(path := ckpt / "trainer_state.pt", weights_only=True)
         if wrong := [k for k, kind in kinds.items() if not isinstance(state.get(k), kind)]:  # a list: AttributeError
             raise ValueError(f"missing or of the wrong type: {', '.join(wrong)}")
+        torch.Generator().set_state(state["torch_rng"])           # a bad RNG state fails here, before the engines
+        np.random.RandomState().set_state(state["numpy_rng"])
         state["optimizer"] = {} if rank_world()[0] else torch.load(path := ckpt / "optimizer.pt", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, SafetensorError, ValueError, AttributeError) as e:
+    except Exception as e:          # unpickling, I/O, format or the checks above: a damaged or edited file, all alike
         raise MIPUError(f"{path}: refused or damaged ({e if isinstance(e, ValueError) else type(e).__name__}); a "
                         "checkpoint holds only tensors and plain values") from e
     return state

@@ -1610,7 +1610,9 @@ def _three_layers(weights):
     (lambda c: _edit_state(c, lambda s: {k: v for k, v in s.items() if k != "rejections"}),
      "trainer_state.pt: refused or damaged .missing or of the wrong type: rejections"),
     (lambda c: _edit_state(c, lambda s: {**s, "step": "1"}), "trainer_state.pt: .* wrong type: step"),
-    (lambda c: _edit_state(c, lambda s: {**s, "torch_rng": s["torch_rng"].float()}), "wrong type: torch_rng"),
+    (lambda c: _edit_state(c, lambda s: {**s, "torch_rng": s["torch_rng"][:100]}), "trainer_state.pt: refused"),
+    (lambda c: _edit_state(c, lambda s: {**s, "numpy_rng": ["MT19937", [1, 2], 0, 0, 0.0]}),
+     "trainer_state.pt: refused"),
     (lambda c: _edit_state(c, lambda s: list(s.values())), "trainer_state.pt: refused or damaged"),
     (lambda c: _edit_state(c, lambda s: {k: v for k, v in s.items() if k != "config"}), "wrong type: config"),
     (_only_bin, None),                      # resumes: transformers reads the .bin with weights_only=True
