@@ -1500,9 +1500,8 @@ def save_checkpoint(run: LLMRun) -> Path:
     full_sd = StateDictOptions(full_state_dict=True, cpu_offload=True)       # collectives: every rank calls them
     weights, opt_state = get_model_state_dict(run.model, options=full_sd), get_optimizer_state_dict(
         run.model, run.opt, options=full_sd)
-    out = Path(run.cfg.output_dir)
-    final = out / f"checkpoint-{run.step:06d}"
-    tmp = out / f".tmp-{final.name}-{os.getpid()}"
+    final = Path(run.cfg.output_dir) / f"checkpoint-{run.step:06d}"
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     if rank_world()[0] == 0:                  # (a temp folder of a killed save is removed at the next start)
         run.model.save_pretrained(tmp, state_dict=weights)
         run.tokenizer.save_pretrained(tmp)
@@ -1513,7 +1512,7 @@ def save_checkpoint(run: LLMRun) -> Path:
                     "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
                     "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
         os.replace(tmp, final)
-        for old in run_checkpoints(out):
+        for old in run_checkpoints(final.parent):
             if old != final:
                 shutil.rmtree(old)
     if torchrun():
@@ -1569,9 +1568,11 @@ def keep_metrics_before(path: Path, step: int) -> None:
 
 def check_resume(cfg: Config, state: dict, n_train: int) -> None:
     """Refuse to continue a run under other flags (but RESUME_MAY_CHANGE) or other training data."""
-    for name, saved in state["config"].items():
-        if name not in RESUME_MAY_CHANGE and hasattr(cfg, name) and getattr(cfg, name) != saved:
-            raise MIPUError(f"--resume: --{name.replace('_', '-')} is {getattr(cfg, name)!r}, the run's is {saved!r} "
+    for name, saved in state["config"].items():     # a path compares resolved: a/b/, ./a/b and /abs/a/b are one
+        now, saved = (os.path.realpath(v) if isinstance(v, str) and os.path.exists(v) else v
+                      for v in (getattr(cfg, name, saved), saved))
+        if name not in RESUME_MAY_CHANGE and now != saved:
+            raise MIPUError(f"--resume: --{name.replace('_', '-')} is {now!r}, the run's is {saved!r} "
                             "(`train --help` lists the flags --resume may change)")
     if state["order"] and len(state["order"]) != n_train:
         raise MIPUError(f"--resume: --train-data has {n_train} rows, the run's had {len(state['order'])}")
