@@ -1495,7 +1495,8 @@ def test_check_resume_names_the_flag():
     with pytest.raises(mipu.MIPUError, match="--train-data has 5 rows, the run's had 10"):
         mipu.check_resume(cfg, state, 5)
     for spelled in (str(ARITH.parent) + "/", str(ARITH.parent / ".." / "toy")):   # the same folder, spelled otherwise
-        mipu.check_resume(dataclasses.replace(cfg, model=spelled), {**state, "config": {"model": str(ARITH.parent)}}, 10)
+        mipu.check_resume(dataclasses.replace(cfg, model=spelled), {**state, "config": {"model": str(ARITH.parent)}},
+                          10)
     help_text = next(f.metadata["help"] for f in dataclasses.fields(mipu.Config) if f.name == "resume")
     assert all("--" + n.replace("_", "-") in help_text for n in mipu.RESUME_MAY_CHANGE)
 
