@@ -70,7 +70,6 @@ import json
 import math
 import numbers
 import os
-import pickle
 import re
 import shutil
 import signal
@@ -1096,8 +1095,11 @@ def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool =
     `checkpointing` acts in train mode only, which step1_update sets (Qwen3 has no dropout)."""
     if dtype not in ("float32", "bf16-mixed", "bfloat16", "float16"):
         raise MIPUError(f"trainer dtype must be float32, bf16-mixed, bfloat16 or float16, got {dtype!r}")
-    model = load_pretrained("AutoModelForCausalLM", model_path,
-                            dtype=getattr(torch, dtype.replace("bf16-mixed", "float32")), attn_implementation="sdpa")
+    model, info = load_pretrained("AutoModelForCausalLM", model_path, attn_implementation="sdpa",
+                                  dtype=getattr(torch, dtype.replace("bf16-mixed", "float32")),
+                                  output_loading_info=True, ignore_mismatched_sizes=True)   # misfits: refused below
+    if misfits := {k: sorted(map(str, v))[:3] for k, v in info.items() if v}:
+        raise MIPUError(f"{model_path}: its weight files do not fit its config.json: {misfits}")
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device)
@@ -1325,7 +1327,8 @@ def reshard(model: torch.nn.Module) -> None:
 
 def dist_close(run: "LLMRun") -> None:
     """vLLM's engine shutdown destroys the process groups itself (at exit, after ours are gone, it fails):
-    so the engine first (vllm 0.32's in-process engine core), then the group."""
+    so the engine first (vllm 0.32's in-process engine core: LLM has no public shutdown, and del + gc.collect
+    leaves the engine alive until exit), then the group."""
     run.llm.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -1582,21 +1585,20 @@ def prompts_of(tokenizer, rows: list, cfg: Config) -> list[list[int]]:
 
 # ---- CHECKPOINTS, METRICS, EVALUATION ------------------------------------------------------------------------------
 
-CHECKPOINT_PREFIX = "checkpoint-"
-# the LLMRun fields a checkpoint keeps as they are (besides weights, optimizer, --gap-batch next's batch, RNG states)
-RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts")
+CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders: this name only (not checkpoint-best)
+# the LLMRun fields (and types) a checkpoint keeps as they are; the sync probe too: a resumed run's syncs score alike
+RUN_COUNTERS = {"step": int, "rejections": int, "order": list, "data_pos": int, "val_pos": int,
+                "pending_rows": list | None, "reward_timeouts": int, "probe": tuple, "probe_gap0": float}
 
 def save_checkpoint(run: LLMRun) -> Path:
-    """Atomic: a temp dir renamed to checkpoint-<step> (the commit point; the step orders them), older ones
-    deleted after. Under torchrun rank 0 writes the full weights and optimizer state: any number of ranks resumes."""
+    """Atomic: a temp dir renamed to checkpoint-<step> (the commit point; the step orders them), older ones deleted
+    after. Under torchrun rank 0 writes the full weights and optimizer state: any number of ranks resumes."""
     full_sd = StateDictOptions(full_state_dict=True, cpu_offload=True)       # collectives: every rank calls them
     weights, opt_state = get_model_state_dict(run.model, options=full_sd), get_optimizer_state_dict(
         run.model, run.opt, options=full_sd)
-    out = Path(run.cfg.output_dir)
-    final = out / f"{CHECKPOINT_PREFIX}{run.step:06d}"
-    tmp = out / f".tmp-{final.name}-{os.getpid()}"
-    if rank_world()[0] == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    final = Path(run.cfg.output_dir) / f"checkpoint-{run.step:06d}"
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    if rank_world()[0] == 0:                  # (a temp folder of a killed save is removed at the next start)
         run.model.save_pretrained(tmp, state_dict=weights)
         run.tokenizer.save_pretrained(tmp)
         torch.save(opt_state, tmp / "optimizer.pt")
@@ -1605,10 +1607,8 @@ def save_checkpoint(run: LLMRun) -> Path:
                     "torch_rng": torch.get_rng_state(),   # numpy's key array as a list: loads with weights_only=True
                     "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
                     "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
-        if final.exists():                    # a re-run of this step after a resume: replace it
-            shutil.rmtree(final)
         os.replace(tmp, final)
-        for old in out.glob(f"{CHECKPOINT_PREFIX}*"):
+        for old in run_checkpoints(final.parent):
             if old != final:
                 shutil.rmtree(old)
     if torchrun():
@@ -1616,51 +1616,59 @@ def save_checkpoint(run: LLMRun) -> Path:
     return final
 
 
+def run_checkpoints(out: Path) -> list[Path]:
+    """The run's checkpoints, oldest first (a user's copy, e.g. checkpoint-best or checkpoint-000001-keep, is none)."""
+    found = [p for p in out.glob("checkpoint-*") if CHECKPOINT.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
 def latest_checkpoint(output_dir: str) -> Path:
-    """The newest complete checkpoint (temp folders start with '.tmp-', so they never match)."""
-    found = sorted(Path(output_dir).glob(f"{CHECKPOINT_PREFIX}[0-9]*"))
-    if not found:
+    if not (found := run_checkpoints(Path(output_dir))):
         raise MIPUError(f"--resume: no checkpoint in {output_dir} (start afresh there with --overwrite)")
     return found[-1]
 
 
 def claim_output_dir(cfg: Config):
-    """Make --output-dir this run's: a writable directory, locked while the run lives (flock: the kernel
-    releases a killed run's lock, so a stale one is taken over), without temp folders of a killed save,
-    and holding no other run unless --resume (continue it) or --overwrite (delete it). Returns the lock."""
+    """Make --output-dir this run's: writable, locked while the run lives (flock: the kernel releases a killed run's
+    lock), without temp folders of a killed save, holding no other run unless --resume or --overwrite; the lock."""
     out = Path(cfg.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = open(out / ".lock", "w")
-    except OSError as e:
-        raise MIPUError(f"--output-dir {out} is not a writable directory ({e.strerror})") from e
-    try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise MIPUError(f"--output-dir {out} is in use by another run (give each run its own)") from None
+    except OSError as e:
+        raise MIPUError(f"--output-dir {out} is not a writable directory ({e.strerror})") from e
     for tmp in out.glob(".tmp-*"):
         shutil.rmtree(tmp)
-    runs = sorted(out.glob(f"{CHECKPOINT_PREFIX}[0-9]*")) + [p for p in [out / "metrics.jsonl"] if p.exists()]
+    runs = run_checkpoints(out) + [p for p in [out / "metrics.jsonl"] if p.exists()]
     if runs and not cfg.resume and not cfg.overwrite:
         raise MIPUError(f"--output-dir {out} holds a run: continue it with --resume, or delete it with --overwrite")
+    for src in [s for v in (cfg.model, cfg.train_data, cfg.val_data, cfg.eval_data) for s in v.split(",") if s]:
+        if cfg.overwrite and any(Path(src).resolve().is_relative_to(p.resolve()) for p in runs):   # this run reads it
+            raise MIPUError(f"--overwrite would delete {src}, an input of this run (copy it elsewhere first)")
     for path in runs if cfg.overwrite else []:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     return lock
 
 
 def keep_metrics_before(path: Path, step: int) -> None:
-    """Cut metrics.jsonl to the complete lines of steps < step (atomically: temp file, then rename)."""
+    """Cut metrics.jsonl's records of steps >= step (a user's line stays) and a torn last line, atomically."""
     if path.exists():
         lines = [x for x in path.read_text().splitlines(keepends=True) if x.endswith("\n")]
-        path.with_suffix(".tmp").write_text("".join(x for x in lines if json.loads(x)["step"] < step))
+        keep = [x for x in lines if not (r := re.match(r'\{"step": (\d+)[,}]', x)) or int(r[1]) < step]
+        path.with_suffix(".tmp").write_text("".join(keep))
         os.replace(path.with_suffix(".tmp"), path)
 
 
 def check_resume(cfg: Config, state: dict, n_train: int) -> None:
     """Refuse to continue a run under other flags (but RESUME_MAY_CHANGE) or other training data."""
-    for name, saved in state["config"].items():
-        if name not in RESUME_MAY_CHANGE and hasattr(cfg, name) and getattr(cfg, name) != saved:
-            raise MIPUError(f"--resume: --{name.replace('_', '-')} is {getattr(cfg, name)!r}, the run's is {saved!r} "
+    for name, saved in state["config"].items():     # a path compares resolved: a/b/, ./a/b and /abs/a/b are one
+        now, saved = (os.path.realpath(v) if isinstance(v, str) and os.path.exists(v) else v
+                      for v in (getattr(cfg, name, saved), saved))
+        if name not in RESUME_MAY_CHANGE and now != saved:
+            raise MIPUError(f"--resume: --{name.replace('_', '-')} is {now!r}, the run's is {saved!r} "
                             "(`train --help` lists the flags --resume may change)")
     if state["order"] and len(state["order"]) != n_train:
         raise MIPUError(f"--resume: --train-data has {n_train} rows, the run's had {len(state['order'])}")
@@ -1668,30 +1676,33 @@ def check_resume(cfg: Config, state: dict, n_train: int) -> None:
 
 def read_trainer_state(ckpt: Path) -> dict:
     """trainer_state.pt (+ optimizer.pt on rank 0, which sends it) read with weights_only=True: tensors and plain
-    containers only, so a planted pickle payload is refused, never run; weight files' headers are checked first."""
-    from safetensors import SafetensorError, safe_open
-    state = {"optimizer": {}}
-    for path in [*sorted(ckpt.glob("*.safetensors")), ckpt / "trainer_state.pt", ckpt / "optimizer.pt"]:
-        try:
-            if path.name == "trainer_state.pt" or (path.name == "optimizer.pt" and rank_world()[0] == 0):
-                state[path.stem] = torch.load(path, weights_only=True)
-            elif path.suffix == ".safetensors":
-                safe_open(path, "pt").keys()
-        except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, SafetensorError) as e:
-            raise MIPUError(f"{path}: refused or damaged ({type(e).__name__}); a checkpoint holds only tensors "
-                            "and plain values") from e
-    return {**state["trainer_state"], "optimizer": state["optimizer"]}
+    containers only, so a planted pickle payload is refused, never run; weight files' headers, then keys and types."""
+    from safetensors import safe_open
+    kinds = {**RUN_COUNTERS, "pending": tuple | None, "torch_rng": torch.Tensor, "numpy_rng": list, "config": dict}
+    try:
+        for path in sorted(ckpt.glob("*.safetensors")):        # `path`: the file an error names
+            safe_open(path, "pt").keys()
+        state = torch.load(path := ckpt / "trainer_state.pt", weights_only=True)
+        if wrong := [k for k, kind in kinds.items() if not isinstance(state.get(k), kind)]:  # a list: AttributeError
+            raise ValueError(f"missing or of the wrong type: {', '.join(wrong)}")
+        torch.Generator().set_state(state["torch_rng"])           # a bad RNG state fails here, before the engines
+        np.random.RandomState().set_state(state["numpy_rng"])
+        state["optimizer"] = {} if rank_world()[0] else torch.load(path := ckpt / "optimizer.pt", weights_only=True)
+    except Exception as e:          # unpickling, I/O, format or the checks above: a damaged or edited file, all alike
+        raise MIPUError(f"{path}: refused or damaged ({e if isinstance(e, ValueError) else type(e).__name__}); a "
+                        "checkpoint holds only tensors and plain values") from e
+    return state
 
 
 def load_trainer_state(run: LLMRun, state: dict) -> None:
-    """Optimizer, counters, data position and RNG states of a checkpoint (weights load with the model)."""
+    """Optimizer, counters, data position, sync probe and RNG states of a checkpoint (weights load with the model)."""
     set_optimizer_state_dict(run.model, run.opt, state["optimizer"], options=StateDictOptions(   # rank 0 sends
         full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)               # the shards
     for k in RUN_COUNTERS:
         setattr(run, k, state[k])
     run.pending = state["pending"] and (Rollout(**state["pending"][0]), state["pending"][1])   # --gap-batch next
     torch.set_rng_state(state["torch_rng"])
-    np.random.set_state(tuple(np.array(x, dtype=np.uint32) if isinstance(x, list) else x for x in state["numpy_rng"]))
+    np.random.set_state(state["numpy_rng"])
 
 
 def open_reporter(cfg: Config):
@@ -1704,7 +1715,8 @@ def open_reporter(cfg: Config):
                        config=dataclasses.asdict(cfg), sync_tensorboard=True)
     except ImportError as e:
         raise MIPUError(f"--report-to {cfg.report_to}: {e} (pip install tensorboard, and wandb for wandb)") from e
-    return SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"))
+    step = int(latest_checkpoint(cfg.output_dir).name.split("-")[1]) if cfg.resume else 0   # purged: steps past it
+    return SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"), purge_step=step)
 
 
 LINE_KEYS = ("rollout/reward", "mismatch/k3", "step1/loss", "step1/clip_frac", "step2/t_post", "step2/accepted",
@@ -1720,10 +1732,11 @@ def progress(done: int, total: int, first: int, start: float) -> str:
 
 
 def log_metrics(path: Path | None, m: dict, head: str = "") -> None:
-    """Print one compact line (after `head`, default 'step k'); append the record to the JSONL file `path`."""
+    """Print one compact line (after `head`, default 'step k'); append the record (NaN, inf: null) to JSONL `path`."""
     if path is not None:
         with open(path, "a") as f:
-            f.write(json.dumps(m) + "\n")
+            f.write(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                for k, v in m.items()}) + "\n")
     keys = list(LINE_KEYS) + [k for k in m if k.startswith("eval/")]
     head = head or f"step {m['step']:>4}"
     print(head, " ".join(f"{k.split('/', 1)[-1]}={m[k]:.4g}" for k in keys if k in m), flush=True)
@@ -1748,9 +1761,8 @@ def eval_metrics(run: LLMRun, eval_sets: dict) -> dict:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    return "\n".join(lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
+    table = [list(rows[0]), ["---"] * len(rows[0])] + [[str(r[k]) for k in rows[0]] for r in rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in table)
 
 
 # ---- MAIN ----------------------------------------------------------------------------------------------------------
@@ -1807,15 +1819,15 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     llm = llm or make_sampler(cfg)
     torch.set_float32_matmul_precision(matmul_precision(cfg))     # after vLLM, whose worker sets "highest"
     run = LLMRun(cfg, llm, model, tokenizer, opt, train_rows, val_rows, probe=(), order=[])
-    if ckpt:
-        load_trainer_state(run, state)
-        print(f"resumed from {ckpt} at step {run.step}")
     sync_weights(llm, list(model.named_parameters()), cfg.rollout_quant)   # μ starts from the (maybe resumed) θ
     # the sync probe: a response the engine itself sampled, so no token is one μ finds very unlikely
     prompt = prompts_of(tokenizer, train_rows[:1], cfg)[0]
     sample = generate(llm, [prompt], 1, min(cfg.max_new_tokens, PROBE_TOKENS), cfg.temperature, cfg.seed)[0]
     run.probe = (prompt, sample["completion_ids"] or [tokenizer.eos_token_id])
     run.probe_gap0 = sync(run, tol=math.inf)
+    if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe replaces this one
+        load_trainer_state(run, state)
+        print(f"resumed from {ckpt} at step {run.step}")
     return run
 
 

@@ -1407,7 +1407,7 @@ def test_cli_train_datasets_tensorboard_progress_plot(model_dir, tmp_path, offli
     for m in records:
         for key, value in m.items():
             logged = {e.step: e.value for e in events.Scalars(key)}
-            assert logged[m["step"]] == pytest.approx(value, rel=1e-6, nan_ok=True), key
+            assert logged[m["step"]] == pytest.approx(math.nan if value is None else value, rel=1e-6, nan_ok=True), key
     p = run_cli("-m", "toy.plot_run", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
     assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -1422,6 +1422,22 @@ def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
     cfg = mipu.Config(report_to="tensorboard,wandb", output_dir=str(tmp_path)).validate()
     with pytest.raises(mipu.MIPUError, match="--report-to tensorboard,wandb: .*wandb.*pip install"):
         mipu.open_reporter(cfg)
+
+
+def test_tensorboard_purges_the_steps_a_resume_reruns(tmp_path):
+    """--resume from checkpoint-000002 after a try that logged steps 0-3 (killed before checkpoint 4): TensorBoard
+    shows steps 0-1 and the resumed 2-3, once each (purge_step)."""
+    cfg = mipu.Config(output_dir=str(tmp_path), report_to="tensorboard").validate()
+    for resume, steps in ((False, range(4)), (True, range(2, 4))):
+        writer = mipu.open_reporter(dataclasses.replace(cfg, resume=resume))
+        for k in steps:
+            writer.add_scalar("x", 10 * resume + k, k)
+        writer.close()
+        (tmp_path / "checkpoint-000002").mkdir(exist_ok=True)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("x")] == [(0, 0), (1, 1), (2, 12), (3, 13)]
 
 
 @pytest.mark.parametrize("make_file, extra, message", [
@@ -1671,11 +1687,61 @@ def test_output_dir_belongs_to_one_run(tmp_path):
         mipu.claim_output_dir(mipu.Config(output_dir=str(ARITH / "run")).validate())
 
 
+def _bare_run(cfg, trainer, tokenizer) -> mipu.LLMRun:
+    """An LLMRun without engines, enough for save_checkpoint (the session trainer, left unchanged)."""
+    opt = torch.optim.AdamW(trainer.parameters())
+    return mipu.LLMRun(cfg, None, trainer, tokenizer, opt, [], [], probe=([1, 2], [3]), order=[])
+
+
+def test_only_the_runs_own_checkpoints_are_resumed_or_deleted(tmp_path, trainer, tokenizer):
+    """A user's copies (checkpoint-best, checkpoint-000001-keep), a file and a symlink named checkpoint-* are
+    neither picked by --resume nor deleted by the next save; the run's older checkpoint is."""
+    out = tmp_path / "run"
+    run = _bare_run(mipu.Config(output_dir=str(out)).validate(), trainer, tokenizer)
+    run.step = 1
+    mipu.save_checkpoint(run)
+    for name in ("checkpoint-best", "checkpoint-000001-keep"):
+        shutil.copytree(out / "checkpoint-000001", out / name)
+    (out / "checkpoint-notes.txt").write_text("mine")
+    (out / "checkpoint-000009").symlink_to(out / "checkpoint-best")
+    assert mipu.latest_checkpoint(str(out)).name == "checkpoint-000001"
+    run.step = 2
+    mipu.save_checkpoint(run)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-000001-keep", "checkpoint-000002", "checkpoint-000009",
+                                                     "checkpoint-best", "checkpoint-notes.txt"]
+    assert mipu.latest_checkpoint(str(out)).name == "checkpoint-000002"
+
+
+def test_overwrite_refuses_to_delete_what_the_run_reads(tmp_path):
+    """train --model RUN/checkpoint-000001 --output-dir RUN --overwrite (or data in RUN): refused, nothing deleted."""
+    out = tmp_path / "run"
+    (out / "checkpoint-000001").mkdir(parents=True)
+    (out / "checkpoint-000001" / "train.jsonl").write_text("")
+    for kw in (dict(model=str(out / "checkpoint-000001") + "/"),
+               dict(train_data=str(out / "checkpoint-000001" / "train.jsonl")),
+               dict(eval_data=f"{ARITH_VAL},{out}/checkpoint-000001/../checkpoint-000001/train.jsonl")):
+        with pytest.raises(mipu.MIPUError, match="--overwrite would delete .*, an input of this run"):
+            mipu.claim_output_dir(mipu.Config(output_dir=str(out), overwrite=True, **kw).validate())
+        assert (out / "checkpoint-000001" / "train.jsonl").exists()
+    mipu.claim_output_dir(mipu.Config(output_dir=str(out), overwrite=True, model=str(ARITH)).validate()).close()
+    assert not (out / "checkpoint-000001").exists()
+
+
 def test_keep_metrics_before(tmp_path):
+    """Records of steps >= the resumed step and a torn last line are cut; a user's lines stay."""
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": k}) + "\n" for k in range(4)) + '{"step": 4, "rollout/rew')
+    notes = "my note: lr looked high\n" + '{"comment": "restarted", "steps": 9}\n'
+    path.write_text("".join(json.dumps({"step": k, "a": 1}) + "\n" for k in range(4)) + notes + '{"step": 4, "rol')
     mipu.keep_metrics_before(path, 2)                                  # resumed from checkpoint-000002
-    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1]
+    assert path.read_text() == '{"step": 0, "a": 1}\n{"step": 1, "a": 1}\n' + notes
+
+
+def test_metrics_lines_are_json(tmp_path):
+    """NaN and infinities are logged as null: every line of metrics.jsonl is JSON."""
+    path = tmp_path / "metrics.jsonl"
+    mipu.log_metrics(path, {"step": 0, "a": float("nan"), "b": float("-inf"), "c": 1.5})
+    assert json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(c)) == \
+        {"step": 0, "a": None, "b": None, "c": 1.5}
 
 
 def test_check_resume_names_the_flag():
@@ -1688,6 +1754,9 @@ def test_check_resume_names_the_flag():
         mipu.check_resume(dataclasses.replace(cfg, method="grpo"), state, 10)
     with pytest.raises(mipu.MIPUError, match="--train-data has 5 rows, the run's had 10"):
         mipu.check_resume(cfg, state, 5)
+    for spelled in (str(ARITH.parent) + "/", str(ARITH.parent / ".." / "toy")):   # the same folder, spelled otherwise
+        mipu.check_resume(dataclasses.replace(cfg, model=spelled), {**state, "config": {"model": str(ARITH.parent)}},
+                          10)
     help_text = next(f.metadata["help"] for f in dataclasses.fields(mipu.Config) if f.name == "resume")
     assert all("--" + n.replace("_", "-") in help_text for n in mipu.RESUME_MAY_CHANGE)
 
@@ -1766,6 +1835,31 @@ def test_resume_is_bit_exact(llm, model_dir, tmp_path, restore, gap_batch):
     assert all(torch.equal(weights[k], v) for k, v in resumed.model.state_dict().items())
 
 
+def test_resume_equals_the_uninterrupted_run(llm, model_dir, tmp_path, restore):
+    """3 steps, checkpoint, resume, 1 step against 4 steps straight: the same step-3 metrics (the sync probe
+    and its start-up gap travel in the checkpoint) and the same torch RNG after (the start-up's vLLM calls draw
+    from it), besides the weights."""
+    cfg = llm_cfg(model_dir, tmp_path / "a", method="mipu", c=1e9, weight_decay=0.1, learning_rate=0.05)
+    torch.manual_seed(cfg.seed)                    # what a new engine does (vLLM seeds torch): a run's RNG start
+    straight = mipu.setup_llm_run(cfg, llm=llm)
+    m_straight = [mipu.mipu_step(straight) for _ in range(4)][-1]
+    rng, weights = torch.get_rng_state(), {k: v.clone() for k, v in straight.model.state_dict().items()}
+    cfg_b = dataclasses.replace(cfg, output_dir=str(tmp_path / "b"))
+    torch.manual_seed(cfg.seed)
+    first = mipu.setup_llm_run(cfg_b, llm=llm)
+    for _ in range(3):
+        mipu.mipu_step(first)
+    mipu.save_checkpoint(first)
+    resumed = mipu.setup_llm_run(dataclasses.replace(cfg_b, resume=True, steps=4), llm=llm)
+    assert resumed.probe == first.probe == straight.probe              # the run's start-up probe, not a new one
+    m_resumed = mipu.mipu_step(resumed)
+    kept = [k for k in m_straight if not k.startswith(("time/", "perf/"))]
+    assert "sync/probe_max_abs_dlogp" in kept
+    assert json.dumps({k: m_resumed[k] for k in kept}) == json.dumps({k: m_straight[k] for k in kept})
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(weights[k], v) for k, v in resumed.model.state_dict().items())
+
+
 @pytest.mark.parametrize("damaged", ["trainer_state.pt", "model.safetensors"])
 def test_cli_resume_damaged_checkpoint(model_dir, tmp_path, damaged):
     """A truncated checkpoint file is one `error:` line, found before any engine starts."""
@@ -1777,6 +1871,64 @@ def test_cli_resume_damaged_checkpoint(model_dir, tmp_path, damaged):
                 "--output-dir", str(tmp_path / "run"), "--steps", "2", "--resume")
     assert p.returncode == 2 and f"{damaged}: refused or damaged" in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
+
+
+def _edit_state(ckpt, edit):
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    torch.save(edit(state), ckpt / "trainer_state.pt")
+
+
+def _edit_weights(ckpt, edit):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(ckpt / "model.safetensors")
+    edit(weights)
+    save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+
+
+def _only_bin(ckpt):
+    from safetensors.torch import load_file
+
+    torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
+    (ckpt / "model.safetensors").unlink()
+
+
+def _three_layers(weights):
+    weights.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in weights.items() if "layers.1." in k})
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: _edit_state(c, lambda s: {k: v for k, v in s.items() if k != "rejections"}),
+     "trainer_state.pt: refused or damaged .missing or of the wrong type: rejections"),
+    (lambda c: _edit_state(c, lambda s: {**s, "step": "1"}), "trainer_state.pt: .* wrong type: step"),
+    (lambda c: _edit_state(c, lambda s: {**s, "torch_rng": s["torch_rng"][:100]}), "trainer_state.pt: refused"),
+    (lambda c: _edit_state(c, lambda s: {**s, "numpy_rng": ["MT19937", [1, 2], 0, 0, 0.0]}),
+     "trainer_state.pt: refused"),
+    (lambda c: _edit_state(c, lambda s: list(s.values())), "trainer_state.pt: refused or damaged"),
+    (lambda c: _edit_state(c, lambda s: {k: v for k, v in s.items() if k != "config"}), "wrong type: config"),
+    (_only_bin, None),                      # resumes: transformers reads the .bin with weights_only=True
+    (lambda c: _edit_weights(c, lambda w: w.update({"model.norm.weightX": w.pop("model.norm.weight")})),
+     "checkpoint-000001: its weight files do not fit its config.json: .*model.norm.weight"),
+    (lambda c: _edit_weights(c, lambda w: w.update({"model.norm.weight": w["model.norm.weight"][:64]})),
+     "checkpoint-000001: its weight files do not fit .*mismatched_keys"),
+    (lambda c: _edit_weights(c, _three_layers), "checkpoint-000001: its weight files do not fit .*layers.2"),
+])
+def test_resume_refuses_an_edited_checkpoint(llm, model_dir, tmp_path, tokenizer, damage, message):
+    """An edited or damaged checkpoint is one MIPUError naming its file, raised before the engines are used;
+    a renamed or reshaped tensor is never silently random-initialised."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = llm_cfg(model_dir, tmp_path, method="grpo")
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir)
+    run = _bare_run(cfg, trainer, tokenizer)
+    run.step = 1
+    damage(mipu.save_checkpoint(run))
+    if message is None:
+        assert mipu.setup_llm_run(dataclasses.replace(cfg, resume=True), llm=llm).step == 1
+        return
+    with pytest.raises(mipu.MIPUError, match=message):
+        mipu.setup_llm_run(dataclasses.replace(cfg, resume=True), llm=llm)
+
 
 
 def test_cli_eval_missing_local_checkpoint(tmp_path):
