@@ -297,52 +297,63 @@ def mean_se(x: np.ndarray) -> str:
     return f"{x.mean():.3f} ± {x.std(ddof=1) / len(x) ** 0.5 if len(x) > 1 else 0:.3f}"
 
 
-def selectivity(base: dict, seeds: list[int], pool, G: int) -> str:
-    """Does Step 2 select? The acceptance statistics along always-accepting mipu trajectories against the
-    exact ΔJ(μ) of each candidate; then rules against random rollback at their own rate (same TIS update)."""
-    alpha, run = base["toy_mismatch"], lambda over, probe_g=False: [
-        ({**base, **over, "seed": s}, base["toy_mismatch"], (), 1, probe_g) for s in seeds]
-    always = run_jobs(run({"method": "mipu", "c": SELECT_ALWAYS_C}, True), pool)
+def arm_jobs(base: dict, seeds: list[int], over: dict, probe_g: bool = False) -> list[tuple]:
+    return [({**base, **over, "seed": s}, base["toy_mismatch"], (), 1, probe_g) for s in seeds]
+
+
+def statistic_rows(always: list[list[dict]]) -> tuple[list[dict], np.ndarray, np.ndarray]:
+    """Per acceptance statistic along always-accepting runs: AUC for the candidates that raise the exact J(μ)
+    against those that lower it, and what the rule at c = 0 would keep. Also returns ΔJ(μ) and T̂_post."""
     dj, t = history_column(always, "exact/cand_dJ_mu"), history_column(always, "step2/t_post")
     g_k = history_column(always, "probe/g_k")
     stats = {"T_post (the paper rule's)": t, "G_k + T_post (the target rule's)": g_k + t,
              "exact gap J(mu_k+1) - J(pi_k+1) (T_post without noise)": history_column(always, "exact/cand_gap")}
     up, down = dj > 0, dj < 0
-    rows = [{"statistic": name, "ROC AUC, dJ(mu) > 0 vs < 0": f"{auc(x[up], x[down]):.3f}",
-             "accepted at c = 0": f"{(x >= 0).mean():.2f}",
-             "share raising J(mu) among accepted": f"{up[x >= 0].mean():.2f}" if (x >= 0).any() else "-",
-             "mean dJ(mu) of accepted": f"{dj[x >= 0].mean():+.5f}" if (x >= 0).any() else "-",
-             "mean dJ(mu) of rejected": f"{dj[x < 0].mean():+.5f}" if (x < 0).any() else "-"}
-            for name, x in stats.items()]
-    c_star = round(float(-np.quantile(t, 1 - up.mean())), 5)     # the paper rule keeps the share that improves
+    rows = []
+    for name, x in stats.items():
+        keep = x >= 0
+        rows.append({"statistic": name, "ROC AUC, dJ(mu) > 0 vs < 0": f"{auc(x[up], x[down]):.3f}",
+                     "accepted at c = 0": f"{keep.mean():.2f}",
+                     "share raising J(mu) among accepted": f"{up[keep].mean():.2f}" if keep.any() else "-",
+                     "mean dJ(mu) of accepted": f"{dj[keep].mean():+.5f}" if keep.any() else "-",
+                     "mean dJ(mu) of rejected": f"{dj[~keep].mean():+.5f}" if (~keep).any() else "-"})
+    return rows, dj, t
+
+
+def selectivity(base: dict, seeds: list[int], pool, G: int) -> str:
+    """Does Step 2 select? The acceptance statistics along always-accepting mipu trajectories against the
+    exact ΔJ(μ) of each candidate; then rules against random rollback at their own rate (same TIS update)."""
+    always = run_jobs(arm_jobs(base, seeds, {"method": "mipu", "c": SELECT_ALWAYS_C}, probe_g=True), pool)
+    rows, dj, t = statistic_rows(always)
+    share_up = float((dj > 0).mean())
+    c_star = round(float(-np.quantile(t, 1 - share_up)), 5)     # T_post >= -c keeps the share that improved
     arms = {"mipu, paper rule, c = 0": {"method": "mipu"},
             f"mipu, paper rule, c = {c_star:g} (calibrated)": {"method": "mipu", "c": c_star},
             "oracle on tis (keep iff exact dJ(mu) >= 0)": {"method": "mipu", "accept_rule": "oracle"}}
-    arm_runs = dict(zip(arms, chunks(run_jobs([j for over in arms.values() for j in run(over)], pool), len(seeds))))
-    rates = {label: round(reject_rate(h), 3) for label, h in arm_runs.items()}
-    rr_jobs = [j for label in arms for j in run({"method": "random-rollback-tis", "reject_rate": min(rates[label],
-                                                                                                   0.99)})]
-    rr_runs = dict(zip(arms, chunks(run_jobs(rr_jobs, pool), len(seeds))))
+    runs = chunks(run_jobs([j for over in arms.values() for j in arm_jobs(base, seeds, over)], pool), len(seeds))
+    rates = [round(reject_rate(h), 3) for h in runs]
+    rr_over = [{"method": "random-rollback-tis", "reject_rate": min(rate, 0.99)} for rate in rates]
+    rr_runs = chunks(run_jobs([j for over in rr_over for j in arm_jobs(base, seeds, over)], pool), len(seeds))
     compare = [{"rule (tis update)": f"always accept (c = {SELECT_ALWAYS_C:g})", "reject rate": "0.000",
                 "final J(mu), mean ± SE": mean_se(final_J(always)), "collapsed": n_collapsed(always),
                 "random-rollback-tis at that rate": "-", "rule − random, paired: mean [95% CI], p": "-"}]
-    compare += [{"rule (tis update)": label, "reject rate": f"{rates[label]:.3f}",
+    compare += [{"rule (tis update)": label, "reject rate": f"{rate:.3f}",
                  "final J(mu), mean ± SE": mean_se(final_J(h)), "collapsed": n_collapsed(h),
                  "random-rollback-tis at that rate": f"{mean_se(final_J(rr))} ({n_collapsed(rr)})",
                  "rule − random, paired: mean [95% CI], p": paired_test(final_J(h), final_J(rr))}
-                for (label, h), rr in zip(arm_runs.items(), rr_runs.values())]
+                for label, h, rate, rr in zip(arms, runs, rates, rr_runs)]
     return (f"Generated by `python -m toy.demo` (--select-seeds {len(seeds)}): does Step 2 select? Preset "
             f"{preset_label(FOCUS, base)}, seeds {seeds[0]}..{seeds[-1]} per arm, acceptance batch "
             f"{base['val_prompts']}x{G}.\n\n"
             f"**Which candidates would each statistic accept?** Every candidate of {len(seeds)} always-accepting mipu "
             f"runs (paper rule with c = {SELECT_ALWAYS_C:g}: the TIS update, T_post computed and ignored): "
-            f"{len(dj)} candidates, {up.mean():.2f} of them raise the exact J(mu) (dJ(mu) = J(mu_k+1) - J(mu_k) > 0). "
+            f"{len(dj)} candidates, {share_up:.2f} of them raise the exact J(mu) (dJ(mu) = J(mu_k+1) - J(mu_k) > 0). "
             f"AUC: how well the statistic ranks a candidate that raises J(mu) above one that lowers it (0.5 = "
             f"chance). G_k is the target rule's estimate on {base['target_holdout']} fresh prompts x {G} from "
             f"mu_k. Mean dJ(mu) over all candidates: {dj.mean():+.5f}.\n\n{mipu.markdown_table(rows)}\n\n"
             f"**Rules against random rollback at their own rate**, same TIS update, final exact J(mu) (mean ± "
             f"standard error over seeds; collapsed runs). c = {c_star:g} is the c at which T_post >= -c keeps "
-            f"{up.mean():.2f} of the always-accept candidates, the share that raised J(mu). The paired comparison "
+            f"{share_up:.2f} of the always-accept candidates, the share that raised J(mu). The paired comparison "
             f"pairs equal seeds (same task and warm start): mean difference, 95% bootstrap CI, two-sided sign-flip "
             f"permutation p ({SELECT_RESAMPLES} resamples each, fixed generator).\n\n{mipu.markdown_table(compare)}\n")
 
