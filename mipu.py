@@ -109,9 +109,10 @@ METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mi
                "random-rollback": ("grpo", "random"), "random-rollback-tis": ("tis", "random")}
 
 
-# Mismatch scale α of the toy per preset, chosen by mismatch level only (README: measured k3):
-# none = identical engines, fp8 = the FP8/bf16 engine as is, severe = its error amplified.
-TOY_PRESETS = {"none": 0.0, "fp8": 1.0, "severe": 8.0}
+# Toy mismatch presets: name -> toy flags (toy_mismatch = α), by mismatch level (README: measured k3). none: identical
+# engines; fp8: the FP8/bf16 engine as is; severe: its error x8; collapse: fp8 + logits through a static FP8 scale
+TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0}, "severe": {"toy_mismatch": 8.0},
+               "collapse": {"toy_mismatch": 1.0, "toy_logit_fp8": "static", "toy_fp8_headroom": 1.0}}
 # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
 AUTO_DEFAULTS = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"),
                  "vllm_sleep": ("off", "on"), "vllm_compile": ("off", "on")}
@@ -204,7 +205,8 @@ class Config:
     report_to: str = _llm("", "also send metrics to tensorboard (<output-dir>/tensorboard) and/or wandb, "
                               "comma-separated (WANDB_MODE=offline needs no network)")
     # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
-    toy_preset: str = _toy("severe", "mismatch preset: none, fp8 or severe (TOY_PRESETS)", choices=tuple(TOY_PRESETS))
+    toy_preset: str = _toy("collapse", "mismatch preset (mipu.py's TOY_PRESETS): sets the toy flags left at their "
+                           "defaults; collapse = fp8 with static-scale FP8 logits", choices=tuple(TOY_PRESETS))
     toy_mismatch: float = _toy(-1.0, "mismatch scale alpha: mu_logits = pi + alpha*(fp8/bf16 engine - pi); < 0: preset")
     toy_prompts: int = _toy(32, "prompts in the toy task")
     toy_vocab: int = _toy(8, "toy vocabulary size")
@@ -1833,9 +1835,10 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
 
 def toy_command(cfg: Config) -> None:
     """`python mipu.py toy`: one toy run, a metrics line per step (the demo is `python -m toy.demo`)."""
-    alpha = cfg.toy_mismatch if cfg.toy_mismatch >= 0 else TOY_PRESETS[cfg.toy_preset]
-    first, *steps = toy_run(cfg, alpha)
-    print(f"toy run: alpha={alpha:g}, method {cfg.method}; initial J(pi)={first['exact/J_pi']:.4f} "
+    preset = {k: v for k, v in TOY_PRESETS[cfg.toy_preset].items() if getattr(cfg, k) == getattr(Config, k)}
+    cfg = dataclasses.replace(cfg, **preset)       # the preset fills in only the toy flags left at their defaults
+    first, *steps = toy_run(cfg, cfg.toy_mismatch)
+    print(f"toy run: alpha={cfg.toy_mismatch:g}, method {cfg.method}; initial J(pi)={first['exact/J_pi']:.4f} "
           f"J(mu)={first['exact/J_mu']:.4f}")
     for m in steps:
         log_metrics(None, m)

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -1208,24 +1209,61 @@ def run_cli(*args, timeout=600):
 
 
 def test_cli_toy_one_run():
-    p = run_cli("toy", "--toy-preset", "severe", "--method", "mipu", "--steps", "3", "--toy-prompts", "16",
+    p = run_cli("toy", "--toy-preset", "collapse", "--method", "mipu", "--steps", "3", "--toy-prompts", "16",
                 "--prompts-per-step", "8", "--val-prompts", "8")
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[0].startswith("toy run: alpha=8, method mipu")
+    assert lines[0].startswith("toy run: alpha=1, method mipu")
     assert [x.split()[1] for x in lines[1:]] == ["0", "1", "2"] and all("t_post=" in x for x in lines[1:])
 
 
+def test_toy_default_preset_is_collapse(capsys):
+    """`python mipu.py toy` runs the collapse preset (fp8's α and static FP8 logits); the preset fills in only the
+    toy flags left at their defaults, so a flag the user sets wins."""
+    def out(*args):
+        small = ["--steps", "2", "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8"]
+        assert mipu.main(["toy", *small, *args]) == 0
+        return capsys.readouterr().out
+    default = out()
+    assert default.startswith("toy run: alpha=1,") and default == out("--toy-preset", "collapse")
+    assert default == out("--toy-preset", "fp8", "--toy-logit-fp8", "static") != out("--toy-preset", "fp8")
+    assert out("--toy-logit-fp8", "dynamic") == out("--toy-preset", "fp8", "--toy-logit-fp8", "dynamic")
+    assert out("--toy-mismatch", "8").startswith("toy run: alpha=8,")
+
+
 def test_cli_toy_demo_tiny_budget(tmp_path):
-    p = run_cli("-m", "toy.demo", "--steps", "3", "--seeds", "2", "--presets", "severe", "--workers", "1",
-                "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8", "--out", str(tmp_path))
-    assert p.returncode == 0, p.stderr
-    for name in ("demo_results.md", "demo_results.csv", "demo_curves.png"):
-        assert (tmp_path / name).stat().st_size > 0
-    table = (tmp_path / "demo_results.md").read_text()
+    outputs = ("demo_results.md", "demo_results.csv", "collapse.png", "summary.md", "selectivity.md")
+    for workers in (1, 2):             # the same bytes, whatever --workers (and from one run to the next)
+        p = run_cli("-m", "toy.demo", "--steps", "3", "--seeds", "2", "--select-seeds", "3", "--presets",
+                    "severe,collapse", "--workers", str(workers), "--toy-prompts", "16", "--prompts-per-step", "8",
+                    "--val-prompts", "8", "--out", str(tmp_path / str(workers)))
+        assert p.returncode == 0, p.stderr
+    for name in outputs:
+        assert (tmp_path / "1" / name).read_bytes() == (tmp_path / "2" / name).read_bytes() != b""
+    table = (tmp_path / "1" / "demo_results.md").read_text()
     for label in demo.TOY_DEMO_METHODS:
-        assert f"| {label} |" in table
+        assert f"| severe (alpha=8, 3 steps) | {label} |" in table
+        assert f"| collapse (alpha=1, static FP8 logits, 6 steps) | {label} |" in table
     assert "random-rollback" in table and "sign agreement" in table
+    summary = (tmp_path / "1" / "summary.md").read_text()
+    assert [f"| {demo.FOCUS_STYLE[label][0]} |" in summary for label in demo.FOCUS_METHODS] == [True] * 5
+    select = (tmp_path / "1" / "selectivity.md").read_text()
+    assert "seeds 0..2 per arm" in select and select.count("| mipu, paper rule, c = ") == 2
+    assert all(f"| {s}" in select for s in ("T_post (the paper rule's) | ", "G_k + T_post", "exact gap", "oracle"))
+
+
+def test_demo_auc_and_paired_test_known_answers():
+    assert demo.auc(np.array([2.0, 3.0]), np.array([0.0, 1.0])) == 1.0          # perfectly separated
+    assert demo.auc(np.array([0.0, 1.0]), np.array([2.0, 3.0])) == 0.0          # reversed
+    assert demo.auc(np.ones(3), np.ones(4)) == 0.5                              # all tied
+    assert demo.auc(np.array([2.0, 2.0, 3.0]), np.array([1.0, 2.0])) == pytest.approx(5 / 6)   # ties count 1/2
+    rng = np.random.default_rng(0)
+    pos, neg = rng.integers(0, 5, 40).astype(float), rng.integers(0, 4, 30).astype(float)   # many ties
+    pairs = (pos[:, None] > neg[None]).mean() + (pos[:, None] == neg[None]).mean() / 2
+    assert demo.auc(pos, neg) == pytest.approx(pairs, abs=1e-12)
+    a = rng.random(20)
+    assert demo.paired_test(a, a) == "+0.000 [+0.000, +0.000], p = 1.000"
+    assert demo.paired_test(a + 0.1, a).startswith("+0.100 [+0.100, +0.100], p = 0.000")
 
 
 def test_cli_collapse_study_tiny_budget(tmp_path):
