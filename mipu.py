@@ -1763,8 +1763,9 @@ def eval_metrics(run: LLMRun, eval_sets: dict) -> dict:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    table = [list(rows[0]), ["---"] * len(rows[0])] + [[str(r[k]) for k in rows[0]] for r in rows]
-    return "\n".join("| " + " | ".join(cells) + " |" for cells in table)
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    return "\n".join(lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
 
 
 # ---- MAIN ----------------------------------------------------------------------------------------------------------
@@ -1920,7 +1921,6 @@ def report_errors(fn, *args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    faulthandler.enable(all_threads=False)  # a fatal signal in native code (SIGSEGV, SIGILL) is named, with where
     parser = argparse.ArgumentParser(prog="mipu.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (groups, help_text, _) in SUBCOMMANDS.items():
@@ -1931,4 +1931,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.enable(all_threads=False)  # a fatal signal in native code (SIGSEGV, SIGILL) is named, with where
     sys.exit(main())
