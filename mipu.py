@@ -50,12 +50,22 @@ DEVIATIONS FROM THE PAPER, and why
   - The toy simulator replaces the LLM by a small low-rank autoregressive policy whose
     inference engine uses FP8-quantized shared weights and bf16 logits (section TOY).
 
-COMMANDS (the README has the rest: demo tables, benchmarks, eval, several GPUs, every flag of the GPU recipe)
-  python -m toy.demo                  # the toy: every method x 5 seeds on the CPU (~1 min); one run: python mipu.py toy
+FILE MAP, in reading order (a first read can stop at ENGINEERING)
+  CONFIG               Config (each field a flag), METHOD_SPEC, TOY_PRESETS, Config.checks
+  MIPU MATH            group_advantages, policy_loss, surrogate_gain, gap_proxy, accept_candidate, mismatch_metrics
+  THE ITERATION        decide, toy_step, mipu_step
+  WHAT THE STEPS CALL  LLMRun, next_batch, rollout, trainer_logp, step1_update, sync, step2_estimates, clone_state
+  TOY SIMULATOR        ToyPolicy, toy_tables, toy_sample, toy_exact_J, toy_init, toy_sync, toy_gap_check, toy_run
+  ENGINES              make_sampler, generate, sync_weights, load_trainer, memory_plan, token_logprobs, check_sync
+  ENGINEERING          several GPUs (rank_world, shard_model) / data & reward (load_rows, RewardWorker, math_reward) /
+                       checkpoints, metrics, evaluation (save_checkpoint, log_metrics, evaluate) / main (train, main)
+
+COMMANDS (the README has the rest)
+  python -m toy.demo                  # the toy demo: every method x 5 seeds on the CPU (~1 min)
+  python mipu.py toy                  # one toy run (preset collapse)
   python -m toy.make_tiny && python mipu.py train --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
       --val-data toy/arith_val.jsonl --answer-format last-number --steps 3 --prompts-per-step 8 --val-prompts 8 \
       --mini-batch-size 32 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/smoke    # CPU LLM smoke run
-  python mipu.py train --model Qwen/Qwen3-1.7B --device cuda --rollout-quant fp8 --no-enable-thinking ...   # GPU
   python -m pytest -q test_mipu.py    # the tests
 """
 from __future__ import annotations
