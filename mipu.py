@@ -320,7 +320,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Σ x·mask / Σ mask over all tokens of the batch (masked-out tokens count 0)."""
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
@@ -434,7 +433,7 @@ def toy_step(run: ToyRun, k: int) -> dict:
     # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, for the rollback)
     snapshot = clone_state(run.policy, run.opt)
     held = holdout_size(cfg)
-    set_lr(run.opt, current_lr(cfg, cfg.toy_lr, k))
+    set_lr(run.opt, cfg, cfg.toy_lr, k)
     stats = []
     for idx in step1_minibatches(len(prompt), held, cfg, run.gen):
         logp = toy_train_logp(run.policy, prompt[idx], tokens[idx])
@@ -482,7 +481,7 @@ def mipu_step(run: LLMRun) -> dict:
     if accept_kind != "always":
         run.snapshot = clone_state(run.model, run.opt, run.snapshot)
     held = holdout_size(cfg)
-    set_lr(run.opt, current_lr(cfg, cfg.learning_rate, k))
+    lr = set_lr(run.opt, cfg, cfg.learning_rate, k)
     m.update(step1_update(run, ro, logp_old, held, loss_kind))
     finite = m["step1/finite"] == 1.0
     lap("update")
@@ -510,7 +509,7 @@ def mipu_step(run: LLMRun) -> dict:
     run.step += 1
     m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
               "step2/rejections": run.rejections, "rollout/reward_timeouts": run.reward_timeouts,
-              "lr": current_lr(cfg, cfg.learning_rate, k), **lap.times()})
+              "lr": lr, **lap.times()})
     return global_metrics(m)
 
 
@@ -584,7 +583,6 @@ def next_rows(run: LLMRun, n: int) -> list:
 
 
 def next_val_rows(run: LLMRun, n: int) -> list:
-    """The next n acceptance prompts, cycling through --val-data."""
     rows = [run.val_rows[(run.val_pos + i) % len(run.val_rows)] for i in range(n)]
     run.val_pos = (run.val_pos + n) % len(run.val_rows)
     return rows
@@ -713,7 +711,6 @@ def prefixed(metrics: dict, prefix: str) -> dict:
 
 
 def mean_metrics(items: list[dict], prefix: str) -> dict:
-    """Average a list of metric dicts key by key, adding a namespace prefix."""
     return {f"{prefix}/{k}": float(np.mean([m[k] for m in items])) for k in items[0]} if items else {}
 
 
@@ -722,15 +719,12 @@ def holdout_size(cfg: Config) -> int:
     return cfg.target_holdout * cfg.num_generations // rank_world()[1] if cfg.accept_rule == "target" else 0
 
 
-def current_lr(cfg: Config, base_lr: float, k: int) -> float:
-    """Constant LR, or linear decay to lr_final_frac·base over the run (--lr-decay)."""
+def set_lr(opt: torch.optim.Optimizer, cfg: Config, base_lr: float, k: int) -> float:
+    """Set and return step k's LR: constant, or linear decay to lr_final_frac·base over the run (--lr-decay)."""
     decay = (1 - cfg.lr_final_frac) * min(k / max(cfg.steps - 1, 1), 1.0) if cfg.lr_decay else 0.0
-    return base_lr * (1 - decay)
-
-
-def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for group in opt.param_groups:
-        group["lr"] = lr
+        group["lr"] = base_lr * (1 - decay)
+    return base_lr * (1 - decay)
 
 
 def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator, ranks: int = 1) -> list[torch.Tensor]:
@@ -828,9 +822,8 @@ def toy_tables(policy: ToyPolicy, alpha: float) -> tuple[torch.Tensor, torch.Ten
     """(log π, log μ) tables [P, H, V+1, V]; the μ table is the π table itself when α = 0."""
     logits_pi = policy.logits()
     logp_pi = torch.log_softmax(logits_pi, -1)
-    if alpha == 0:
-        return logp_pi, logp_pi
-    return logp_pi, torch.log_softmax(logits_pi + alpha * (policy.logits(engine=True) - logits_pi), -1)
+    logp_mu = torch.log_softmax(logits_pi + alpha * (policy.logits(engine=True) - logits_pi), -1) if alpha else logp_pi
+    return logp_pi, logp_mu
 
 
 def toy_prev(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -900,8 +893,7 @@ def toy_warm_start(policy: ToyPolicy, targets: torch.Tensor, init_prob: float) -
 
 
 @dataclass
-class ToyRun:
-    """Everything one toy training run carries from step to step."""
+class ToyRun:        # what one toy training run carries from step to step
     cfg: Config
     alpha: float
     gen: torch.Generator
@@ -932,8 +924,7 @@ def toy_sync(run: ToyRun) -> tuple:
     with torch.no_grad():
         tables = toy_tables(run.policy, run.alpha)
     if tables[1] is tables[0]:
-        J_pi = float(toy_exact_J(tables[0], run.targets, run.cfg.toy_tolerance).mean())
-        J = (J_pi, J_pi)
+        J = (float(toy_exact_J(tables[0], run.targets, run.cfg.toy_tolerance).mean()),) * 2
     else:   # both engines in one DP: [2P] prompts
         both = toy_exact_J(torch.cat(tables), run.targets.repeat(2, 1), run.cfg.toy_tolerance)
         J = tuple(float(x.mean()) for x in np.split(both, 2))
@@ -956,8 +947,7 @@ def toy_run(cfg: Config, alpha: float) -> list[dict]:
     """A whole toy training run: the initial record (step -1) and the metrics of every step."""
     torch.set_num_threads(1)          # bit-for-bit: results must not depend on thread count
     run = toy_init(cfg, alpha)
-    first = {"step": -1, "exact/J_pi": run.J[0], "exact/J_mu": run.J[1]}
-    return [first] + [toy_step(run, k) for k in range(cfg.steps)]
+    return [{"step": -1, "exact/J_pi": run.J[0], "exact/J_mu": run.J[1]}] + [toy_step(run, k) for k in range(cfg.steps)]
 
 
 # ==== ENGINES =======================================================================================================
