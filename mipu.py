@@ -110,8 +110,7 @@ class MIPUError(ValueError):
 
 
 # ==== CONFIG ========================================================================================================
-# The single source of truth. Each field becomes a command-line flag (`learning_rate` -> `--learning-rate`); `group`
-# says which subcommands use it.
+# Each field becomes a command-line flag (`learning_rate` -> `--learning-rate`); `group` says which subcommands use it.
 
 # method -> (Step-1 loss, Step-2 acceptance); random-rollback-tis is mipu's control: its update, random rejections
 METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mis", "always"),
@@ -305,8 +304,7 @@ class Config:
 
 
 # ==== MIPU MATH =====================================================================================================
-# Pure functions. B responses, T tokens: logp* and mask are [B, T] (each sampled token's log-prob; mask 1 on response
-# tokens), adv is [B].
+# Pure functions. logp*, mask [B, T]: each sampled token's log-prob, 1 on response tokens (B responses of T); adv [B]
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantage A_i = (R_i − mean_g R) / (std_g R + eps), rewards ordered group by group. std has ddof=0:
@@ -768,10 +766,8 @@ def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: 
 
 
 # ==== TOY SIMULATOR =================================================================================================
-# A small autoregressive policy whose "inference engine" differs from its "training engine" in a controlled,
-# deterministic way.
-#   policy: logits[p, t, prev] = tanh((E_p[p] + E_t[t] + E_v[prev]) W1) W2   (W1, W2 shared by every prompt and
-#           position, like an LLM's layers)
+# A small autoregressive policy whose "inference engine" differs from its "training engine" in a controlled way.
+#   policy: logits[p, t, prev] = tanh((E_p[p] + E_t[t] + E_v[prev]) W1) W2   (W1, W2 shared, like an LLM's layers)
 #   engine: the same network with W1, W2 rounded through FP8 E4M3 (per-tensor scale, as vLLM's online FP8
 #           quantization) and logits rounded to bf16; μ_logits = π_logits + α (engine_logits − π_logits), so
 #           α = 0 gives μ = π bit for bit. --toy-logit-fp8: the engine's logits go through FP8 too (per row/static).
@@ -1031,9 +1027,8 @@ def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
                              seed=seed + i * n, logprobs=0)  # logprobs=0: sampled token only
               for i in range(len(prompt_ids))]
     prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
     samples = []
-    for i, out in enumerate(outputs):  # vLLM returns outputs in prompt order
+    for i, out in enumerate(llm.generate(prompts, params, use_tqdm=False)):  # vLLM returns outputs in prompt order
         for comp in sorted(out.outputs, key=lambda c: c.index):
             ids = list(comp.token_ids)
             lps = [comp.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
