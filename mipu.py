@@ -1,8 +1,7 @@
 """MIPU: Monotonic Inference Policy Update, a single-file reference implementation.
 
-Paper: "The Mirage of Optimizing Training Policies: Monotonic Inference Policies as the
-Real Objective for LLM Reinforcement Learning" (Liang, Tang, Ma, et al., 2026).
-No official code is public; this file is our reading of the method.
+Paper: "The Mirage of Optimizing Training Policies: Monotonic Inference Policies as the Real Objective for LLM
+Reinforcement Learning" (Liang, Tang, Ma, et al., 2026). No official code is public; this file is our reading of it.
 
 THE PROBLEM. Responses are sampled by an inference engine (vLLM) and gradients come from a training engine (HF
 transformers). With the same weights θ_k the two give different token probabilities: the training policy π_k and
@@ -41,14 +40,13 @@ DEVIATIONS FROM THE PAPER, and why
   - The paper does not state c, |D_val|, group size, learning rate or data. Defaults below say where they come
     from; every one is a flag.
   - The target acceptance rule is ours (see 3.); the paper's rule is the default.
-  - --gap-batch next (ours, an efficiency option): Step 2 samples the NEXT step's training
-    prompts from μ_{k+1}; if accepted, those rollouts and their π_{k+1} log-probs are step
-    k+1's batch (each batch is still sampled by the μ it is trained against), else dropped.
-  - The CPU has no FP8 kernels, so `--rollout-quant fp8-sim` rounds the synced weights through
-    torch.float8_e4m3fn (one scale per fused vLLM layer, as vLLM's GPU fp8_per_tensor) to create a
-    GPU-like FP8 mismatch; GPU FP8's dynamic per-token activation quantization is not simulated.
-  - The toy simulator replaces the LLM by a small low-rank autoregressive policy whose
-    inference engine uses FP8-quantized shared weights and bf16 logits (section TOY).
+  - --gap-batch next (ours, for efficiency): Step 2 samples the NEXT step's prompts from μ_{k+1}; if accepted,
+    their rollouts and π_{k+1} log-probs are step k+1's batch (sampled by the μ it trains against), else dropped.
+  - The CPU has no FP8 kernels, so `--rollout-quant fp8-sim` rounds the synced weights through torch.float8_e4m3fn
+    (one scale per fused vLLM layer, as vLLM's GPU fp8_per_tensor) to create a GPU-like FP8 mismatch; GPU FP8's
+    dynamic per-token activation quantization is not simulated.
+  - The toy simulator replaces the LLM by a small low-rank autoregressive policy whose inference engine uses
+    FP8-quantized shared weights and bf16 logits (TOY SIMULATOR).
 
 FILE MAP, in reading order (a first read can stop at ENGINEERING)
   CONFIG               Config (each field a flag), METHOD_SPEC, TOY_PRESETS, Config.checks
@@ -89,7 +87,6 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
 from multiprocessing.connection import wait as wait_readable  # poll(2): no select(2) limit of 1024 descriptors
@@ -134,14 +131,14 @@ POLL_LIMIT_S = (2**31 - 1) / 1000  # the reward worker waits with poll(): its ti
 
 
 def _arg(default, help: str, group: str = "algo", choices=None):
-    return field(default=default, metadata={"help": help, "group": group, "choices": choices})
+    return dataclasses.field(default=default, metadata={"help": help, "group": group, "choices": choices})
 
 
 _llm, _toy = functools.partial(_arg, group="llm"), functools.partial(_arg, group="toy")   # the other two groups
 _auto = functools.partial(_llm, "auto", choices=("auto", "on", "off"))    # "auto": AUTO_DEFAULTS' value for the device
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
     # ---- MIPU algorithm: shared by the toy and the LLM path ----
     method: str = _arg("mipu", "update/acceptance pair (METHOD_SPEC)", choices=tuple(METHOD_SPEC))
@@ -401,9 +398,8 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
 # phases 0-4), the rest bookkeeping (timing, metrics, --gap-batch next); what they call comes right after.
 
 def decide(cfg: Config, finite: bool, t_post: float, g_k: float, draw, se: float = 0.0) -> bool:
-    """Step 2's verdict for any method: a non-finite candidate is rejected; "gap" methods apply the acceptance
-    rule (toy: --c-se moves the threshold by c_se·se, se = T̂_post's standard error); random-rollback rejects
-    with probability reject_rate (draw() ~ U[0, 1), called only then: other methods consume no randomness)."""
+    """Step 2's verdict: a non-finite candidate is rejected; "gap" methods apply the rule (toy: at c + c_se·se, se =
+    T̂_post's standard error); random ones reject with probability reject_rate (draw() ~ U[0, 1), called only then)."""
     accept_kind = METHOD_SPEC[cfg.method][1]
     if accept_kind == "gap":
         return finite and accept_candidate(cfg.accept_rule, t_post, g_k, cfg.c + cfg.c_se * se)
@@ -512,7 +508,7 @@ def mipu_step(run: LLMRun) -> dict:
 # ==== WHAT THE STEPS CALL ===========================================================================================
 # The LLM run's state and phases (rollout, recompute, Step 1, sync, Step 2), then the helpers both steps share.
 
-@dataclass
+@dataclasses.dataclass
 class Rollout:
     """Responses of a batch of prompts, group by group, padded to tensors."""
     prompt_ids: list                          # B lists of prompt token ids
@@ -529,7 +525,7 @@ class Rollout:
                        self.logp_sampler[idx], self.mask[idx], self.rewards[idx], self.adv[idx], self.truncated[idx])
 
 
-@dataclass
+@dataclasses.dataclass
 class LLMRun:
     """Everything the LLM training loop carries from step to step (and checkpoints)."""
     cfg: Config
@@ -885,7 +881,7 @@ def toy_warm_start(policy: ToyPolicy, targets: torch.Tensor, init_prob: float) -
     raise MIPUError(f"toy warm start did not reach --toy-init-prob {init_prob} in {TOY_WARM_MAX_STEPS} steps")
 
 
-@dataclass
+@dataclasses.dataclass
 class ToyRun:        # what one toy training run carries from step to step
     cfg: Config
     alpha: float
