@@ -1011,8 +1011,7 @@ def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
     return [item for f in files for item in load_file(f).items()]
 
 
-def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
-             temperature: float, seed: int) -> list[dict]:
+def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, seed: int) -> list:
     """Sample n completions per prompt; returns len(prompt_ids) * n dicts, prompt by prompt, bit-identical for the
     same seed, prompts and weights; sampler_logprobs are after temperature (logprobs_mode="processed_logprobs")."""
     from vllm import SamplingParams, TokensPrompt
