@@ -207,8 +207,7 @@ class Config:
     drop_long_prompts: bool = _llm(False, "drop (and count) prompts too long for the context, not refuse them")
     reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default); a "
                                  "gold answer that cannot be compared with 0 within it scores 0 from then on, uncalled")
-    report_to: str = _llm("", "also send metrics to tensorboard (<output-dir>/tensorboard) and/or wandb, "
-                              "comma-separated (WANDB_MODE=offline needs no network)")
+    report_to: str = _llm("", "metrics also to tensorboard (<output-dir>/tensorboard) and/or wandb, comma-separated")
     # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
     toy_preset: str = _toy("collapse", "mismatch preset (mipu.py's TOY_PRESETS): sets the toy flags left at their "
                            "defaults; collapse = fp8 with static-scale FP8 logits", choices=tuple(TOY_PRESETS))
@@ -231,8 +230,7 @@ class Config:
                 setattr(self, name, gpu if self.device == "cuda" else cpu)
 
     def validate(self, command: str = "") -> "Config":
-        """Reject bad values and bad combinations with one clear message each, before anything heavy is loaded;
-        `command` ("train" or "eval") adds what that command needs: its flags, the model folder, a checkpoint."""
+        """One MIPUError line per bad value or combination, before anything heavy loads; `command` adds its needs."""
         for ok, message in self.checks(command):
             if not ok:
                 raise MIPUError(message)
@@ -363,8 +361,7 @@ def gap_proxy(logp_new, logp_sampler, adv, mask) -> torch.Tensor:
 
 def accept_candidate(rule: str, t_post: float, g_k: float, c: float) -> bool:
     """Paper rule: T̂_post ≥ −c.  Target rule (ours): Ĝ_k + T̂_post ≥ −c."""
-    value = t_post if rule == "paper" else g_k + t_post
-    return bool(value >= -c)
+    return bool((t_post if rule == "paper" else g_k + t_post) >= -c)
 
 
 def mismatch_metrics(logp_train, logp_sampler, mask) -> dict:
@@ -549,8 +546,7 @@ class LLMRun:
 
 
 def next_batch(run: LLMRun, lap: Laps) -> tuple[Rollout, torch.Tensor]:
-    """Step k's rollouts from μ_k and their π_k log-probs [B, T]. With --gap-batch next and an
-    accepted step k-1, that step's Step-2 batch, already sampled from μ_k (no rollout, no recompute)."""
+    """Step k's rollouts from μ_k and their π_k log-probs [B, T]; --gap-batch next: step k-1's accepted Step-2 batch."""
     batch, rows = run.pending, run.pending_rows
     run.pending = run.pending_rows = None
     if batch is not None:
