@@ -523,8 +523,7 @@ class Rollout:
 
 
 @dataclasses.dataclass
-class LLMRun:
-    """Everything the LLM training loop carries from step to step (and checkpoints)."""
+class LLMRun:        # what the LLM training loop carries from step to step (and checkpoints)
     cfg: Config
     llm: object                               # vllm.LLM: the inference engine, μ
     model: torch.nn.Module                    # transformers model: the training engine, π
