@@ -1601,14 +1601,20 @@ def save_checkpoint(run: LLMRun) -> Path:
     final = Path(run.cfg.output_dir) / f"checkpoint-{run.step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     if rank_world()[0] == 0:                  # (a temp folder of a killed save is removed at the next start)
-        run.model.save_pretrained(tmp, state_dict=weights)
-        run.tokenizer.save_pretrained(tmp)
-        torch.save(opt_state, tmp / "optimizer.pt")
-        torch.save({**{k: getattr(run, k) for k in RUN_COUNTERS},
-                    "pending": run.pending and (vars(run.pending[0]), run.pending[1]),    # --gap-batch next's batch
-                    "torch_rng": torch.get_rng_state(),   # numpy's key array as a list: loads with weights_only=True
-                    "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
-                    "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
+        try:
+            run.model.save_pretrained(tmp, state_dict=weights)
+            run.tokenizer.save_pretrained(tmp)
+            torch.save(opt_state, tmp / "optimizer.pt")
+            torch.save({**{k: getattr(run, k) for k in RUN_COUNTERS},
+                        "pending": run.pending and (vars(run.pending[0]), run.pending[1]),   # --gap-batch next's batch
+                        "torch_rng": torch.get_rng_state(),  # numpy's key array as a list: loads with weights_only
+                        "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+                        "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
+            check_weight_files(tmp)    # on a full disk safetensors' save_file may write a short file and raise nothing
+        except (OSError, RuntimeError, MIPUError) as e:      # torch.save's full disk is a RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise MIPUError(f"could not write {final} ({getattr(e, 'strerror', None) or e}); the last checkpoint is "
+                            "intact: make room, then continue with --resume") from e
         os.replace(tmp, final)
         for old in run_checkpoints(final.parent):
             if old != final:
@@ -1660,7 +1666,12 @@ def keep_metrics_before(path: Path, step: int) -> None:
     if path.exists():
         lines = [x for x in path.read_text().splitlines(keepends=True) if x.endswith("\n")]
         keep = [x for x in lines if not (r := re.match(r'\{"step": (\d+)[,}]', x)) or int(r[1]) < step]
-        path.with_suffix(".tmp").write_text("".join(keep))
+        try:
+            path.with_suffix(".tmp").write_text("".join(keep))
+        except OSError as e:                                    # a full disk: no empty temp file left behind
+            path.with_suffix(".tmp").unlink(missing_ok=True)
+            raise MIPUError(f"could not write {path} ({e.strerror or e}); make room, then continue with "
+                            "--resume") from e
         os.replace(path.with_suffix(".tmp"), path)
 
 
@@ -1676,15 +1687,24 @@ def check_resume(cfg: Config, state: dict, n_train: int) -> None:
         raise MIPUError(f"--resume: --train-data has {n_train} rows, the run's had {len(state['order'])}")
 
 
+def check_weight_files(folder: Path) -> None:
+    """Each *.safetensors file of a model folder read whole (its header, and a size that holds its tensors) before
+    an engine loads it: a damaged file is one error naming it."""
+    from safetensors import safe_open
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            safe_open(path, "pt").keys()
+        except Exception as e:                              # SafetensorError, OSError: a truncated or edited file
+            raise MIPUError(f"{path}: refused or damaged ({type(e).__name__}: {e})") from e
+
+
 def read_trainer_state(ckpt: Path) -> dict:
     """trainer_state.pt (+ optimizer.pt on rank 0, which sends it) read with weights_only=True: tensors and plain
-    containers only, so a planted pickle payload is refused, never run; weight files' headers, then keys and types."""
-    from safetensors import safe_open
+    containers only, so a planted pickle payload is refused, never run; weight files first, then keys and types."""
     kinds = {**RUN_COUNTERS, "pending": tuple | None, "torch_rng": torch.Tensor, "numpy_rng": list, "config": dict}
+    check_weight_files(ckpt)
     try:
-        for path in sorted(ckpt.glob("*.safetensors")):        # `path`: the file an error names
-            safe_open(path, "pt").keys()
-        state = torch.load(path := ckpt / "trainer_state.pt", weights_only=True)
+        state = torch.load(path := ckpt / "trainer_state.pt", weights_only=True)     # `path`: the file an error names
         if wrong := [k for k, kind in kinds.items() if not isinstance(state.get(k), kind)]:  # a list: AttributeError
             raise ValueError(f"missing or of the wrong type: {', '.join(wrong)}")
         torch.Generator().set_state(state["torch_rng"])           # a bad RNG state fails here, before the engines
@@ -1708,13 +1728,17 @@ def load_trainer_state(run: LLMRun, state: dict) -> None:
 
 
 def open_reporter(cfg: Config):
-    """--report-to, imported only when asked: a SummaryWriter in <output-dir>/tensorboard, mirrored by wandb."""
+    """--report-to, imported only when asked: a SummaryWriter in <output-dir>/tensorboard, mirrored by wandb (one
+    wandb run per --output-dir: its id is kept in <output-dir>/wandb-id, and --resume continues that run)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
         if "wandb" in cfg.report_to:
             import wandb
-            wandb.init(project="mipu", name=Path(cfg.output_dir).name, dir=cfg.output_dir,
-                       config=dataclasses.asdict(cfg), sync_tensorboard=True)
+            run_id = Path(cfg.output_dir) / "wandb-id"
+            if not (cfg.resume and run_id.exists()):
+                run_id.write_text(os.urandom(8).hex())
+            wandb.init(project="mipu", name=Path(cfg.output_dir).name, dir=cfg.output_dir, id=run_id.read_text(),
+                       resume="allow", config=dataclasses.asdict(cfg), sync_tensorboard=True)
     except ImportError as e:
         raise MIPUError(f"--report-to {cfg.report_to}: {e} (pip install tensorboard, and wandb for wandb)") from e
     step = int(latest_checkpoint(cfg.output_dir).name.split("-")[1]) if cfg.resume else 0   # purged: steps past it
@@ -1815,6 +1839,10 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         check_memory_plan(cfg)
     model = load_trainer(weights, cfg.train_dtype, "cpu" if torchrun() else cfg.device, cfg.grad_checkpointing == "on")
+    shapes = {k: p.shape for k, p in model.named_parameters()}  # AdamW takes any shape, then fails at its first step
+    if state and any(torch.is_tensor(v) and v.dim() and v.shape != shapes.get(k, v.shape)
+                     for k, st in state["optimizer"].get("state", {}).items() for v in st.values()):
+        raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused or damaged (its tensors' shapes are not the weights')")
     model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
@@ -1876,7 +1904,8 @@ def train(cfg: Config) -> None:
 
 def eval_command(cfg: Config) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
-    eval_sets = load_eval_sets(cfg)                   # before the engine starts: bad data fails fast
+    eval_sets = load_eval_sets(cfg)                   # before the engine starts: bad data or weights fail fast
+    check_weight_files(model_folder(cfg.model))
     print(markdown_table(evaluate(make_sampler(cfg), load_pretrained("AutoTokenizer", cfg.model), eval_sets, cfg)))
 
 
