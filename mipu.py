@@ -1353,9 +1353,8 @@ def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dic
     """Validate one raw row and return {"prompt": str, "answer": str}."""
     if not isinstance(row, dict):
         raise MIPUError(f"{where}: row is a {type(row).__name__}, expected a JSON object")
-    for key in (prompt_key, answer_key):
-        if key not in row:
-            raise MIPUError(f"{where}: missing key {key!r}; keys present: {sorted(row)}")
+    if missing := [key for key in (prompt_key, answer_key) if key not in row]:
+        raise MIPUError(f"{where}: missing key {missing[0]!r}; keys present: {sorted(row)}")
     prompt, answer = row[prompt_key], row[answer_key]
     if not isinstance(prompt, str) or not prompt.strip():
         raise MIPUError(f"{where}: prompt key {prompt_key!r} is empty or not a string")
@@ -1508,26 +1507,7 @@ class RewardWorker:
         with self.lock:
             if self.slow.get(answer, 0.0) >= timeout:
                 return None
-            if self.proc is not None and self.proc.poll() is not None:      # found dead (OOM killer): restart
-                print(f"warning: the reward worker ended ({self._stop()}); restarted", file=sys.stderr)
-            try:
-                if self.proc is None:   # a session of its own: a Ctrl-C at a terminal reaches this process only
-                    code = inspect.getsource(_verify_worker) + "_verify_worker()"
-                    self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
-                    ready = self.proc.stdout.readline()  # imports done: the budget times the verification only
-                    if ready != '"ready"\n':            # an import error's message, else nothing: the worker died
-                        why = json.loads(ready) if ready else f"no reply ({self._stop()})"
-                        raise MIPUError(f"the reward worker (math_verify) could not start: {why}")
-                self.proc.stdin.write(json.dumps([pred, answer]) + "\n")
-                self.proc.stdin.flush()
-                reply = self.proc.stdout.readline() if wait_readable([self.proc.stdout], timeout) else None
-            except BrokenPipeError:                  # died just now: as no reply
-                reply = ""
-            except BaseException:                    # Ctrl-C mid-call or mid-start: no worker left computing
-                if self.proc:
-                    self._stop()
-                raise
+            reply = self._ask(json.dumps([pred, answer]), timeout)
             if reply:                                # true, false, or null: math_verify cannot parse them
                 return _simple_equal(pred, answer) if reply == "null\n" else json.loads(reply)
             ended = self._stop()
@@ -1538,6 +1518,33 @@ class RewardWorker:
                 print(f"warning: gold answer {answer[:60]!r}... cannot be compared with 0 within {timeout:g} s: "
                       "its samples score 0 from now on, without a call", file=sys.stderr)
             return None
+
+    def _ask(self, request: str, timeout: float) -> str | None:
+        """The worker's reply line to a request: "" if the worker died meanwhile, None past `timeout` seconds."""
+        if self.proc is not None and self.proc.poll() is not None:      # found dead (OOM killer): restart
+            print(f"warning: the reward worker ended ({self._stop()}); restarted", file=sys.stderr)
+        try:
+            if self.proc is None:
+                self._start()
+            self.proc.stdin.write(request + "\n")
+            self.proc.stdin.flush()
+            return self.proc.stdout.readline() if wait_readable([self.proc.stdout], timeout) else None
+        except BrokenPipeError:                  # died just now: as no reply
+            return ""
+        except BaseException:                    # Ctrl-C mid-call or mid-start: no worker left computing
+            if self.proc:
+                self._stop()
+            raise
+
+    def _start(self) -> None:
+        """The worker, in a session of its own (a Ctrl-C at a terminal reaches this process only), once its imports
+        are done: the time budget times the verification only."""
+        code = inspect.getsource(_verify_worker) + "_verify_worker()"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        if (ready := self.proc.stdout.readline()) != '"ready"\n':   # an import error's message, else nothing: died
+            why = json.loads(ready) if ready else f"no reply ({self._stop()})"
+            raise MIPUError(f"the reward worker (math_verify) could not start: {why}")
 
     def _stop(self) -> str:
         """Kill the worker if it still runs; how it ended: a signal's name or an exit code."""
@@ -1572,11 +1579,8 @@ def build_prompt_ids(tokenizer, question: str, suffix: str = "", thinking: bool 
     """Token ids of question + suffix, through the chat template if any (enable_thinking: Qwen3's switch)."""
     question += suffix
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                            tokenize=True, enable_thinking=thinking)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                  return_dict=False, enable_thinking=thinking))
     return tokenizer.encode(question, add_special_tokens=False)
 
 
@@ -1921,12 +1925,10 @@ def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: st
     """One flag per Config field of the given groups (`learning_rate` -> `--learning-rate`)."""
     for f in [f for f in dataclasses.fields(Config) if f.metadata["group"] in groups]:
         flags = ["--" + f.name.replace("_", "-")] + FLAG_ALIASES.get((command, f.name), [])
-        if isinstance(f.default, bool):
-            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata["help"])
-        else:
-            parser.add_argument(*flags, dest=f.name, type=type(f.default), default=f.default,
-                                choices=f.metadata["choices"], help=f.metadata["help"] + " (default: %(default)s)")
+        kind = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {  # it adds the default
+            "type": type(f.default), "choices": f.metadata["choices"]}
+        parser.add_argument(*flags, dest=f.name, default=f.default, **kind,
+                            help=f.metadata["help"] + ("" if "action" in kind else " (default: %(default)s)"))
 
 
 def config_from(args: dict, command: str = "") -> Config:
