@@ -1328,9 +1328,8 @@ def reshard(model: torch.nn.Module) -> None:
 
 
 def dist_close(run: "LLMRun") -> None:
-    """vLLM's engine shutdown destroys the process groups itself (at exit, after ours are gone, it fails):
-    so the engine first (vllm 0.32's in-process engine core: LLM has no public shutdown, and del + gc.collect
-    leaves the engine alive until exit), then the group."""
+    """vLLM's engine shutdown destroys the process groups itself (at exit, after ours are gone, it fails): so the engine
+    first (vllm 0.32's in-process engine core: LLM has no public shutdown; del + gc.collect keeps it until exit)."""
     run.llm.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -1617,8 +1616,7 @@ def save_checkpoint(run: LLMRun) -> Path:
             check_weight_files(tmp)    # on a full disk safetensors' save_file may write a short file and raise nothing
         except (OSError, RuntimeError, MIPUError) as e:      # torch.save's full disk is a RuntimeError
             shutil.rmtree(tmp, ignore_errors=True)
-            raise MIPUError(f"could not write {final} ({getattr(e, 'strerror', None) or e}); the last checkpoint is "
-                            "intact: make room, then continue with --resume") from e
+            raise MIPUError(f"could not write {final} ({e}); the last checkpoint is intact (--resume)") from e
         os.replace(tmp, final)
         for old in run_checkpoints(final.parent):
             if old != final:
@@ -1674,8 +1672,7 @@ def keep_metrics_before(path: Path, step: int) -> None:
             path.with_suffix(".tmp").write_text("".join(keep))
         except OSError as e:                                    # a full disk: no empty temp file left behind
             path.with_suffix(".tmp").unlink(missing_ok=True)
-            raise MIPUError(f"could not write {path} ({e.strerror or e}); make room, then continue with "
-                            "--resume") from e
+            raise MIPUError(f"could not write {path} ({e.strerror}); make room, then continue with --resume") from e
         os.replace(path.with_suffix(".tmp"), path)
 
 
@@ -1692,8 +1689,7 @@ def check_resume(cfg: Config, state: dict, n_train: int) -> None:
 
 
 def check_weight_files(folder: Path) -> None:
-    """Each *.safetensors file of a model folder read whole (its header, and a size that holds its tensors) before
-    an engine loads it: a damaged file is one error naming it."""
+    """Every *.safetensors file of a model folder whole (its header, a size holding its tensors), else one error."""
     from safetensors import safe_open
     for path in sorted(folder.glob("*.safetensors")):
         try:
@@ -1732,13 +1728,12 @@ def load_trainer_state(run: LLMRun, state: dict) -> None:
 
 
 def open_reporter(cfg: Config):
-    """--report-to, imported only when asked: a SummaryWriter in <output-dir>/tensorboard, mirrored by wandb (one
-    wandb run per --output-dir: its id is kept in <output-dir>/wandb-id, and --resume continues that run)."""
+    """--report-to, imported only when asked: a SummaryWriter in <output-dir>/tensorboard, mirrored by wandb."""
     try:
         from torch.utils.tensorboard import SummaryWriter
         if "wandb" in cfg.report_to:
             import wandb
-            run_id = Path(cfg.output_dir) / "wandb-id"
+            run_id = Path(cfg.output_dir) / "wandb-id"     # one wandb run per --output-dir: --resume continues it
             if not (cfg.resume and run_id.exists()):
                 run_id.write_text(os.urandom(8).hex())
             wandb.init(project="mipu", name=Path(cfg.output_dir).name, dir=cfg.output_dir, id=run_id.read_text(),
