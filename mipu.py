@@ -1349,7 +1349,6 @@ def global_metrics(m: dict) -> dict:
 # Prompts/answers from JSONL, parquet or HF datasets; a 1/0 math reward (plain numbers exact, the rest math-verify).
 
 def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dict:
-    """Validate one raw row and return {"prompt": str, "answer": str}."""
     if not isinstance(row, dict):
         raise MIPUError(f"{where}: row is a {type(row).__name__}, expected a JSON object")
     if missing := [key for key in (prompt_key, answer_key) if key not in row]:
@@ -1781,7 +1780,6 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
 
 
 def eval_metrics(run: LLMRun, eval_sets: dict) -> dict:
-    """{"eval/<dataset>/pass@1": ...} of the inference engine's current weights."""
     return {f"eval/{r['dataset']}/pass@1": r["pass@1"] for r in evaluate(run.llm, run.tokenizer, eval_sets, run.cfg)}
 
 
