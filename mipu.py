@@ -1671,7 +1671,7 @@ def keep_metrics_before(path: Path, step: int) -> None:
             path.with_suffix(".tmp").write_text("".join(keep))
         except OSError as e:                                    # a full disk: no empty temp file left behind
             path.with_suffix(".tmp").unlink(missing_ok=True)
-            raise MIPUError(f"could not write {path} ({e.strerror}); make room, then continue with --resume") from e
+            raise MIPUError(f"could not write {path} ({e.strerror or e}); make room, then --resume") from e
         os.replace(path.with_suffix(".tmp"), path)
 
 
