@@ -1394,11 +1394,10 @@ def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
         else:   # a hub-layout folder, or a hub id's from the local HF cache only, as models (offline: no retries)
             src = name if Path(name).is_dir() else snapshot_download(name, repo_type="dataset", local_files_only=True)
             ds = datasets.load_dataset(src, split=split)
-    except errors.LocalEntryNotFoundError as e:
-        raise MIPUError(f"could not load dataset {name!r} (split {split!r}): no such local folder, nor a hub id in the "
-                        f"local HF cache (download it first: `hf download --repo-type dataset {name}`)") from e
     except (OSError, ValueError, IndexError, datasets.exceptions.DatasetsError) as e:  # IndexError: 0-row save_to_disk
-        raise MIPUError(f"could not load dataset {name!r} (split {split!r}): {e}") from e
+        why = ("no such local folder, nor a hub id in the local HF cache (download it first: `hf download --repo-type "
+               f"dataset {name}`)") if isinstance(e, errors.LocalEntryNotFoundError) else e
+        raise MIPUError(f"could not load dataset {name!r} (split {split!r}): {why}") from e
     if isinstance(ds, datasets.DatasetDict) and split not in ds:
         raise MIPUError(f"{name}: no split {split!r}; splits present: {sorted(ds)}")
     ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
