@@ -1305,9 +1305,8 @@ def reshard(model: torch.nn.Module) -> None:
 
 
 def dist_close(run: "LLMRun") -> None:
-    """vLLM's engine shutdown destroys the process groups itself (at exit, after ours are gone, it fails):
-    so the engine first (vllm 0.32's in-process engine core: LLM has no public shutdown, and del + gc.collect
-    leaves the engine alive until exit), then the group."""
+    """vLLM's engine shutdown destroys the process groups itself (at exit, after ours are gone, it fails): so the engine
+    first (vllm 0.32's in-process engine core: LLM has no public shutdown; del + gc.collect keeps it until exit)."""
     run.llm.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -1327,12 +1326,10 @@ def global_metrics(m: dict) -> dict:
 # Prompts/answers from JSONL, parquet or HF datasets; a 1/0 math reward (plain numbers exact, the rest math-verify).
 
 def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dict:
-    """Validate one raw row and return {"prompt": str, "answer": str}."""
     if not isinstance(row, dict):
         raise MIPUError(f"{where}: row is a {type(row).__name__}, expected a JSON object")
-    for key in (prompt_key, answer_key):
-        if key not in row:
-            raise MIPUError(f"{where}: missing key {key!r}; keys present: {sorted(row)}")
+    if missing := [key for key in (prompt_key, answer_key) if key not in row]:
+        raise MIPUError(f"{where}: missing key {missing[0]!r}; keys present: {sorted(row)}")
     prompt, answer = row[prompt_key], row[answer_key]
     if not isinstance(prompt, str) or not prompt.strip():
         raise MIPUError(f"{where}: prompt key {prompt_key!r} is empty or not a string")
@@ -1374,11 +1371,10 @@ def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
         else:   # a hub-layout folder, or a hub id's from the local HF cache only, as models (offline: no retries)
             src = name if Path(name).is_dir() else snapshot_download(name, repo_type="dataset", local_files_only=True)
             ds = datasets.load_dataset(src, split=split)
-    except errors.LocalEntryNotFoundError as e:
-        raise MIPUError(f"could not load dataset {name!r} (split {split!r}): no such local folder, nor a hub id in the "
-                        f"local HF cache (download it first: `hf download --repo-type dataset {name}`)") from e
     except (OSError, ValueError, IndexError, datasets.exceptions.DatasetsError) as e:  # IndexError: 0-row save_to_disk
-        raise MIPUError(f"could not load dataset {name!r} (split {split!r}): {e}") from e
+        why = ("no such local folder, nor a hub id in the local HF cache (download it first: `hf download --repo-type "
+               f"dataset {name}`)") if isinstance(e, errors.LocalEntryNotFoundError) else e
+        raise MIPUError(f"could not load dataset {name!r} (split {split!r}): {why}") from e
     if isinstance(ds, datasets.DatasetDict) and split not in ds:
         raise MIPUError(f"{name}: no split {split!r}; splits present: {sorted(ds)}")
     ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
@@ -1485,26 +1481,7 @@ class RewardWorker:
         with self.lock:
             if self.slow.get(answer, 0.0) >= timeout:
                 return None
-            if self.proc is not None and self.proc.poll() is not None:      # found dead (OOM killer): restart
-                print(f"warning: the reward worker ended ({self._stop()}); restarted", file=sys.stderr)
-            try:
-                if self.proc is None:   # a session of its own: a Ctrl-C at a terminal reaches this process only
-                    code = inspect.getsource(_verify_worker) + "_verify_worker()"
-                    self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
-                    ready = self.proc.stdout.readline()  # imports done: the budget times the verification only
-                    if ready != '"ready"\n':            # an import error's message, else nothing: the worker died
-                        why = json.loads(ready) if ready else f"no reply ({self._stop()})"
-                        raise MIPUError(f"the reward worker (math_verify) could not start: {why}")
-                self.proc.stdin.write(json.dumps([pred, answer]) + "\n")
-                self.proc.stdin.flush()
-                reply = self.proc.stdout.readline() if wait_readable([self.proc.stdout], timeout) else None
-            except BrokenPipeError:                  # died just now: as no reply
-                reply = ""
-            except BaseException:                    # Ctrl-C mid-call or mid-start: no worker left computing
-                if self.proc:
-                    self._stop()
-                raise
+            reply = self._ask(json.dumps([pred, answer]), timeout)
             if reply:                                # true, false, or null: math_verify cannot parse them
                 return _simple_equal(pred, answer) if reply == "null\n" else json.loads(reply)
             ended = self._stop()
@@ -1515,6 +1492,33 @@ class RewardWorker:
                 print(f"warning: gold answer {answer[:60]!r}... cannot be compared with 0 within {timeout:g} s: "
                       "its samples score 0 from now on, without a call", file=sys.stderr)
             return None
+
+    def _ask(self, request: str, timeout: float) -> str | None:
+        """The worker's reply line to a request: "" if the worker died meanwhile, None past `timeout` seconds."""
+        if self.proc is not None and self.proc.poll() is not None:      # found dead (OOM killer): restart
+            print(f"warning: the reward worker ended ({self._stop()}); restarted", file=sys.stderr)
+        try:
+            if self.proc is None:
+                self._start()
+            self.proc.stdin.write(request + "\n")
+            self.proc.stdin.flush()
+            return self.proc.stdout.readline() if wait_readable([self.proc.stdout], timeout) else None
+        except BrokenPipeError:                  # died just now: as no reply
+            return ""
+        except BaseException:                    # Ctrl-C mid-call or mid-start: no worker left computing
+            if self.proc:
+                self._stop()
+            raise
+
+    def _start(self) -> None:
+        """The worker, in a session of its own (a Ctrl-C at a terminal reaches this process only), once its imports
+        are done: the time budget times the verification only."""
+        code = inspect.getsource(_verify_worker) + "_verify_worker()"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        if (ready := self.proc.stdout.readline()) != '"ready"\n':   # an import error's message, else nothing: died
+            why = json.loads(ready) if ready else f"no reply ({self._stop()})"
+            raise MIPUError(f"the reward worker (math_verify) could not start: {why}")
 
     def _stop(self) -> str:
         """Kill the worker if it still runs; how it ended: a signal's name or an exit code."""
@@ -1549,11 +1553,8 @@ def build_prompt_ids(tokenizer, question: str, suffix: str = "", thinking: bool 
     """Token ids of question + suffix, through the chat template if any (enable_thinking: Qwen3's switch)."""
     question += suffix
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                            tokenize=True, enable_thinking=thinking)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                  return_dict=False, enable_thinking=thinking))
     return tokenizer.encode(question, add_special_tokens=False)
 
 
@@ -1578,14 +1579,19 @@ def save_checkpoint(run: LLMRun) -> Path:
     final = Path(run.cfg.output_dir) / f"checkpoint-{run.step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     if rank_world()[0] == 0:                  # (a temp folder of a killed save is removed at the next start)
-        run.model.save_pretrained(tmp, state_dict=weights)
-        run.tokenizer.save_pretrained(tmp)
-        torch.save(opt_state, tmp / "optimizer.pt")
-        torch.save({**{k: getattr(run, k) for k in RUN_COUNTERS},
-                    "pending": run.pending and (vars(run.pending[0]), run.pending[1]),    # --gap-batch next's batch
-                    "torch_rng": torch.get_rng_state(),   # numpy's key array as a list: loads with weights_only=True
-                    "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
-                    "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
+        try:
+            run.model.save_pretrained(tmp, state_dict=weights)
+            run.tokenizer.save_pretrained(tmp)
+            torch.save(opt_state, tmp / "optimizer.pt")
+            torch.save({**{k: getattr(run, k) for k in RUN_COUNTERS},
+                        "pending": run.pending and (vars(run.pending[0]), run.pending[1]),   # --gap-batch next's batch
+                        "torch_rng": torch.get_rng_state(),  # numpy's key array as a list: loads with weights_only
+                        "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+                        "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
+            check_weight_files(tmp)    # on a full disk safetensors' save_file may write a short file and raise nothing
+        except (OSError, RuntimeError, MIPUError) as e:      # torch.save's full disk is a RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise MIPUError(f"could not write {final} ({e}); the last checkpoint is intact (--resume)") from e
         os.replace(tmp, final)
         for old in run_checkpoints(final.parent):
             if old != final:
@@ -1637,7 +1643,11 @@ def keep_metrics_before(path: Path, step: int) -> None:
     if path.exists():
         lines = [x for x in path.read_text().splitlines(keepends=True) if x.endswith("\n")]
         keep = [x for x in lines if not (r := re.match(r'\{"step": (\d+)[,}]', x)) or int(r[1]) < step]
-        path.with_suffix(".tmp").write_text("".join(keep))
+        try:
+            path.with_suffix(".tmp").write_text("".join(keep))
+        except OSError as e:                                    # a full disk: no empty temp file left behind
+            path.with_suffix(".tmp").unlink(missing_ok=True)
+            raise MIPUError(f"could not write {path} ({e.strerror or e}); make room, then --resume") from e
         os.replace(path.with_suffix(".tmp"), path)
 
 
@@ -1653,15 +1663,23 @@ def check_resume(cfg: Config, state: dict, n_train: int) -> None:
         raise MIPUError(f"--resume: --train-data has {n_train} rows, the run's had {len(state['order'])}")
 
 
+def check_weight_files(folder: Path) -> None:
+    """Every *.safetensors file of a model folder whole (its header, a size holding its tensors), else one error."""
+    from safetensors import safe_open
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            safe_open(path, "pt").keys()
+        except Exception as e:                              # SafetensorError, OSError: a truncated or edited file
+            raise MIPUError(f"{path}: refused or damaged ({type(e).__name__}: {e})") from e
+
+
 def read_trainer_state(ckpt: Path) -> dict:
     """trainer_state.pt (+ optimizer.pt on rank 0, which sends it) read with weights_only=True: tensors and plain
-    containers only, so a planted pickle payload is refused, never run; weight files' headers, then keys and types."""
-    from safetensors import safe_open
+    containers only, so a planted pickle payload is refused, never run; weight files first, then keys and types."""
     kinds = {**RUN_COUNTERS, "pending": tuple | None, "torch_rng": torch.Tensor, "numpy_rng": list, "config": dict}
+    check_weight_files(ckpt)
     try:
-        for path in sorted(ckpt.glob("*.safetensors")):        # `path`: the file an error names
-            safe_open(path, "pt").keys()
-        state = torch.load(path := ckpt / "trainer_state.pt", weights_only=True)
+        state = torch.load(path := ckpt / "trainer_state.pt", weights_only=True)     # `path`: the file an error names
         if wrong := [k for k, kind in kinds.items() if not isinstance(state.get(k), kind)]:  # a list: AttributeError
             raise ValueError(f"missing or of the wrong type: {', '.join(wrong)}")
         torch.Generator().set_state(state["torch_rng"])           # a bad RNG state fails here, before the engines
@@ -1690,8 +1708,11 @@ def open_reporter(cfg: Config):
         from torch.utils.tensorboard import SummaryWriter
         if "wandb" in cfg.report_to:
             import wandb
-            wandb.init(project="mipu", name=Path(cfg.output_dir).name, dir=cfg.output_dir,
-                       config=dataclasses.asdict(cfg), sync_tensorboard=True)
+            run_id = Path(cfg.output_dir) / "wandb-id"     # one wandb run per --output-dir: --resume continues it
+            if not (cfg.resume and run_id.exists()):
+                run_id.write_text(os.urandom(8).hex())
+            wandb.init(project="mipu", name=Path(cfg.output_dir).name, dir=cfg.output_dir, id=run_id.read_text(),
+                       resume="allow", config=dataclasses.asdict(cfg), sync_tensorboard=True)
     except ImportError as e:
         raise MIPUError(f"--report-to {cfg.report_to}: {e} (pip install tensorboard, and wandb for wandb)") from e
     step = int(latest_checkpoint(cfg.output_dir).name.split("-")[1]) if cfg.resume else 0   # purged: steps past it
@@ -1735,7 +1756,6 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
 
 
 def eval_metrics(run: LLMRun, eval_sets: dict) -> dict:
-    """{"eval/<dataset>/pass@1": ...} of the inference engine's current weights."""
     return {f"eval/{r['dataset']}/pass@1": r["pass@1"] for r in evaluate(run.llm, run.tokenizer, eval_sets, run.cfg)}
 
 
@@ -1793,6 +1813,10 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         check_memory_plan(cfg)
     model = load_trainer(weights, cfg.train_dtype, "cpu" if torchrun() else cfg.device, cfg.grad_checkpointing == "on")
+    shapes = {k: p.shape for k, p in model.named_parameters()}  # AdamW takes any shape, then fails at its first step
+    if state and any(torch.is_tensor(v) and v.dim() and v.shape != shapes.get(k, v.shape)
+                     for k, st in state["optimizer"].get("state", {}).items() for v in st.values()):
+        raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused or damaged (its tensors' shapes are not the weights')")
     model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
@@ -1854,7 +1878,8 @@ def train(cfg: Config) -> None:
 
 def eval_command(cfg: Config) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
-    eval_sets = load_eval_sets(cfg)                   # before the engine starts: bad data fails fast
+    eval_sets = load_eval_sets(cfg)                   # before the engine starts: bad data or weights fail fast
+    check_weight_files(model_folder(cfg.model))
     print(markdown_table(evaluate(make_sampler(cfg), load_pretrained("AutoTokenizer", cfg.model), eval_sets, cfg)))
 
 
@@ -1870,12 +1895,10 @@ def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: st
     """One flag per Config field of the given groups (`learning_rate` -> `--learning-rate`)."""
     for f in [f for f in dataclasses.fields(Config) if f.metadata["group"] in groups]:
         flags = ["--" + f.name.replace("_", "-")] + FLAG_ALIASES.get((command, f.name), [])
-        if isinstance(f.default, bool):
-            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata["help"])
-        else:
-            parser.add_argument(*flags, dest=f.name, type=type(f.default), default=f.default,
-                                choices=f.metadata["choices"], help=f.metadata["help"] + " (default: %(default)s)")
+        kind = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {  # it adds the default
+            "type": type(f.default), "choices": f.metadata["choices"]}
+        parser.add_argument(*flags, dest=f.name, default=f.default, **kind,
+                            help=f.metadata["help"] + ("" if "action" in kind else " (default: %(default)s)"))
 
 
 def config_from(args: dict, command: str = "") -> Config:

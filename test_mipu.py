@@ -4,6 +4,7 @@ vLLM path on a tiny model, and the command line as a user runs it.
 Run: python -m pytest -q test_mipu.py
 """
 import dataclasses
+import errno
 import fcntl
 import json
 import math
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -1478,6 +1480,18 @@ def test_tensorboard_purges_the_steps_a_resume_reruns(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("x")] == [(0, 0), (1, 1), (2, 12), (3, 13)]
 
 
+
+def test_report_to_wandb_resume_continues_the_run(tmp_path, monkeypatch):
+    """--resume continues the wandb run of the --output-dir (its id kept there); a fresh run starts another."""
+    inits = []
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: inits.append(kw)))
+    cfg = mipu.Config(output_dir=str(tmp_path), report_to="tensorboard,wandb").validate()
+    for resume in (False, True, False):
+        mipu.open_reporter(dataclasses.replace(cfg, resume=resume)).close()
+        (tmp_path / "checkpoint-000002").mkdir(exist_ok=True)
+    assert inits[0]["id"] == inits[1]["id"] != inits[2]["id"] and inits[1]["resume"] == "allow"
+
+
 @pytest.mark.parametrize("make_file, extra, message", [
     ('{"prompt": "1+1=", "answer": "2"}\n{oops\n', [], "bad.jsonl:2: malformed JSON"),
     ('{"question": "1+1=", "answer": "2"}\n', [], "bad.jsonl:1: missing key 'prompt'"),
@@ -1750,6 +1764,34 @@ def test_only_the_runs_own_checkpoints_are_resumed_or_deleted(tmp_path, trainer,
     assert mipu.latest_checkpoint(str(out)).name == "checkpoint-000002"
 
 
+
+@pytest.mark.parametrize("full_disk", ["torch.save raises", "safetensors writes a short file"])
+def test_checkpoint_save_on_a_full_disk(tmp_path, trainer, tokenizer, monkeypatch, full_disk):
+    """A save that fails (as on a full disk: torch.save raises RuntimeError, safetensors' save_file was seen to
+    write a short file silently) is one MIPUError; the previous checkpoint stays intact and no temp folder stays."""
+    out = tmp_path / "run"
+    run = _bare_run(mipu.Config(output_dir=str(out)).validate(), trainer, tokenizer)
+    run.step = 1
+    before = {p.name: p.read_bytes() for p in mipu.save_checkpoint(run).iterdir()}
+    if full_disk == "torch.save raises":
+        def save(*args, **kw):
+            raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+        monkeypatch.setattr(torch, "save", save)
+    else:
+        import transformers.modeling_utils as mu
+
+        real = mu.safe_save_file
+        def save(tensors, filename, metadata=None):
+            real(tensors, filename, metadata=metadata)
+            os.truncate(filename, os.path.getsize(filename) // 2)
+        monkeypatch.setattr(mu, "safe_save_file", save)
+    run.step = 2
+    with pytest.raises(mipu.MIPUError, match="could not write .*checkpoint-000002 .*the last checkpoint is intact"):
+        mipu.save_checkpoint(run)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-000001"]
+    assert {p.name: p.read_bytes() for p in (out / "checkpoint-000001").iterdir()} == before
+
+
 def test_overwrite_refuses_to_delete_what_the_run_reads(tmp_path):
     """train --model RUN/checkpoint-000001 --output-dir RUN --overwrite (or data in RUN): refused, nothing deleted."""
     out = tmp_path / "run"
@@ -1772,6 +1814,22 @@ def test_keep_metrics_before(tmp_path):
     path.write_text("".join(json.dumps({"step": k, "a": 1}) + "\n" for k in range(4)) + notes + '{"step": 4, "rol')
     mipu.keep_metrics_before(path, 2)                                  # resumed from checkpoint-000002
     assert path.read_text() == '{"step": 0, "a": 1}\n{"step": 1, "a": 1}\n' + notes
+
+
+
+def test_keep_metrics_before_on_a_full_disk(tmp_path, monkeypatch):
+    """The rewrite failing (a full disk) is one MIPUError: metrics.jsonl as it was, no empty metrics.tmp left."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n')
+
+    def write_text(self, text):
+        open(self, "w").close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(mipu.MIPUError, match="could not write .*metrics.jsonl .No space left on device."):
+        mipu.keep_metrics_before(path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
 
 
 def test_metrics_lines_are_json(tmp_path):
@@ -1911,6 +1969,18 @@ def test_cli_resume_damaged_checkpoint(model_dir, tmp_path, damaged):
     assert "Traceback" not in p.stderr
 
 
+
+def test_cli_eval_truncated_checkpoint(model_dir, tmp_path):
+    """eval of a checkpoint whose safetensors file was cut in half: one `error:` line naming it, no engine."""
+    ckpt = tmp_path / "checkpoint-000001"
+    shutil.copytree(model_dir, ckpt)
+    os.truncate(ckpt / "model.safetensors", os.path.getsize(ckpt / "model.safetensors") // 2)
+    p = run_cli("eval", "--model", str(ckpt), "--data", str(ARITH_VAL))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model.safetensors: refused or damaged" in errors[0]
+
+
 def _edit_state(ckpt, edit):
     state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     torch.save(edit(state), ckpt / "trainer_state.pt")
@@ -1929,6 +1999,13 @@ def _only_bin(ckpt):
 
     torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
     (ckpt / "model.safetensors").unlink()
+
+
+def _wrong_shape_optimizer(ckpt):
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    opt["state"]["model.norm.weight"] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3),
+                                         "exp_avg_sq": torch.zeros(3)}
+    torch.save(opt, ckpt / "optimizer.pt")
 
 
 def _three_layers(weights):
@@ -1950,6 +2027,7 @@ def _three_layers(weights):
     (lambda c: _edit_weights(c, lambda w: w.update({"model.norm.weight": w["model.norm.weight"][:64]})),
      "checkpoint-000001: its weight files do not fit .*mismatched_keys"),
     (lambda c: _edit_weights(c, _three_layers), "checkpoint-000001: its weight files do not fit .*layers.2"),
+    (_wrong_shape_optimizer, "optimizer.pt: refused or damaged .its tensors' shapes are not the weights'"),
 ])
 def test_resume_refuses_an_edited_checkpoint(llm, model_dir, tmp_path, tokenizer, damage, message):
     """An edited or damaged checkpoint is one MIPUError naming its file, raised before the engines are used;
