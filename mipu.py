@@ -59,7 +59,7 @@ FILE MAP, in reading order (a first read can stop at ENGINEERING)
                        checkpoints, metrics, evaluation (save_checkpoint, log_metrics, evaluate) / main (train, main)
 
 COMMANDS (the README has the rest)
-  python -m toy.demo                  # the toy demo: every method x 5 seeds on the CPU (~1 min)
+  python -m toy.demo                  # the toy demo: every method x 5 seeds, Step 2 selectivity (~1.5 min)
   python mipu.py toy                  # one toy run (preset collapse)
   python -m toy.make_tiny && python mipu.py train --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
       --val-data toy/arith_val.jsonl --answer-format last-number --steps 3 --prompts-per-step 8 --val-prompts 8 \
