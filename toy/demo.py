@@ -1,4 +1,4 @@
-"""The toy demo: `python -m toy.demo` (from the repo root; about two minutes on 2 cores).
+"""The toy demo: `python -m toy.demo` (from the repo root).
 
 Every method × seeds × mismatch presets (mipu.py's TOY_PRESETS) on the toy simulator of mipu.py, the oracle
 acceptance (the ceiling of every rule), random rollback at the rejection rate mipu measured (on the grpo update,
@@ -334,7 +334,7 @@ def selectivity(base: dict, seeds: list[int], pool, G: int) -> str:
     rows, dj, t = statistic_rows(always)
     share_up = float((dj > 0).mean())
     c_star = round(float(-np.quantile(t, 1 - share_up)), 5)     # T_post >= -c keeps the share that improved
-    arms = {"mipu, paper rule, c = 0": {"method": "mipu"},
+    arms = {"mipu, paper rule, c = 0": {"method": "mipu", "c": 0.0},
             f"mipu, paper rule, c = {c_star:g} (calibrated)": {"method": "mipu", "c": c_star},
             "oracle on tis (keep iff exact dJ(mu) >= 0)": {"method": "mipu", "accept_rule": "oracle"}}
     runs = chunks(run_jobs([j for over in arms.values() for j in arm_jobs(base, seeds, over)], pool), len(seeds))

@@ -30,7 +30,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
                 m = json.loads(line)
             except json.JSONDecodeError as e:
                 raise mipu.MIPUError(f"{path}:{lineno}: malformed JSON ({e.msg})") from e
-            by_step[m["step"]] = m
+            if isinstance(m, dict) and isinstance(m.get("step"), int):   # a user's own line is kept by train: skip
+                by_step[m["step"]] = m
     if not by_step:
         raise mipu.MIPUError(f"{path} is empty")
     return [by_step[k] for k in sorted(by_step)]
