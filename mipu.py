@@ -710,8 +710,8 @@ def set_lr(opt: torch.optim.Optimizer, cfg: Config, base_lr: float, k: int) -> f
     """Set and return step k's LR: constant, or linear decay to lr_final_frac·base over the run (--lr-decay)."""
     decay = (1 - cfg.lr_final_frac) * min(k / max(cfg.steps - 1, 1), 1.0) if cfg.lr_decay else 0.0
     for group in opt.param_groups:
-        group["lr"] = base_lr * (1 - decay)
-    return base_lr * (1 - decay)
+        group["lr"] = lr = base_lr * (1 - decay)
+    return lr
 
 
 def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator, ranks: int = 1) -> list[torch.Tensor]:
@@ -1335,12 +1335,12 @@ def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dic
     prompt, answer = row[prompt_key], row[answer_key]
     if not isinstance(prompt, str) or not prompt.strip():
         raise MIPUError(f"{where}: prompt key {prompt_key!r} is empty or not a string")
-    number = isinstance(answer, (numbers.Real, Decimal)) and not isinstance(answer, bool)  # finite: not NaN, inf
-    number = number and Decimal(str(answer)).is_finite() and abs(Decimal(str(answer)).adjusted()) <= NUMBER_MAX_CHARS
-    if not (isinstance(answer, str) or number) or not str(answer).strip():     # 1e999999999: no plain-text digits
+    number = isinstance(answer, (numbers.Real, Decimal)) and not isinstance(answer, bool)
+    value = Decimal(str(answer)) if number else Decimal(0)                         # finite: not NaN, inf
+    number = number and value.is_finite() and abs(value.adjusted()) <= NUMBER_MAX_CHARS   # 1e999999999: no digits
+    if not (isinstance(answer, str) or number) or not str(answer).strip():
         raise MIPUError(f"{where}: answer key {answer_key!r} is empty or not a string or number (finite, "
-                        f"at most {NUMBER_MAX_CHARS} digits): "
-                        f"{str(answer)[:60]}")
+                        f"at most {NUMBER_MAX_CHARS} digits): {str(answer)[:60]}")
     if re.search("[\ud800-\udfff]", prompt + str(answer)):      # JSON's "\ud800" escape: no UTF-8 text
         raise MIPUError(f"{where}: the prompt or answer holds a lone surrogate (\\ud800-\\udfff): no text")
     plain = f"{answer:f}" if isinstance(answer, Decimal) else str(answer)   # JSONL's 1e3: 1000, as the reward reads
@@ -1820,19 +1820,20 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         check_memory_plan(cfg)
     model = load_trainer(weights, cfg.train_dtype, "cpu" if torchrun() else cfg.device, cfg.grad_checkpointing == "on")
-    shapes = {k: p.shape for k, p in model.named_parameters()}  # AdamW takes any shape, then fails at its first step
-    if state and any(torch.is_tensor(v) and v.dim() and v.shape != shapes.get(k, v.shape)
-                     for k, st in state["optimizer"].get("state", {}).items() for v in st.values()):
-        raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused or damaged (its tensors' shapes are not the weights')")
     model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
     try:                              # before the engines start: an edited optimizer.pt is one error line
+        shapes = {k: p.shape for k, p in model.named_parameters()}   # global shapes, FSDP2 too
+        if state and any(torch.is_tensor(v) and v.dim() and v.shape != shapes.get(k, v.shape)
+                         for k, st in state["optimizer"].get("state", {}).items() for v in st.values()):
+            raise ValueError("its tensors' shapes are not the weights'")   # AdamW takes them, fails at its first step
         if state:                     # rank 0 sends the shards
             set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused or damaged ({type(e).__name__}: {e})"[:300]) from e
+        why = e if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused or damaged ({why})"[:300]) from e
     llm = llm or make_sampler(cfg)
     torch.set_float32_matmul_precision(matmul_precision(cfg))     # after vLLM, whose worker sets "highest"
     run = LLMRun(cfg, llm, model, tokenizer, opt, train_rows, val_rows, probe=(), order=[])
