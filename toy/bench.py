@@ -27,13 +27,13 @@ BENCH_VARIANTS = {   # label -> Config overrides; c = ±1e9 makes every candidat
 def bench(args: dict) -> None:
     """Per-phase medians of grpo and mipu variants, interleaved step by step on one vLLM engine."""
     cfg = mipu.config_from(args, "train")
-    llm = mipu.make_sampler(cfg)
+    llm = mipu.make_sampler(cfg, **mipu.vllm_args(cfg))
     runs = {label: mipu.setup_llm_run(dataclasses.replace(cfg, val_prompts=cfg.prompts_per_step, **kw), llm=llm)
             for label, kw in BENCH_VARIANTS.items()}
     history = {label: [] for label in runs}
     for _ in range(cfg.steps):
         for label, run in runs.items():
-            mipu.sync(run)                   # the engine is shared: load this run's θ first (not timed)
+            run.sync()                       # the engine is shared: load this run's θ first (not timed)
             history[label].append(mipu.mipu_step(run))
     base = {p: float(np.median([m[f"time/{p}"] for m in history["grpo"]])) for p in PHASES}
     rows = []
@@ -60,18 +60,18 @@ def bench(args: dict) -> None:
     print(report)
 
 
-def bench_rollout(run: mipu.LLMRun, repeats: int) -> tuple[float, float]:
+def bench_rollout(run: mipu.TrainEngine, repeats: int) -> tuple[float, float]:
     """Median seconds of our `generate` (+ packing into a Rollout) vs a bare LLM.generate, same prompts."""
     from vllm import SamplingParams, TokensPrompt
     cfg = run.cfg
     rows = run.train_rows[: cfg.prompts_per_step]
-    prompt_ids = mipu.prompts_of(run.tokenizer, rows, cfg)      # the prompts rollout() gives vLLM
+    prompt_ids = mipu.prompts_of(run.tokenizer, rows, cfg)      # the prompts sample() gives vLLM
     params = SamplingParams(n=cfg.num_generations, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                             seed=cfg.seed, logprobs=0)
     wrapper, bare = [], []
     for i in range(repeats):                 # interleaved, so machine noise hits both alike
         t0 = time.perf_counter()
-        mipu.rollout(run, rows, seed=cfg.seed + i)
+        run.sample(rows, seed=cfg.seed + i)
         t1 = time.perf_counter()
         run.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         t2 = time.perf_counter()
@@ -82,7 +82,7 @@ def bench_rollout(run: mipu.LLMRun, repeats: int) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m toy.bench", description=__doc__.split("\n")[0])
-    mipu.add_config_flags(parser, ("algo", "llm"))
+    mipu.add_config_flags(parser, mipu.SUBCOMMANDS["train"][0])
     parser.add_argument("--bench-toy", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the toy demo (python -m toy.demo with its defaults)")
     return mipu.report_errors(bench, vars(parser.parse_args()))

@@ -109,7 +109,7 @@ def timed(fn, device: str, *args) -> tuple[float, float, object]:
 
 def bench(args: argparse.Namespace) -> str:
     """Build, warm up (one update fills AdamW's state, one snapshot allocates its buffers), then time each phase."""
-    cfg = mipu.Config(device=args.device, train_dtype=args.train_dtype, grad_checkpointing=args.grad_checkpointing,
+    cfg = mipu.TrainConfig(device=args.device, train_dtype=args.train_dtype, grad_checkpointing=args.grad_checkpointing,
                       micro_batch_size=args.micro_batch, max_new_tokens=args.response_len,
                       max_model_len=args.prompt_len + args.response_len, logprob_chunk=args.logprob_chunk,
                       method="mipu", vllm_sleep="on" if args.device == "cuda" else "off").validate()
@@ -163,7 +163,7 @@ def report(args, cfg: mipu.Config, times: dict, exact: bool) -> str:
 
 def plan_only(args) -> str:
     """The memory plan and estimated trainer seconds per step on a GPU of args.plan_gpu_gib (nothing is run)."""
-    cfg = mipu.Config(device="cuda", train_dtype=args.train_dtype, grad_checkpointing=args.grad_checkpointing,
+    cfg = mipu.TrainConfig(device="cuda", train_dtype=args.train_dtype, grad_checkpointing=args.grad_checkpointing,
                       micro_batch_size=args.micro_batch, max_new_tokens=args.response_len, method="mipu",
                       max_model_len=args.prompt_len + args.response_len, logprob_chunk=args.logprob_chunk)
     # not validated: planning for a GPU needs none

@@ -206,7 +206,7 @@ def bench(args: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m toy.bench_trl", description=__doc__.split("\n")[0])
-    mipu.add_config_flags(parser, ("algo", "llm"))
+    mipu.add_config_flags(parser, mipu.SUBCOMMANDS["train"][0])
     parser.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first (default: %(default)s)")
     parser.add_argument("--trl-is-correction", action=argparse.BooleanOptionalAction, default=True,
                         help="TRL's vLLM importance-sampling correction (its default; adds the old-logp forward)")

@@ -63,21 +63,21 @@ def demo_run(job: tuple) -> list[dict]:
     cfg_dict, alpha, probe, every, probe_g = job
     cfg = mipu.Config(**cfg_dict)
     torch.set_num_threads(1)           # bit-for-bit: results must not depend on thread count
-    run = mipu.toy_init(cfg, alpha)
+    run = mipu.ToyEngine(cfg, alpha)
     history = [{"step": -1, "exact/J_pi": run.J[0], "exact/J_mu": run.J[1]}]
     for k in range(cfg.steps):
         lp_mu_k = run.tables[1]
-        m = mipu.toy_step(run, k)
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + k)
+        m = mipu.mipu_step(run)
+        gen = torch.Generator().manual_seed(cfg.seed * mipu.SEED_MUL["rollout"] + k)
         if probe and k % every == 0:
-            m.update({f"probe/t_post_{n}": mipu.toy_gap_check(run, n, gen)[0] for n in probe})
+            m.update({f"probe/t_post_{n}": run.gap_check(n, gen)[0] for n in probe})
         if probe_g:
             m["probe/g_k"] = g_k_probe(run, lp_mu_k, gen)
         history.append(m)
     return history
 
 
-def g_k_probe(run: mipu.ToyRun, lp_mu_k: torch.Tensor, gen: torch.Generator) -> float:
+def g_k_probe(run: mipu.ToyEngine, lp_mu_k: torch.Tensor, gen: torch.Generator) -> float:
     """Ĝ_k as the target rule computes it, on target_holdout fresh prompts × G sampled from μ_k."""
     cfg, G = run.cfg, run.cfg.num_generations
     prompts = torch.randint(cfg.toy_prompts, (cfg.target_holdout,), generator=gen)

@@ -28,7 +28,7 @@ def fsdp_gathered(c) -> float:
 
 def table(gpus: list[int], gpu_gib: float) -> str:
     c = qwen3_config("qwen3-4b")
-    cfg = mipu.Config(**RECIPE)           # not validated: no GPU needed to plan for one
+    cfg = mipu.TrainConfig(**RECIPE)           # not validated: no GPU needed to plan for one
     gathered = fsdp_gathered(c)
     lines = ["| GPUs | weights | grads | AdamW | bf16 copies | activations | log-prob head | gathered root + 2 layers "
              "| vLLM share | Step 1 (vLLM asleep) | sync pieces | sync (vLLM awake) | host RAM for the snapshot |",

@@ -80,7 +80,7 @@ def llm_demo(args: dict) -> None:
     sft_warm_start(dataclasses.replace(cfg, model=tiny, **data), args["sft_steps"], args["sft_lr"],
                    args["sft_batch_size"], sft_out)                   # always: deterministic, ~1 min
     base = dataclasses.replace(cfg, model=sft_out, **data, **LLM_DEMO)
-    curves = rl_curves(base, mipu.make_sampler(base), mipu.load_eval_sets(base))
+    curves = rl_curves(base, mipu.make_sampler(base, **mipu.vllm_args(base)), mipu.load_eval_sets(base))
     plot(out / "llm_demo.png", curves)
     rows = [{"method": meth, "J(mu) held-out, start": f"{c[0][LLM_DEMO_EVAL]:.3f}",
              "J(mu) held-out, end": f"{c[-1][LLM_DEMO_EVAL]:.3f}",
@@ -121,7 +121,7 @@ def plot(path: Path, curves: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m toy.llm_demo", description=__doc__.split("\n")[0])
-    mipu.add_config_flags(parser, ("algo", "llm"))
+    mipu.add_config_flags(parser, mipu.SUBCOMMANDS["train"][0])
     parser.add_argument("--sft-steps", type=int, default=SFT_DEFAULTS["sft_steps"], help="SFT optimizer steps")
     parser.add_argument("--sft-lr", type=float, default=SFT_DEFAULTS["sft_lr"], help="SFT AdamW learning rate")
     parser.add_argument("--sft-batch-size", type=int, default=SFT_DEFAULTS["sft_batch_size"], help="SFT problems/step")
