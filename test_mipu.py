@@ -882,13 +882,13 @@ def test_fp8_roundtrip_per_row():
 def test_bad_model_path_and_fp8_on_cpu(tmp_path):
     for bad in (str(tmp_path / "missing"), "not-a-model", "no-such-org/no-such-model"):
         with pytest.raises(mipu.MIPUError, match="unknown model path"):
-            mipu.make_sampler(mipu.TrainConfig(model=bad))
+            mipu.model_folder(bad)
         with pytest.raises(mipu.MIPUError, match="unknown model path"):
-            mipu.load_trainer(bad, "float32", "cpu")
+            mipu.load_trainer(bad, "float32", "cpu", load=mipu.load_checked_trainer)
     with pytest.raises(mipu.MIPUError, match="trainer dtype"):
         mipu.load_trainer(str(tmp_path), "fp8", "cpu")
     with pytest.raises(mipu.MIPUError, match="no config.json"):
-        mipu.load_trainer(str(tmp_path), "float32", "cpu")
+        mipu.load_trainer(str(tmp_path), "float32", "cpu", load=mipu.load_checked_trainer)
     with pytest.raises(mipu.MIPUError, match="must be one of"):
         mipu.TrainConfig(model=str(tmp_path), rollout_quant="int4").validate()
     if not torch.cuda.is_available():
