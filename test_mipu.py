@@ -233,6 +233,8 @@ def test_random_rollback_rate():
     (dict(w_max=0.5), "w-max"),
     (dict(temperature=0.0), "--temperature must be > 0"),
     (dict(gpu_memory_utilization=1.5), "gpu-memory-utilization"),
+    (dict(gpu_memory_utilization="most"), "--gpu-memory-utilization must be auto or a number in"),
+    (dict(gpu_memory_utilization="nan"), "--gpu-memory-utilization must be auto or a number in"),
     (dict(c=float("nan")), "--c must be a finite number"),
     (dict(max_grad_norm=float("inf")), "--max-grad-norm must be a finite number"),
     (dict(learning_rate=float("inf")), "--learning-rate must be a finite number"),
@@ -965,6 +967,10 @@ def test_check_memory_plan_startup_line(monkeypatch, capsys):
     assert "memory plan, GiB (estimated): params_billion 1.7" in out and "peak_recompute" in out
     assert ("vLLM: 0.62 of the GPU (auto); its KV cache holds ~94 sequences of 4352 tokens (estimated) against 256 "
             "per rollout: the rollout runs in waves") in out
+    set_03 = dataclasses.replace(cfg, gpu_memory_utilization="0.3")     # the flag's text: a number
+    assert set_03.gpu_memory_utilization == 0.3 and mipu.check_memory_plan(set_03) == 0.3
+    out = capsys.readouterr().out
+    assert "vLLM: 0.30 of the GPU (--gpu-memory-utilization); its KV cache holds ~38 sequences" in out
     gpu.total_memory = 16 * 2**30
     with pytest.raises(mipu.MIPUError, match="the memory plan needs ~.* GiB, the GPU has 16"):
         mipu.check_memory_plan(cfg)
