@@ -1006,9 +1006,9 @@ def make_sampler(cfg: Config) -> "vllm.LLM":
 
     llm = LLM(
         model=str(model_folder(cfg.model)), dtype=cfg.rollout_dtype, seed=cfg.seed + rank_world()[0],  # no hub calls
-        # GPU only (CPU: KVCACHE_SPACE); train on a GPU resolves auto first (check_memory_plan); eval: vLLM's default
-        gpu_memory_utilization=VLLM_DEFAULT_SHARE if cfg.gpu_memory_utilization == "auto" else
-        cfg.gpu_memory_utilization,
+        # train on a GPU resolves auto first (check_memory_plan); eval: vLLM's default; CPU: KVCACHE_SPACE decides
+        gpu_memory_utilization=(VLLM_DEFAULT_SHARE if torch.cuda.is_available() else VLLM_CPU_SHARE)
+        if cfg.gpu_memory_utilization == "auto" else cfg.gpu_memory_utilization,
         max_model_len=cfg.max_model_len or None,  # None: the model config's maximum
         quantization="fp8_per_tensor" if cfg.rollout_quant == "fp8" else None,  # weights: one static scale per tensor
         enforce_eager=cfg.vllm_compile == "off",  # on: torch.compile (+ CUDA graphs on GPU) at start-up
@@ -1141,6 +1141,7 @@ VLLM_RUNTIME_BYTES = 4 * 2**30
 ALLOCATOR_SLACK = 0.10    # auto's margin: torch's caching allocator reserves more than the plan's bytes (assumed;
 #                           toy/gpu_check prints the measured reserved and allocated peaks)
 VLLM_DEFAULT_SHARE = 0.9  # --gpu-memory-utilization auto with no trainer beside vLLM (eval): vLLM's own default
+VLLM_CPU_SHARE = 0.3      # vllm-cpu: the host RAM fraction it reserves, used only if VLLM_CPU_KVCACHE_SPACE is empty
 
 
 def model_sizes(c) -> dict:
