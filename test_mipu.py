@@ -7,6 +7,8 @@ import ast
 import dataclasses
 import errno
 import fcntl
+import functools
+import gc
 import json
 import math
 import os
@@ -26,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import mipu
-from toy import bench, bench_trainer, demo
+from toy import bench, bench_trainer, demo, gpu_check
 from toy.make_tiny import build_tiny_model, make_arith_rows, write_jsonl
 
 HERE = Path(__file__).resolve().parent
@@ -270,6 +272,8 @@ def test_random_rollback_rate():
     (dict(w_max=0.5), "w-max"),
     (dict(temperature=0.0), "--temperature must be > 0"),
     (dict(gpu_memory_utilization=1.5), "gpu-memory-utilization"),
+    (dict(gpu_memory_utilization="most"), "--gpu-memory-utilization must be auto or a number in"),
+    (dict(gpu_memory_utilization="nan"), "--gpu-memory-utilization must be auto or a number in"),
     (dict(c=float("nan")), "--c must be a finite number"),
     (dict(max_grad_norm=float("inf")), "--max-grad-norm must be a finite number"),
     (dict(learning_rate=float("inf")), "--learning-rate must be a finite number"),
@@ -825,16 +829,21 @@ def test_gradient_checkpointing_recomputes_with_equal_results(model_dir, prompt_
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("shape, gpu_gib, n_params, act_gib, sync_gib, step1_gib, rollout_gib", [
+@pytest.mark.parametrize("shape, gpu_gib, n_params, act_gib, sync_gib, step1_gib, rollout_gib, recompute_b", [
     # hand-computed: layer = 2 H hd (heads + kv heads) + 3 H I + 2 hd + 2 H; n = L layer + V H (tied) + H;
     # tokens = 4 x (256 + 4096); activations = L tokens H 4 B (layer inputs) + tokens (26 H + 10 hd (heads + kv heads)
     # + 8 I) B (one layer: 133,120 / 195,584 B per token); sync = 512 MiB + 2 B (V H + 2 layer);
     # log-prob head = 4 B V H + 6 B x 512 x V; Step 1 = weights x 4.5 + activations + head; rollout = x 3 + sync + vLLM
-    ("qwen3-1.7b", 80, 1_720_574_976, 5.8770, 1.26711, 36.3142, 44.4960),   # layer 50,336,000, V H 311,164,928
-    ("qwen3-4b", 141, 4_022_468_096, 9.1475, 1.60048, 78.4630, 88.8551),    # layer 100,930,816, V H 388,956,160
+    # recompute (no grad) = one layer + tokens H 4 B (the decoder's output) + 6 B x 512 x V (one chunk's logits):
+    #   1.7B: 17,408 x 133,120 + 17,408 x 2048 x 4 + 3072 x 151,936 = 2,317,352,960 + 142,606,336 + 466,747,392
+    #   4B:   17,408 x 195,584 + 17,408 x 2560 x 4 + 3072 x 151,936 = 3,404,726,272 + 178,257,920 + 466,747,392
+    # layer 50,336,000 / 100,930,816 weights; V H 311,164,928 / 388,956,160
+    ("qwen3-1.7b", 80, 1_720_574_976, 5.8770, 1.26711, 36.3142, 44.4960, 2_926_706_688),
+    ("qwen3-4b", 141, 4_022_468_096, 9.1475, 1.60048, 78.4630, 88.8551, 4_049_731_584),
 ])
-def test_memory_plan_hand_values(shape, gpu_gib, n_params, act_gib, sync_gib, step1_gib, rollout_gib):
-    cfg = mipu.TrainConfig(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu")
+def test_memory_plan_hand_values(shape, gpu_gib, n_params, act_gib, sync_gib, step1_gib, rollout_gib, recompute_b):
+    cfg = mipu.TrainConfig(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu",
+                      gpu_memory_utilization=0.3)
     plan = mipu.memory_plan(bench_trainer.qwen3_config(shape), cfg, gpu_gib * 2**30)
     assert plan["params_billion"] == pytest.approx(n_params / 1e9, rel=1e-12)
     weights = 4 * n_params / 2**30                                   # bf16-mixed: fp32 master weights
@@ -846,12 +855,145 @@ def test_memory_plan_hand_values(shape, gpu_gib, n_params, act_gib, sync_gib, st
     H = bench_trainer.SHAPES[shape]["hidden_size"]
     assert plan["logprob_head"] == pytest.approx((4 * 151936 * H + 6 * 512 * 151936) / 2**30)
     assert plan["vllm"] == pytest.approx(0.3 * gpu_gib)
-    assert plan["peak"] == pytest.approx(max(step1_gib, rollout_gib), abs=1e-3) and plan["peak"] < gpu_gib
+    # the rollout/recompute phase (vLLM awake): θ + AdamW (3 x weights) + autocast's bf16 copies (weights / 2) + the
+    # second bf16 head copy (2 B V H) + the recompute's working set + vLLM + the CUDA context (2 GiB)
+    head_copy = 2 * 151936 * H / 2**30                               # 0.57958 / 0.72449 GiB
+    assert plan["head_copy"] == pytest.approx(head_copy) and plan["recompute"] == pytest.approx(recompute_b / 2**30)
+    recompute_phase = 3.5 * weights + head_copy + recompute_b / 2**30 + 0.3 * gpu_gib + 2   # 51.7389 / 101.2432
+    assert plan["peak_recompute"] == pytest.approx(recompute_phase, abs=1e-4)
+    assert plan["peak_step1"] == pytest.approx(step1_gib + head_copy + 3 + 2, abs=1e-3)   # + vLLM asleep 3, context
+    assert plan["peak_sync"] == pytest.approx(rollout_gib + 2, abs=1e-3)
+    assert plan["peak"] == pytest.approx(recompute_phase, abs=1e-4) and plan["peak"] < gpu_gib
+    # host, one process: snapshot 3 x weights; each save gathers θ + AdamW (3 x weights); the load holds θ once
+    assert plan["save_host"] == pytest.approx(3 * weights) and plan["load_host"] == pytest.approx(weights)
+    assert plan["host_peak"] == pytest.approx(6 * weights)                   # 38.4578 / 89.9092 GiB
+    assert plan["fsdp_gathered"] == plan["fsdp_root_grad"] == 0              # one process: no FSDP2
     grpo = mipu.memory_plan(bench_trainer.qwen3_config(shape), dataclasses.replace(cfg, method="grpo"), 0)
     assert grpo["snapshot_host"] == 0                                 # no snapshot for methods that never roll back
     no_sleep = mipu.memory_plan(bench_trainer.qwen3_config(shape), dataclasses.replace(cfg, vllm_sleep="off"),
                                 gpu_gib * 2**30)
-    assert no_sleep["peak"] == pytest.approx(step1_gib + 0.3 * gpu_gib, abs=1e-3)
+    assert no_sleep["peak_step1"] == pytest.approx(step1_gib + head_copy + 0.3 * gpu_gib + 2, abs=1e-3)
+    # torchrun, 8 ranks of one node: θ, grads, AdamW sharded; FSDP2 holds the root (V H + H) and 2 layers whole in
+    # fp32 and the root's unsharded grad; the node loads 8 whole models at once (8 x weights > snapshots 3 + save 3)
+    layer = {"qwen3-1.7b": 50_336_000, "qwen3-4b": 100_930_816}[shape]
+    ranks = mipu.memory_plan(bench_trainer.qwen3_config(shape), cfg, gpu_gib * 2**30, world=8)
+    assert ranks["weights"] == pytest.approx(weights / 8) and ranks["snapshot_host"] == pytest.approx(3 * weights / 8)
+    assert ranks["fsdp_gathered"] == pytest.approx((151936 * H + H + 2 * layer) * 4 / 2**30)
+    assert ranks["fsdp_root_grad"] == pytest.approx((151936 * H + H) * 4 / 2**30)
+    assert ranks["host_peak"] == pytest.approx(8 * weights)
+
+
+@pytest.mark.parametrize("shape, gpu_gib, share, sequences, share_03, sequences_03", [
+    # auto = floor_0.01((GPU - 1.1 x trainer - 2 GiB context) / GPU); trainer (vLLM awake, recompute) =
+    # 14 B n + 2 B V H + recompute: 1.7B 24,088,049,664 + 622,329,856 + 2,926,706,688 = 27,637,086,208 B (25.7393 GiB)
+    #   -> (80 - 28.3132 - 2) / 80 = 0.621; 4B 56,314,553,344 + 777,912,320 + 4,049,731,584 = 61,142,197,248 B
+    #   (56.9437 GiB) -> (141 - 62.6381 - 2) / 141 = 0.5416.
+    # sequences = (share x GPU - fp8 weights - 4 GiB) // (2 L kv-heads hd x 2 B x 4352): fp8 weights = linear (1 B) +
+    # 2 B (n - linear); 1.7B linear 28 x 50,331,648 = 1,409,286,144 -> 2,031,863,808 B, 499,122,176 B a sequence:
+    #   auto (53,257,594,470.4 - 2,031,863,808 - 4,294,967,296) / 499,122,176 = 94.03; 0.3: 19,442,972,672 / .. = 38.95
+    # 4B linear 36 x 100,925,440 = 3,633,315,840 -> 4,411,620,352 B, 641,728,512 B a sequence:
+    #   auto (81,754,702,479.4 - 4,411,620,352 - 4,294,967,296) / 641,728,512 = 113.83; 0.3 (45,419,279,155 - ..) = 57.2
+    ("qwen3-1.7b", 80, 0.62, 94, 0.3, 38),
+    ("qwen3-4b", 141, 0.54, 113, 0.3, 57),
+])
+def test_vllm_share_hand_values(shape, gpu_gib, share, sequences, share_03, sequences_03):
+    c = bench_trainer.qwen3_config(shape)
+    cfg = mipu.TrainConfig(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu",
+                      rollout_quant="fp8")
+    assert cfg.gpu_memory_utilization == "auto"                      # the default
+    assert mipu.vllm_share(c, cfg, gpu_gib * 2**30) == (pytest.approx(share), sequences)
+    plan = mipu.memory_plan(c, cfg, gpu_gib * 2**30)
+    assert plan["vllm"] == pytest.approx(share * gpu_gib) and plan["peak"] < gpu_gib
+    set_03 = dataclasses.replace(cfg, gpu_memory_utilization=0.3)
+    assert mipu.vllm_share(c, set_03, gpu_gib * 2**30) == (pytest.approx(share_03), sequences_03)
+    no_sleep = dataclasses.replace(cfg, vllm_sleep="off")         # vLLM awake in Step 1 too: a smaller share
+    assert mipu.vllm_share(c, no_sleep, gpu_gib * 2**30)[0] < share
+    assert mipu.vllm_share(c, cfg, 24 * 2**30) == (0.0, 0)       # the trainer alone fills a 24 GiB GPU
+
+
+class _CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the bf16 casts (aten._to_copy) of each tensor in `watch` (by data pointer) while active."""
+
+    def __init__(self, watch: dict):
+        super().__init__()
+        self.names, self.casts = {t.data_ptr(): name for name, t in watch.items()}, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+            name = self.names.get(args[0].data_ptr())
+            if name:
+                self.casts[name] = self.casts.get(name, 0) + 1
+        return func(*args, **kwargs)
+
+
+def test_autocast_caches_weight_casts_under_no_grad(trainer):
+    """What memory_plan's recompute phase counts, measured on CPU (torch's bf16 autocast caches as CUDA's does):
+    under no_grad autocast still casts each weight once and keeps the copy (cached) until its outermost context
+    exits, so a whole recompute holds every weight in bf16 (bf16_copies); the tied head's weight has one more
+    bf16 copy per call, SelectiveLogprobs' weight.to (head_copy), which the cache does not hold."""
+    params = dict(trainer.named_parameters())                          # tied: lm_head.weight is embed_tokens.weight
+    head = next(k for k, p in params.items() if p is trainer.get_output_embeddings().weight)
+    prompts, completions = [[1, 2, 3], [4, 5]], [[6, 7, 8, 9], [10, 11]]
+    assert torch.is_autocast_cache_enabled()
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), _CastCounter(params) as counter:
+        for _ in range(2):                                             # two recomputes in one autocast context
+            mipu.token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
+    linear = [k for k, p in params.items() if p.dim() == 2 and k != head]
+    assert linear and all(counter.casts.get(k) == 1 for k in linear)   # cached: once for both forwards
+    assert counter.casts[head] == 1 + 2                                # lm_head's cached cast + one .to per call
+    with torch.no_grad(), _CastCounter(params) as counter:
+        for _ in range(2):                                             # a context per recompute: cast again
+            with torch.autocast("cpu", torch.bfloat16):
+                mipu.token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
+    assert all(counter.casts.get(k) == 2 for k in linear)             # the cache cleared at each exit
+
+
+@pytest.mark.parametrize("rc", [0, 2])
+def test_clone_state_checks_cuda_host_register(monkeypatch, capsys, rc):
+    """cudaHostRegister's return code: 0 registers the unregister at the buffer's end; an error warns once (naming the
+    pageable fallback) and the snapshot still holds the state."""
+    calls = []
+    cudart = types.SimpleNamespace(cudaHostRegister=lambda ptr, size, flags: calls.append(("reg", size)) or rc,
+                                   cudaHostUnregister=lambda ptr: calls.append(("unreg", ptr)) or 0,
+                                   cudaGetErrorString=lambda code: "out of memory")
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(mipu, "_WARNED", set())
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    alloc = functools.partial(mipu.host_buffer, pin=True)              # TrainEngine.snapshot's, for a GPU model
+    snaps = [mipu.clone_state(model, opt, alloc=alloc) for _ in range(2)]   # two fresh buffers: two registrations
+    assert [c[0] for c in calls] == ["reg", "reg"] and calls[0][1] == (6 + 2) * 4
+    assert torch.equal(snaps[1][1][0], model.weight.detach())
+    err = capsys.readouterr().err
+    if rc:
+        assert err.count("warning: cudaHostRegister") == 1 and "(out of memory)" in err and "pageable" in err
+    else:
+        assert err == ""
+        del snaps
+        gc.collect()
+        assert [c[0] for c in calls].count("unreg") == 2              # each buffer unregistered when freed
+
+
+def test_check_memory_plan_startup_line(monkeypatch, capsys):
+    """The start-up check on a (pretend) 80 GiB GPU: auto's share, the KV line, and one error on a 16 GiB one."""
+    gpu = types.SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+    monkeypatch.setattr(mipu, "load_pretrained", lambda kind, model: bench_trainer.qwen3_config("qwen3-1.7b"))
+    cfg = mipu.TrainConfig(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu",
+                      rollout_quant="fp8", prompts_per_step=32)
+    assert mipu.check_memory_plan(cfg) == pytest.approx(0.62)
+    out = capsys.readouterr().out
+    assert "memory plan, GiB (estimated): params_billion 1.7" in out and "peak_recompute" in out
+    assert ("vLLM: 0.62 of the GPU (auto); its KV cache holds ~94 sequences of 4352 tokens (estimated) against 256 "
+            "per rollout: the rollout runs in waves") in out
+    set_03 = dataclasses.replace(cfg, gpu_memory_utilization="0.3")     # the flag's text: a number
+    assert set_03.gpu_memory_utilization == 0.3 and mipu.check_memory_plan(set_03) == 0.3
+    out = capsys.readouterr().out
+    assert "vLLM: 0.30 of the GPU (--gpu-memory-utilization); its KV cache holds ~38 sequences" in out
+    gpu.total_memory = 16 * 2**30
+    with pytest.raises(mipu.MIPUError, match="the memory plan needs ~.* GiB, the GPU has 16"):
+        mipu.check_memory_plan(cfg)
 
 
 def test_bench_trainer_tiny_on_cpu(tmp_path):
@@ -864,6 +1006,22 @@ def test_bench_trainer_tiny_on_cpu(tmp_path):
         assert f"| {phase} |" in report
     p = run_cli("-m", "toy.bench_trainer", "--device", "cuda") if not torch.cuda.is_available() else None
     assert p is None or (p.returncode == 2 and "error: --device cuda but no GPU" in p.stderr)
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """toy.gpu_check's whole path (a child process per shape, the table) at the tiny shape on the CPU."""
+    p = run_cli("-m", "toy.gpu_check", "--dry-run", "--out", str(tmp_path / "check.md"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    table = (tmp_path / "check.md").read_text()
+    assert f"torch {torch.__version__}" in p.stdout and "transformers " in table and "ESTIMATED" in table
+    for phase in ("θ + AdamW at rest", "recompute (no grad", "Step-1 update", "snapshot, first", "snapshot (refill)",
+                  "rollback (in place)", "outside torch's allocator"):
+        assert f"| tiny | {phase}" in table
+    assert "θ changed: yes" in table and "bit for bit: yes" in table and "FAILED" not in table
+    assert gpu_check.peak_tflops("NVIDIA H200") == gpu_check.peak_tflops("NVIDIA H100 80GB HBM3") == 989
+    assert gpu_check.peak_tflops("NVIDIA H100 PCIe") == 756 and gpu_check.peak_tflops("Tesla T4") is None
+    p = run_cli("-m", "toy.gpu_check") if not torch.cuda.is_available() else None
+    assert p is None or (p.returncode == 2 and "error: no GPU is visible" in p.stderr)
 
 
 def test_fp8_roundtrip_per_row():

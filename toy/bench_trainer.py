@@ -4,7 +4,9 @@ Builds a Qwen3 model from its architecture config alone (random init: no downloa
 only torch and transformers) and times the trainer's part of one MIPU step at a given micro-batch and
 response length: recompute (no-grad log-probs of π_k), one Step-1 update (forward, backward, AdamW),
 snapshot (clone_state) and rollback (restore_state, checked bit for bit). Prints seconds, tokens/s,
-achieved TFLOP/s and peak memory per phase next to mipu.memory_plan's estimates.
+achieved TFLOP/s and peak memory per phase (on a GPU: torch's allocated and reserved peaks) next to
+mipu.memory_plan's estimates. fp32 matmuls run in train's precision (mipu.matmul_precision: TF32 for bf16-mixed on
+a GPU).
 
 `--plan-gpu-gib 80` only prints the memory plan for a GPU of that size (no model is built) and the
 estimated trainer seconds of a step of `--responses` responses at `--assume-tflops`.
@@ -70,11 +72,12 @@ def sync_device(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def peak_gib(device: str) -> float:
-    """Peak memory since the last reset: CUDA allocator on a GPU, the process's peak RSS on the CPU."""
+def peak_gib(device: str) -> tuple[float, float | None]:
+    """Peak memory since the last reset: (allocated, reserved) of torch's CUDA allocator on a GPU (reserved: what it
+    took from the GPU, fragmentation included); (the process's peak RSS, None) on the CPU."""
     if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20    # KiB on Linux
+        return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, None    # KiB on Linux
 
 
 def one_update(model, opt, batch: tuple, cfg: mipu.Config) -> None:
@@ -96,8 +99,8 @@ def recompute(model, prompts, completions, cfg: mipu.Config) -> torch.Tensor:
         return mipu.token_logprobs(model, prompts, completions, 1.0, len(prompts), cfg.logprob_chunk)[0].float()
 
 
-def timed(fn, device: str, *args) -> tuple[float, float, object]:
-    """(seconds, peak GiB during the call, result)."""
+def timed(fn, device: str, *args) -> tuple[float, tuple, object]:
+    """(seconds, peak GiB during the call as peak_gib's (allocated, reserved), result)."""
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     sync_device(device)
@@ -112,7 +115,9 @@ def bench(args: argparse.Namespace) -> str:
     cfg = mipu.TrainConfig(device=args.device, train_dtype=args.train_dtype, grad_checkpointing=args.grad_checkpointing,
                       micro_batch_size=args.micro_batch, max_new_tokens=args.response_len,
                       max_model_len=args.prompt_len + args.response_len, logprob_chunk=args.logprob_chunk,
-                      method="mipu", vllm_sleep="on" if args.device == "cuda" else "off").validate()
+                      method="mipu", vllm_sleep="on" if args.device == "cuda" else "off",
+                      gpu_memory_utilization=args.gpu_memory_utilization).validate()
+    torch.set_float32_matmul_precision(mipu.matmul_precision(cfg))   # as train: TF32 only for bf16-mixed on a GPU
     torch.manual_seed(args.seed)
     model = build_model(args.shape, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cfg.device == "cuda")
@@ -147,7 +152,8 @@ def report(args, cfg: mipu.Config, times: dict, exact: bool) -> str:
     rows = [{"phase": p, "seconds": f"{times[p][0]:.3f}",
              "tokens/s": f"{tokens / times[p][0]:.0f}" if p in flops else "",
              "TFLOP/s": f"{flops[p] / times[p][0] / 1e12:.3g}" if p in flops else "",
-             "peak GiB" + (" (allocated)" if cfg.device == "cuda" else " (process RSS)"): f"{times[p][1]:.2f}"}
+             **({"peak GiB (allocated)": f"{times[p][1][0]:.2f}", "peak GiB (reserved)": f"{times[p][1][1]:.2f}"}
+                if cfg.device == "cuda" else {"peak GiB (process RSS)": f"{times[p][1][0]:.2f}"})}
             for p in PHASES]
     gpu = torch.cuda.get_device_properties(0).total_memory if cfg.device == "cuda" else 0.0
     plan = mipu.memory_plan(c, cfg, gpu)
@@ -155,7 +161,8 @@ def report(args, cfg: mipu.Config, times: dict, exact: bool) -> str:
         f"`python -m toy.bench_trainer --shape {args.shape} --micro-batch {args.micro_batch} --prompt-len "
         f"{args.prompt_len} --response-len {args.response_len}` on {device_name(cfg.device)}, "
         f"{datetime.date.today()}: train dtype {cfg.train_dtype}, checkpointing {cfg.grad_checkpointing}, "
-        f"log-prob chunk {cfg.logprob_chunk}; rollback bit for bit: {'yes' if exact else 'NO'}", "",
+        f"log-prob chunk {cfg.logprob_chunk}, matmul precision {torch.get_float32_matmul_precision()}; rollback bit "
+        f"for bit: {'yes' if exact else 'NO'}", "",
         mipu.markdown_table(rows), "",
         "memory plan (estimated, GiB; vLLM's share counted at --gpu-memory-utilization "
         f"{cfg.gpu_memory_utilization} of this device): " + ", ".join(f"{k} {v:.2f}" for k, v in plan.items())])
@@ -165,15 +172,19 @@ def plan_only(args) -> str:
     """The memory plan and estimated trainer seconds per step on a GPU of args.plan_gpu_gib (nothing is run)."""
     cfg = mipu.TrainConfig(device="cuda", train_dtype=args.train_dtype, grad_checkpointing=args.grad_checkpointing,
                       micro_batch_size=args.micro_batch, max_new_tokens=args.response_len, method="mipu",
-                      max_model_len=args.prompt_len + args.response_len, logprob_chunk=args.logprob_chunk)
+                      max_model_len=args.prompt_len + args.response_len, logprob_chunk=args.logprob_chunk,
+                      gpu_memory_utilization=args.gpu_memory_utilization, rollout_quant=args.rollout_quant)
     # not validated: planning for a GPU needs none
     c = qwen3_config(args.shape)
     plan = mipu.memory_plan(c, cfg, args.plan_gpu_gib * 2**30)
+    share, sequences = mipu.vllm_share(c, cfg, args.plan_gpu_gib * 2**30)
     fwd, upd = step_flops(c, 1, args.prompt_len, args.response_len, cfg.grad_checkpointing == "on")
     sec = {k: v * args.responses / (args.assume_tflops * 1e12) for k, v in (("recompute", fwd), ("update", upd))}
     return (f"{args.shape} on a {args.plan_gpu_gib:g} GiB GPU, micro-batch {args.micro_batch} x ({args.prompt_len} + "
             f"{args.response_len}) tokens, {cfg.train_dtype}, checkpointing {cfg.grad_checkpointing}, vLLM share "
-            f"{cfg.gpu_memory_utilization}, vLLM asleep in Step 1: {cfg.vllm_sleep}. Memory plan (estimated, GiB): "
+            f"{share:.2f} ({cfg.gpu_memory_utilization}; its KV cache holds ~{sequences} sequences of "
+            f"{cfg.max_model_len} tokens, rollout weights {cfg.rollout_quant}), vLLM asleep in Step 1: "
+            f"{cfg.vllm_sleep}. Memory plan (estimated, GiB): "
             + ", ".join(f"{k} {v:.2f}" for k, v in plan.items()) + f". Trainer seconds per step of {args.responses} "
             f"responses at an assumed {args.assume_tflops:g} TFLOP/s (estimated): recompute {sec['recompute']:.0f}, "
             f"update {sec['update']:.0f}")
@@ -224,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--train-dtype", default="auto", help="as mipu.py's --train-dtype")
     p.add_argument("--grad-checkpointing", default="auto", help="as mipu.py's --grad-checkpointing")
     p.add_argument("--logprob-chunk", type=int, default=mipu.Config.logprob_chunk)
+    p.add_argument("--gpu-memory-utilization", default="auto", help="as mipu.py's (vLLM's share in the plan)")
+    p.add_argument("--rollout-quant", default="fp8", help="--plan-gpu-gib: as mipu.py's (vLLM's weights)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="also write the report to this file")
     p.add_argument("--logprob-memory", action="store_true", help="naive vs chunked log-prob head only")

@@ -1,11 +1,13 @@
-"""Estimated GPU memory per rank of `torchrun --nproc_per_node N mipu.py train` (FSDP2) for Qwen3-4B, no GPU
-needed: `python -m toy.fsdp_memory` (from the repo root). An ESTIMATE from arithmetic, not a measurement.
+"""The memory plan of toy/GPU.md's recipe, no GPU needed (from the repo root):
 
-mipu.memory_plan (the start-up check's arithmetic; weights, gradients and AdamW states sharded over N ranks)
-for the README's GPU recipe flags, plus what FSDP2 adds on every rank: the root module (embeddings, final norm,
-lm_head) gathered from forward to backward and two gathered decoder layers (the one computing and the one
-prefetched), in fp32 during Step 1. The sync's pieces (gathered one tensor at a time), autocast's bf16 weight copies
-and the activations are per rank as on one GPU (not divided by N).
+    python -m toy.fsdp_memory --one-gpu      # Qwen3-1.7B on an 80 GiB GPU, Qwen3-4B on a 141 GiB GPU
+    python -m toy.fsdp_memory                # Qwen3-4B per GPU under torchrun (FSDP2), --gpus 2,4,8 --gpu-gib 80
+
+An ESTIMATE from arithmetic, not a measurement: mipu.memory_plan (the start-up check's), with vLLM's share at
+--gpu-memory-utilization auto (mipu.vllm_share) unless --gpu-memory-utilization gives one. Under torchrun the weights,
+gradients and AdamW states are sharded over N ranks; FSDP2 adds the gathered root (embeddings, final norm, lm_head) and
+two gathered decoder layers, and the root's unsharded gradient; autocast's bf16 copies, the activations and vLLM's share
+are per rank as on one GPU.
 """
 import argparse
 
@@ -13,45 +15,72 @@ import mipu
 from toy.bench_trainer import qwen3_config
 
 GIB = 2 ** 30
-# the README's GPU recipe (Qwen3 math RL): 4 responses per forward of 4,352 tokens at most, vLLM's share 0.3
+# the GPU recipe (toy/GPU.md): 4 responses per forward of 4,352 tokens at most, 32 x 8 responses a step, FP8 rollouts
 RECIPE = dict(device="cuda", method="mipu", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352,
-              gpu_memory_utilization=0.3)
+              prompts_per_step=32, rollout_quant="fp8")
+ONE_GPU = (("qwen3-1.7b", 80.0), ("qwen3-4b", 141.0))
+# plan key -> row label, in the order of the tables
+PARTS = {"weights": "weights, fp32", "grads": "gradients, fp32", "optimizer": "AdamW states, fp32",
+         "bf16_copies": "autocast's cached bf16 weight copies", "head_copy": "second bf16 [V, H] head copy",
+         "activations": "activations, checkpointed", "recompute": "recompute's working set (no grad)",
+         "logprob_head": "log-prob head: fp32 grad of lm_head + a chunk",
+         "fsdp_gathered": "FSDP2: gathered root + 2 layers", "fsdp_root_grad": "FSDP2: the root's unsharded gradient",
+         "sync": "sync pieces", "cuda_context": "CUDA context, handles (outside torch)", "vllm": "vLLM's share",
+         "vllm_asleep": "vLLM asleep in Step 1 (outside its pool)",
+         "peak_recompute": "**recompute phase** (vLLM awake)", "peak_step1": "**Step-1 phase** (vLLM asleep)",
+         "peak_sync": "**sync phase** (vLLM awake)",
+         "peak": "**peak**", "snapshot_host": "host: rollback snapshot, per rank",
+         "save_host": "host: rank 0's save gather (θ + AdamW)", "load_host": "host: the model at load, per rank",
+         "host_peak": "**host peak** (one node)"}
+# the torchrun table's columns: plan key -> short label
+COLUMNS = {"weights": "weights", "grads": "grads", "optimizer": "AdamW", "bf16_copies": "bf16 copies",
+           "head_copy": "head copy", "activations": "activations", "recompute": "recompute", "logprob_head":
+           "log-prob head", "fsdp_gathered": "gathered root + 2 layers", "fsdp_root_grad": "root grad",
+           "vllm": "vLLM share", "peak_recompute": "recompute phase", "peak_step1": "Step-1 phase",
+           "peak_sync": "sync phase", "host_peak": "host peak, per node"}
 
 
-def fsdp_gathered(c) -> float:
-    """GiB every rank holds whole in Step 1: the gathered root + 2 decoder layers (fp32)."""
-    H, hd, inter = c.hidden_size, c.head_dim, c.intermediate_size
-    layer = 2 * H * hd * (c.num_attention_heads + c.num_key_value_heads) + 3 * H * inter + 2 * hd + 2 * H
-    root = c.vocab_size * H + H                                   # tied embeddings / lm_head, final norm
-    return (root + 2 * layer) * 4 / GIB
+def plan(shape: str, gpu_gib: float, world: int, share) -> tuple[dict, float, int]:
+    cfg = mipu.TrainConfig(**RECIPE, gpu_memory_utilization=share)   # not validated: no GPU needed to plan for one
+    c = qwen3_config(shape)
+    return (mipu.memory_plan(c, cfg, gpu_gib * GIB, world), *mipu.vllm_share(c, cfg, gpu_gib * GIB, world))
 
 
-def table(gpus: list[int], gpu_gib: float) -> str:
-    c = qwen3_config("qwen3-4b")
-    cfg = mipu.TrainConfig(**RECIPE)           # not validated: no GPU needed to plan for one
-    gathered = fsdp_gathered(c)
-    lines = ["| GPUs | weights | grads | AdamW | bf16 copies | activations | log-prob head | gathered root + 2 layers "
-             "| vLLM share | Step 1 (vLLM asleep) | sync pieces | sync (vLLM awake) | host RAM for the snapshot |",
-             "|---" * 13 + "|"]
+def one_gpu_table(share) -> str:
+    """The recipe on one GPU: a row per plan part, a column per (shape, GPU)."""
+    plans = [plan(shape, gib, 1, share) for shape, gib in ONE_GPU]
+    head = "| part (key printed at start-up) | " + " | ".join(f"{s}, {g:g} GiB GPU" for s, g in ONE_GPU) + " |"
+    rows = [head, "|---" * (1 + len(ONE_GPU)) + "|",
+            "| parameters, billion (`params_billion`) | " + " | ".join(f"{p['params_billion']:.2f}" for p, *_ in plans)
+            + " |"]
+    rows += [f"| {label} (`{key}`) | " + " | ".join(f"{p[key]:.2f}" for p, *_ in plans) + " |"
+             for key, label in PARTS.items()]
+    rows.append("| vLLM's fraction of the GPU; KV cache, sequences of 4352 tokens | "
+                + " | ".join(f"{fraction:.2f}; {seqs}" for _, fraction, seqs in plans) + " |")
+    return f"GiB, ESTIMATED (`--gpu-memory-utilization {share}`):\n\n" + "\n".join(rows)
+
+
+def torchrun_table(gpus: list[int], gpu_gib: float, share) -> str:
+    """Qwen3-4B per rank of N GPUs: a row per N."""
+    lines = ["| GPUs | " + " | ".join(COLUMNS.values()) + " | vLLM's fraction; KV sequences |",
+             "|---" * (len(COLUMNS) + 2) + "|"]
     for n in gpus:
-        p = mipu.memory_plan(c, cfg, gpu_gib * GIB, world=n)
-        step1 = sum(p[k] for k in ("weights", "grads", "optimizer", "bf16_copies", "activations", "logprob_head"))
-        step1 += gathered
-        sync = p["weights"] + p["optimizer"] + p["vllm"] + p["sync"]
-        lines.append(f"| {n} | " + " | ".join(f"{p[k]:.1f}" for k in ("weights", "grads", "optimizer", "bf16_copies",
-                                                                    "activations", "logprob_head"))
-                     + f" | {gathered:.1f} | {p['vllm']:.1f} | {step1:.1f} | {p['sync']:.1f} | {sync:.1f} "
-                     f"| {p['snapshot_host']:.1f} |")
-    return f"Qwen3-4B ({p['params_billion']:.2f} B parameters), GiB per GPU of {gpu_gib:g} GiB, ESTIMATED:\n\n" + \
-        "\n".join(lines)
+        p, fraction, seqs = plan("qwen3-4b", gpu_gib, n, share)
+        lines.append(f"| {n} | " + " | ".join(f"{p[k]:.1f}" for k in COLUMNS) + f" | {fraction:.2f}; {seqs} |")
+    return (f"Qwen3-4B ({p['params_billion']:.2f} B parameters), GiB per GPU of {gpu_gib:g} GiB "
+            f"(`--gpu-memory-utilization {share}`), ESTIMATED:\n\n" + "\n".join(lines))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--one-gpu", action="store_true", help="the recipe on one GPU (1.7B: 80 GiB, 4B: 141 GiB)")
     parser.add_argument("--gpus", default="2,4,8", help="comma-separated numbers of GPUs (torchrun ranks)")
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (80: H100)")
+    parser.add_argument("--gpu-memory-utilization", default="auto", help="vLLM's share: auto or a fraction")
     args = parser.parse_args()
-    print(table([int(x) for x in args.gpus.split(",")], args.gpu_gib))
+    share = args.gpu_memory_utilization                          # Config reads a number from the text
+    print(one_gpu_table(share) if args.one_gpu else
+          torchrun_table([int(x) for x in args.gpus.split(",")], args.gpu_gib, share))
 
 
 if __name__ == "__main__":

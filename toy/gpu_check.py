@@ -1,0 +1,211 @@
+"""The GPU day's one command: `python -m toy.gpu_check` (from the repo root; at most --time-limit seconds, 450 by
+default, to fit 8 minutes on one H200). Needs only torch and transformers: no vLLM, no internet, no download.
+
+For the Qwen3-1.7B and Qwen3-4B shapes (random weights from the architecture: toy.bench_trainer.SHAPES), each in a
+fresh process, at the recipe's micro-batch (4 responses of 256 + 4096 tokens): the trainer's recompute (no-grad
+log-probs, mipu.token_logprobs under the trainer's autocast), one Step-1 update (mipu.policy_loss backward + AdamW
+step), the rollback snapshot (mipu.clone_state: its host buffer pinned or not) and the rollback (mipu.restore_state,
+checked bit for bit). Measured: seconds, TFLOP/s against the GPU's dense bf16 peak (PEAK_BF16_TFLOPS), torch's
+allocated and reserved peaks, the GPU memory outside torch; next to mipu.memory_plan's terms (estimated). Prints the
+versions of torch, CUDA and transformers and writes one markdown table (--out, default toy/gpu_check.md).
+
+`--dry-run`: the tiny shape on the CPU in seconds, printed only (the test suite runs it, so the script cannot rot).
+"""
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import mipu
+from toy import bench_trainer
+
+# dense (no sparsity) bf16 tensor-core peaks of NVIDIA's data sheets, TFLOP/s; the first name the device's contains
+PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("A100", 312.0),
+                    ("L40S", 362.0), ("B200", 2250.0))
+GPU_SHAPES = ("qwen3-1.7b", "qwen3-4b")
+RECIPE = dict(micro_batch=4, prompt_len=256, response_len=4096)      # the GPU recipe's micro-batch (toy/GPU.md)
+DRY_RUN = dict(micro_batch=2, prompt_len=8, response_len=16)
+RESULT = "gpu_check result: "      # the child's stdout line that carries its measurements
+GIB = 2**30
+REPO = Path(__file__).resolve().parent.parent
+
+
+def peak_tflops(device_name: str) -> float | None:
+    return next((peak for name, peak in PEAK_BF16_TFLOPS if name in device_name), None)
+
+
+def versions(device: str) -> str:
+    import transformers
+    gpu = (f"{torch.cuda.get_device_name(0)}, {torch.cuda.get_device_properties(0).total_memory / GIB:.1f} GiB"
+           if device == "cuda" else bench_trainer.device_name("cpu"))
+    return (f"{gpu}; torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def trainer_config(device: str, size: dict) -> mipu.Config:
+    """The GPU recipe's trainer flags (bf16-mixed, checkpointing on a GPU; CPU: float32) at this micro-batch."""
+    return mipu.TrainConfig(device=device, method="mipu", micro_batch_size=size["micro_batch"],
+                       max_new_tokens=size["response_len"], max_model_len=size["prompt_len"] + size["response_len"],
+                       vllm_sleep="on" if device == "cuda" else "off").validate()
+
+
+def memory_now(device: str) -> dict:
+    """GiB now, torch's cache emptied: torch's allocated and reserved, what the GPU holds outside torch's allocator."""
+    if device != "cuda":
+        return {}
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    reserved = torch.cuda.memory_reserved()
+    return {"allocated": torch.cuda.memory_allocated() / GIB, "reserved": reserved / GIB,
+            "outside_torch": (total - free - reserved) / GIB}
+
+
+def phase(device: str, fn, *args) -> tuple:
+    """bench_trainer.timed with torch's cache emptied first (vLLM's sleep and wake-up empty it around Step 1), so the
+    reserved peak is the phase's own."""
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return bench_trainer.timed(fn, device, *args)
+
+
+def measure(shape: str, device: str, size: dict) -> dict:
+    """In a fresh process: build, warm up (a recompute, an update: AdamW's state), then time each phase."""
+    cfg = trainer_config(device, size)
+    torch.set_float32_matmul_precision(mipu.matmul_precision(cfg))    # as train: TF32 for bf16-mixed on a GPU
+    torch.manual_seed(0)
+    model = bench_trainer.build_model(shape, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")    # the recipe's LR
+    V, gen = bench_trainer.SHAPES[shape]["vocab_size"], torch.Generator().manual_seed(0)
+    prompts = torch.randint(V, (size["micro_batch"], size["prompt_len"]), generator=gen).tolist()
+    completions = torch.randint(V, (size["micro_batch"], size["response_len"]), generator=gen).tolist()
+    logp_old = bench_trainer.recompute(model, prompts, completions, cfg)
+    batch = (prompts, completions, logp_old, torch.randn(size["micro_batch"], generator=gen).to(device))
+    bench_trainer.one_update(model, opt, batch, cfg)                   # warm-up: AdamW's state exists from here
+    clone = functools.partial(mipu.clone_state, alloc=functools.partial(mipu.host_buffer, pin=device == "cuda"))
+    phases = {"snapshot_first": phase(device, clone, model, opt)}           # allocate + pin, as TrainEngine.snapshot
+    snapshot, at_rest = phases["snapshot_first"][2], memory_now(device)
+    phases["recompute"] = phase(device, bench_trainer.recompute, model, prompts, completions, cfg)
+    phases["snapshot"] = phase(device, clone, model, opt, snapshot)              # refill in place
+    phases["update"] = phase(device, bench_trainer.one_update, model, opt, batch, cfg)
+    changed = any(not torch.equal(t.cpu(), snapshot[1][k]) for k, t in mipu.state_tensors(model, opt).items())
+    phases["rollback"] = phase(device, mipu.restore_state, model, opt, snapshot)
+    exact = all(torch.equal(t.cpu(), snapshot[1][k]) for k, t in mipu.state_tensors(model, opt).items())
+    c = bench_trainer.qwen3_config(shape)
+    flops = dict(zip(("recompute", "update"), bench_trainer.step_flops(
+        c, size["micro_batch"], size["prompt_len"], size["response_len"], cfg.grad_checkpointing == "on")))
+    gpu = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 0
+    plan = mipu.memory_plan(c, cfg, gpu)
+    awake, step1 = mipu.trainer_phases(plan, cfg)
+    return {"shape": shape, "seconds": {k: t[0] for k, t in phases.items()},
+            "peaks": {k: t[1] for k, t in phases.items()}, "at_rest": at_rest, "flops": flops,
+            "snapshot_bytes": snapshot[0].nbytes, "pinned": device == "cuda" and snapshot[0].is_pinned(),
+            "changed": changed, "exact": exact, "dtype": cfg.train_dtype, "checkpointing": cfg.grad_checkpointing,
+            "precision": torch.get_float32_matmul_precision(),
+            "plan": {"at_rest": plan["weights"] + plan["optimizer"], "recompute": awake["recompute"], "update": step1,
+                     "snapshot": plan["snapshot_host"], "outside_torch": plan["cuda_context"]}}
+
+
+def run_child(shape: str, args, limit: float) -> dict:
+    """measure() in a fresh process (its own CUDA context, peak statistics and host memory); a failure is a row."""
+    cmd = [sys.executable, "-m", "toy.gpu_check", "--child", shape, "--device", args.device]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(limit, 1), cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"shape": shape, "failed": f"timed out after {limit:.0f} s (--time-limit)"}
+    lines = [x for x in p.stdout.splitlines() if x.startswith(RESULT)]
+    if p.returncode or not lines:
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        return {"shape": shape, "failed": f"exit {p.returncode}: {last}"}
+    return json.loads(lines[-1][len(RESULT):])
+
+
+def gib(peak) -> str:
+    return f"{peak[0]:.2f} / {peak[1]:.2f}" if peak and peak[1] is not None else "n/a (CPU)"
+
+
+def shape_rows(r: dict, peak: float | None) -> list[dict]:
+    """One shape's rows: phase, seconds, rate, measured GiB, the plan's GiB (estimated), check."""
+    if "failed" in r:
+        return [{"shape": r["shape"], "phase": "all", "seconds": "", "rate": "", "measured GiB": r["failed"],
+                 "plan GiB (estimated)": "", "check": "FAILED"}]
+    s, p, host = r["seconds"], r["plan"], r["snapshot_bytes"] / GIB
+
+    def tflops(k):
+        rate = r["flops"][k] / s[k] / 1e12
+        return f"{rate:.3g} TFLOP/s" + (f" ({100 * rate / peak:.0f} % of {peak:g})" if peak else " (peak n/a)")
+
+    rest = r["at_rest"]
+    rows = [("θ + AdamW at rest", "", "", gib((rest["allocated"], rest["reserved"])) if rest else "n/a (CPU)",
+             p["at_rest"], ""),
+            ("recompute (no grad, trainer's autocast)", s["recompute"], tflops("recompute"),
+             gib(r["peaks"]["recompute"]), p["recompute"], ""),
+            ("Step-1 update (backward + AdamW)", s["update"], tflops("update"), gib(r["peaks"]["update"]),
+             p["update"], f"θ changed: {'yes' if r['changed'] else 'NO'}"),
+            ("snapshot, first (allocate + pin)", s["snapshot_first"], f"{host / s['snapshot_first']:.1f} GiB/s",
+             f"host {host:.2f}", p["snapshot"], f"pinned: {'yes' if r['pinned'] else 'no'}"),
+            ("snapshot (refill)", s["snapshot"], f"{host / s['snapshot']:.1f} GiB/s", f"host {host:.2f}", "", ""),
+            ("rollback (in place)", s["rollback"], f"{host / s['rollback']:.1f} GiB/s", "", "",
+             f"bit for bit: {'yes' if r['exact'] else 'NO'}"),
+            ("outside torch's allocator", "", "", f"{rest['outside_torch']:.2f}" if rest else "n/a (CPU)",
+             p["outside_torch"], "")]
+    return [{"shape": r["shape"], "phase": phase, "seconds": f"{sec:.3f}" if sec != "" else "", "rate": rate,
+             "measured GiB": measured, "plan GiB (estimated)": f"{plan:.2f}" if plan != "" else "", "check": check}
+            for phase, sec, rate, measured, plan, check in rows]
+
+
+def report(args, results: list[dict], wall: float, header: str) -> str:
+    peak = peak_tflops(torch.cuda.get_device_name(0)) if args.device == "cuda" else None
+    first = next((r for r in results if "failed" not in r), {})
+    size = DRY_RUN if args.dry_run else RECIPE
+    return "\n".join([
+        f"`python -m toy.gpu_check{' --dry-run' if args.dry_run else ''}` on {header}, {datetime.date.today()}, "
+        f"{wall:.0f} s (load average {os.getloadavg()[0]:.1f}): train dtype {first.get('dtype')}, checkpointing "
+        f"{first.get('checkpointing')}, matmul precision {first.get('precision')}; micro-batch {size['micro_batch']} x "
+        f"({size['prompt_len']} + {size['response_len']}) tokens, random weights. Measured GiB: torch's peak "
+        "allocated / reserved in the phase (θ + AdamW included); host: the snapshot's buffer. Plan: "
+        "mipu.memory_plan's trainer terms of the phase, ESTIMATED (vLLM and the CUDA context apart, except the last "
+        "row)", "",
+        mipu.markdown_table([row for r in results for row in shape_rows(r, peak)])])
+
+
+def run(args) -> None:
+    if args.child:                   # the CPU only runs --dry-run's size
+        size = DRY_RUN if args.device == "cpu" else RECIPE
+        print(RESULT + json.dumps(measure(args.child, args.device, size)), flush=True)
+        return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise mipu.MIPUError("no GPU is visible (python -m toy.gpu_check --dry-run runs the tiny shape on the CPU)")
+    header, start = versions(args.device), time.perf_counter()
+    print(header, flush=True)
+    results = []
+    for shape in ("tiny",) if args.dry_run else GPU_SHAPES:
+        results.append(run_child(shape, args, args.time_limit - (time.perf_counter() - start)))
+        print(f"{shape}: {results[-1].get('failed', 'done')}", flush=True)
+    text = report(args, results, time.perf_counter() - start, header)
+    if args.out or not args.dry_run:
+        Path(args.out or REPO / "toy" / "gpu_check.md").write_text(text + "\n")
+    print(text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="the tiny shape on the CPU, in seconds")
+    p.add_argument("--out", default="", help="the markdown table's file (default toy/gpu_check.md; --dry-run: none)")
+    p.add_argument("--time-limit", type=float, default=450.0, help="seconds for all shapes together")
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    p.add_argument("--device", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.device = args.device or ("cpu" if args.dry_run else "cuda")
+    return mipu.report_errors(run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
