@@ -54,8 +54,8 @@ FILE MAP, in reading order. THE REFERENCE (runs by itself; a first read stops at
   THE ITERATION     mipu_step (phases 0-4) and what it calls: step1_update, step2_estimates, decide
   ENGINES           Engine (the interface mipu_step uses), clone_state / restore_state, fp8_roundtrip
   TOY ENGINE        ToyPolicy, toy_sample, toy_exact_J, ToyEngine (exact J, the oracle rule, c_se), toy_run
-  LLM ENGINE        make_sampler, generate, sync_weights, load_trainer, token_logprobs, probe_gap, reference_reward,
-                    LLMEngine (vLLM + transformers on one device)
+  LLM ENGINE        make_sampler, generate, sync_weights, load_trainer, token_logprobs, probe_gap, digest_gap,
+                    reference_reward, LLMEngine (vLLM + transformers on one device)
 THE HARNESS (extends LLMEngine as TrainEngine): several GPUs (torchrun + FSDP2) and vLLM's sleep mode / data and
   the sandboxed reward worker / checkpoints, metrics, evaluation / the memory plan / TrainConfig (the harness's
   flags, validation that touches files or ranks) / the command line (toy, train, eval)
@@ -102,7 +102,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
 
@@ -1003,7 +1004,7 @@ def tensor_digest(t: torch.Tensor) -> int:
     words = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
     table, total = _digest_table(t.device), torch.zeros((), dtype=torch.int64, device=t.device)
     for chunk in words.split(DIGEST_CHUNK):
-        total += table[chunk.long() & 0xFFFF].sum()
+        total += table.index_select(0, chunk.long() & 0xFFFF).sum()   # not table[...]: 7 ms of overhead on CPU
     return int(total)
 
 
@@ -1439,11 +1440,40 @@ def all_max(x: float) -> float:
 def shard_model(model: torch.nn.Module, device: str) -> torch.nn.Module:
     """Join torchrun's process group (gloo on CPU, NCCL on GPU: one per rank), then FSDP2: fully_shard each
     decoder layer, then the root (embeddings, final norm, lm_head); a CPU model moves to the GPU as it is sharded."""
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
     mesh = init_device_mesh(device, (rank_world()[1],))
     for layer in model.get_decoder().layers:
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module:
+    """Under torchrun: rank 0 loads the model on the host (a refusal is every rank's error), the other ranks build it
+    on the meta device (no memory); FSDP2 shards it, then rank 0 broadcasts each weight and buffer (the rotary
+    tables: not in a state dict) into every rank's shards. One host copy of the full model, not one per rank."""
+    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
+    rank, load, error = rank_world()[0], functools.partial(load_trainer, model_path, cfg.train_dtype,
+                                                           checkpointing=cfg.grad_checkpointing == "on"), [None]
+    if rank == 0:
+        try:
+            model = load(device="cpu", load=load_checked_trainer)
+        except MIPUError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise MIPUError(error[0])
+    if rank:
+        with torch.device("meta"):
+            model = load(device="meta", load=trainer_from_config)
+    full = model.state_dict() if rank == 0 else {}
+    model = shard_model(model, cfg.device)
+    if rank:
+        model.to_empty(device=cfg.device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    return model.eval()
 
 
 def reshard(model: torch.nn.Module) -> None:
@@ -1578,6 +1608,12 @@ def load_checked_trainer(model_path: str, **kwargs):
     if misfits := {k: sorted(map(str, v))[:3] for k, v in info.items() if v}:
         raise MIPUError(f"{model_path}: its weight files do not fit its config.json: {misfits}")
     return model
+
+
+def trainer_from_config(model_path: str, **kwargs):
+    """load_trainer's `load` for a model without its weights (under torch.device("meta"): its structure only)."""
+    import transformers
+    return transformers.AutoModelForCausalLM.from_config(load_pretrained("AutoConfig", model_path), **kwargs)
 
 
 # ---- DATA & REWARD -------------------------------------------------------------------------------------------------
@@ -2136,9 +2172,8 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         check_memory_plan(cfg)
-    model = load_trainer(weights, cfg.train_dtype, "cpu" if torchrun() else cfg.device, cfg.grad_checkpointing == "on",
-                         load_checked_trainer)
-    model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards
+    model = load_sharded_trainer(weights, cfg) if torchrun() else load_trainer(     # before the optimizer: it holds
+        weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on", load_checked_trainer)    # the shards
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
     try:                              # before the engines start: an edited optimizer.pt is one error line

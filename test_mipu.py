@@ -1667,7 +1667,7 @@ def test_cli_bench_tiny_budget(model_dir, tmp_path):
     report = (tmp_path / "bench.md").read_text()
     for label in bench.BENCH_VARIANTS:
         assert f"| {label} |" in report
-    assert "throughput ratio wrapper/bare" in report
+    assert "throughput ratio wrapper/bare" in report and "sync check per sync: probe " in report
 
 
 def test_cli_llm_demo_tiny_budget(tmp_path):
@@ -1718,6 +1718,8 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     from transformers import AutoTokenizer
 
     rank, world = mipu.rank_world()
+    loads, load = [], mipu.load_checked_trainer                  # who reads the weight files
+    mipu.load_checked_trainer = lambda *args, **kwargs: loads.append(rank) or load(*args, **kwargs)
     run = mipu.setup_llm_run(_two_rank_cfg(model_dir, out))
     # 1. one Step-1 update on the fixed batch: this rank's half of it
     ro = _fixed_batch(AutoTokenizer.from_pretrained(model_dir)).select(torch.arange(rank * 8, rank * 8 + 8))
@@ -1738,7 +1740,7 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     restored = all(torch.equal(a, b) for a, b in zip(before, _local_state(run)))
     report = {"decisions": decisions + [(m["step2/accepted"], m["step2/t_post"])], "restored": restored,
               "engine_restored": _probe_logprobs(run) == probe, "probe_gap": m["sync/probe_mean_abs_dlogp"],
-              "snapshot_on_host": bool(host) and all(host), "in_place": _state_ptrs(run) == ptrs}
+              "snapshot_on_host": bool(host) and all(host), "in_place": _state_ptrs(run) == ptrs, "loads": loads}
     # 3. a sync that reaches rank 0's engine only (rank 1's keeps its weights): the check fails on rank 1
     if rank == 1:
         mipu._reload_in_worker = lambda *args, **kwargs: None
@@ -1784,6 +1786,12 @@ def test_two_ranks_same_decisions_and_exact_rollback(two_ranks):
     for rep in reports:
         assert rep["restored"] and rep["engine_restored"] and rep["probe_gap"] < MAX_TOL
         assert rep["snapshot_on_host"] and rep["in_place"]     # plain host tensors (no DTensor), restored in place
+
+
+def test_two_ranks_load_the_weights_once(two_ranks):
+    """Rank 0 reads the weight files, rank 1 builds the model on the meta device and gets its shards broadcast (its
+    step-1 weights equal one process's: test_two_ranks_step1_equals_one_process)."""
+    assert [json.loads((two_ranks / f"rank{r}.json").read_text())["loads"] for r in range(2)] == [[0], []]
 
 
 def test_two_ranks_stop_together_on_a_failed_sync(two_ranks):
