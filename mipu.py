@@ -54,8 +54,8 @@ FILE MAP, in reading order. THE REFERENCE (runs by itself; a first read stops at
   THE ITERATION     mipu_step (phases 0-4) and what it calls: step1_update, step2_estimates, decide
   ENGINES           Engine (the interface mipu_step uses), clone_state / restore_state, fp8_roundtrip
   TOY ENGINE        ToyPolicy, toy_sample, toy_exact_J, ToyEngine (exact J, the oracle rule, c_se), toy_run
-  LLM ENGINE        make_sampler, generate, sync_weights, load_trainer, token_logprobs, probe_gap, reference_reward,
-                    LLMEngine (vLLM + transformers on one device)
+  LLM ENGINE        make_sampler, generate, sync_weights, load_trainer, token_logprobs, probe_gap, digest_gap,
+                    reference_reward, LLMEngine (vLLM + transformers on one device)
 THE HARNESS (extends LLMEngine as TrainEngine): several GPUs (torchrun + FSDP2) and vLLM's sleep mode / data and
   the sandboxed reward worker / checkpoints, metrics, evaluation / the memory plan / TrainConfig (the harness's
   flags, validation that touches files or ranks) / the command line (toy, train, eval)
@@ -71,12 +71,14 @@ COMMANDS (the README has the rest)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import fcntl
 import functools
 import inspect
 import json
+import logging
 import math
 import numbers
 import os
@@ -100,7 +102,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
 
@@ -934,12 +937,31 @@ def _reload_in_worker(model, weights: list, model_config, first: bool = True, la
         initialize_layerwise_reload(model)
     model.load_weights(iter(weights))  # HF names; vLLM fuses qkv / gate_up itself
     if last:
-        finalize_layerwise_reload(model, model_config)
+        with _quiet_reload(model_config):
+            finalize_layerwise_reload(model, model_config)
     # Tied embeddings (Qwen3 up to 4B): load_weights skips lm_head, so the reload restores lm_head's
     # *old* processed kernel ("ParallelLMHead: Failed to load weights"): on CPUs with AMX/AVX-512-BF16
     # that is a GEMM pre-packed from the old weights. Re-process it from the (shared, new) weight.
     if last and getattr(model_config.hf_config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+@contextlib.contextmanager
+def _quiet_reload(model_config):
+    """vLLM 0.32's finalize_layerwise_reload warns "<layer>: Failed to load weights" for each layer no weight was
+    sent to; for two that is expected: RotaryEmbedding (its cos/sin cache is a buffer no checkpoint holds) and a tied
+    lm_head (its weight is embed_tokens', loaded through it). Those two lines are dropped; any other layer's stays."""
+    expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if getattr(model_config.hf_config, "tie_word_embeddings",
+                                                                    False) else set())
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in expected)
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
 
 
 def _fused_name(name: str) -> str:
@@ -950,24 +972,87 @@ def _fused_name(name: str) -> str:
 SYNC_PIECE_BYTES = 512 * 2**20   # weights per load_weights call: verl's default bucket (vLLM 0.32's transfer: 1 GiB)
 
 
+def pushed_tensors(named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, dtype: torch.dtype,
+                   gather=lambda t: t) -> Iterator[tuple[str, torch.Tensor]]:
+    """θ as sync_weights sends it: (HF name, the whole tensor in the engine's dtype), one at a time; fp8-sim rounds
+    linear weights through FP8 first. `gather` makes a tensor whole (the harness: FSDP2 shards)."""
+    amax = {}   # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
+    for name, t in named_tensors:     # linear weights, the ones vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
+        if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
+            amax[_fused_name(name)] = max(gather(t.detach().abs().max()).float().cpu(), amax.get(_fused_name(name), 0))
+    for name, t in named_tensors:
+        if _fused_name(name) in amax:     # elementwise given amax: on this rank's shard, before the gather
+            t = fp8_roundtrip(t.detach(), per_row=False, amax=amax[_fused_name(name)].to(t.device))
+        yield name, gather(t.detach().to(dtype))   # engine dtype (bf16), then gathered
+
+
 def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> None:
     """Load HF-named weights into the running vLLM engine by vLLM's layerwise reload (as its weight-transfer engines:
     quantized layers re-quantize) via the public llm.apply_model, in pieces of SYNC_PIECE_BYTES + one tensor at most.
     `gather` makes a tensor whole (the harness: FSDP2 shards), one at a time."""
     model_config = llm.llm_engine.vllm_config.model_config
-    amax = {}   # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
-    for name, t in named_tensors:     # linear weights, the ones vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
-        if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
-            amax[_fused_name(name)] = max(gather(t.detach().abs().max()).float().cpu(), amax.get(_fused_name(name), 0))
     piece, first = [], True
-    for i, (name, t) in enumerate(named_tensors, 1):
-        if _fused_name(name) in amax:     # elementwise given amax: on this rank's shard, before the gather
-            t = fp8_roundtrip(t.detach(), per_row=False, amax=amax[_fused_name(name)].to(t.device))
-        piece.append((name, gather(t.detach().to(model_config.dtype))))   # engine dtype (bf16), then gathered
+    for i, item in enumerate(pushed_tensors(named_tensors, rollout_quant, model_config.dtype, gather), 1):
+        piece.append(item)
         if i == len(named_tensors) or sum(w.nbytes for _, w in piece) >= SYNC_PIECE_BYTES:   # partial: picklable
             llm.apply_model(functools.partial(_reload_in_worker, weights=piece, model_config=model_config,
                                               first=first, last=i == len(named_tensors)))
             piece, first = [], False
+
+
+# ---- the sync check's digest: vLLM's weights are θ's, bit for bit, at any learning rate ----
+# A multiset hash: Σ over a tensor's 16-bit words (bytes for 1-byte dtypes) of a fixed random table's entry. Integer
+# sums are exact and order-free, so the digest of vLLM's fused qkv_proj is the sum of q's, k's and v's, whatever the
+# layout; any changed word changes it (entries < 2^31: a chunk's sum, 2^22 × 2^31, fits int64, as any tensor's up to
+# 2^32 elements). Table entry 0 is 0: +0.0, vLLM's zero padding of vocabulary rows, counts for nothing.
+DIGEST_CHUNK = 2**22          # words per gather-and-sum: 32 MiB of int64 indices, the same of table entries
+DIGEST_SEED = 20260101
+
+
+@functools.cache
+def _digest_table(device: torch.device) -> torch.Tensor:     # [65536] int64 in [1, 2^31), entry 0 is 0
+    table = torch.randint(1, 2**31, (2**16,), generator=torch.Generator().manual_seed(DIGEST_SEED))
+    table[0] = 0
+    return table.to(device)
+
+
+def tensor_digest(t: torch.Tensor) -> int:
+    """The multiset hash of t's words; one sync with the device."""
+    flat = t.detach().contiguous().view(-1)
+    words = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
+    table, total = _digest_table(t.device), torch.zeros((), dtype=torch.int64, device=t.device)
+    for chunk in words.split(DIGEST_CHUNK):
+        total += table.index_select(0, chunk.long() & 0xFFFF).sum()   # not table[...]: 7 ms of overhead on CPU
+    return int(total)
+
+
+def weight_digests(named_tensors) -> dict[str, tuple[int, torch.dtype]]:
+    """{vLLM parameter name: (digest, dtype)} of HF-named tensors: q/k/v and gate/up summed as vLLM fuses them."""
+    out = {}
+    for name, t in named_tensors:
+        d = out.get(_fused_name(name), (0, t.dtype))[0]
+        out[_fused_name(name)] = (d + tensor_digest(t), t.dtype)
+    return out
+
+
+def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:    # runs inside the vLLM worker
+    return {name: (tensor_digest(p), p.dtype) for name, p in model.named_parameters() if p.numel()}
+
+
+def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str,
+               gather=lambda t: t) -> tuple[int, float]:
+    """(vLLM tensors whose digest is not θ's as sync_weights sends it, the fraction of θ's elements so compared).
+    Compared: the engine's non-empty parameters of θ's dtype and name (vLLM 0.32 by the public llm.apply_model, one
+    worker). Not compared, left to the probe: fp8 layers (vLLM re-quantizes them) and, in vLLM's CPU build, linear
+    layers (it packs their weights outside the parameters, which it empties)."""
+    sizes = {}                                     # elements per vLLM tensor (a DTensor's numel is the global one)
+    for n, t in named_tensors:
+        sizes[_fused_name(n)] = sizes.get(_fused_name(n), 0) + t.numel()
+    [engine] = llm.apply_model(_digests_in_worker)
+    pushed = weight_digests(pushed_tensors(named_tensors, rollout_quant, llm.llm_engine.vllm_config.model_config.dtype,
+                                           gather))
+    same = [n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt]
+    return sum(engine[n][0] != pushed[n][0] for n in same), sum(sizes[n] for n in same) / sum(sizes.values())
 
 
 def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool = False, load=None):
@@ -1206,6 +1291,7 @@ class LLMEngine(Engine):
         self.order, self.data_pos, self.val_pos = [], 0, 0     # shuffled training-row order of this pass, next rows
         self.pending_rows = self.pending = None     # --gap-batch next: step k+1's prompts; if accepted, its Rollout
         self.probe, self.probe_gap0 = (), 0.0       # (prompt ids, completion ids) scored after every sync; its start gap
+        self.digest_coverage, self.rolling_back = 0.0, False    # θ's elements the digests compare; in a rollback?
 
     @property
     def base_lr(self) -> float:
@@ -1286,26 +1372,38 @@ class LLMEngine(Engine):
     # ---- phase 2 and 4: sync θ into μ, check it took effect ----
     def sync(self) -> dict:
         self.push_weights()
-        return {"sync/probe_mean_abs_dlogp":
-                self.check_sync(self.cfg.sync_tol * max(self.probe_gap0, SYNC_GAP_FLOOR))}
+        gap = self.check_sync(self.cfg.sync_tol * max(self.probe_gap0, SYNC_GAP_FLOOR))
+        return {"sync/probe_mean_abs_dlogp": gap, "sync/digest_coverage": self.digest_coverage}
 
     def push_weights(self) -> None:
         sync_weights(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
 
     def check_sync(self, tol: float) -> float:
-        """The probe's gap (largest over ranks); MIPUError on every rank if > tol (none waits in a collective)."""
+        """Two checks that μ is θ's; MIPUError on every rank if one fails (none waits in a collective). The probe's
+        gap (returned: the largest over ranks) must be <= tol: a gross error (a layout, a dtype, a stale kernel);
+        then the digests: vLLM holds θ's bf16 values exactly (a missed sync at any learning rate)."""
         with torch.no_grad():
             gap = probe_gap(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), *self.probe)
-        gap = self.max(gap if math.isfinite(gap) else math.inf)          # NaN counts as inf
+            bad, self.digest_coverage = digest_gap(self.llm, list(self.model.named_parameters()),
+                                                   self.cfg.rollout_quant, self.gather)
+        gap, bad = self.max(gap if math.isfinite(gap) else math.inf), self.max(bad)     # NaN counts as inf
+        where = f"step {self.step}" + "'s rollback" * self.rolling_back
         if gap > tol or gap == math.inf:
             raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights" if gap == math.inf
-                            else f"weight sync did not take effect: mean |vLLM - trainer| log-prob {gap:.4g} > tol "
-                                 f"{tol:.4g}")
+                            else f"weight sync did not take effect at {where}: mean |vLLM - trainer| log-prob "
+                                 f"{gap:.4g} > tol {tol:.4g}")
+        if bad:
+            raise MIPUError(f"weight sync did not take effect at {where}: {bad:.0f} of vLLM's weight tensors differ "
+                            f"from the trainer's (their digests)")
+        if not self.digest_coverage:
+            raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM's engine (names or "
+                            "dtypes differ): a missed sync would go unseen")
         return gap
 
     def rollback(self, synced: bool) -> None:
+        self.rolling_back = True                   # the sync check's error names the re-sync
         super().rollback(synced)
-        self.pending = None                        # --gap-batch next: step k+1 re-samples these prompts from μ_k
+        self.rolling_back, self.pending = False, None     # --gap-batch next: step k+1 re-samples these from μ_k
 
 
 # ==== HARNESS: A FIRST READ CAN STOP HERE ===========================================================================
@@ -1360,11 +1458,40 @@ def all_max(x: float) -> float:
 def shard_model(model: torch.nn.Module, device: str) -> torch.nn.Module:
     """Join torchrun's process group (gloo on CPU, NCCL on GPU: one per rank), then FSDP2: fully_shard each
     decoder layer, then the root (embeddings, final norm, lm_head); a CPU model moves to the GPU as it is sharded."""
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
     mesh = init_device_mesh(device, (rank_world()[1],))
     for layer in model.get_decoder().layers:
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module:
+    """Under torchrun: rank 0 loads the model on the host (a refusal is every rank's error), the other ranks build it
+    on the meta device (no memory); FSDP2 shards it, then rank 0 broadcasts each weight and buffer (the rotary
+    tables: not in a state dict) into every rank's shards. One host copy of the full model, not one per rank."""
+    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
+    rank, load, error = rank_world()[0], functools.partial(load_trainer, model_path, cfg.train_dtype,
+                                                           checkpointing=cfg.grad_checkpointing == "on"), [None]
+    if rank == 0:
+        try:
+            model = load(device="cpu", load=load_checked_trainer)
+        except MIPUError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise MIPUError(error[0])
+    if rank:
+        with torch.device("meta"):
+            model = load(device="meta", load=trainer_from_config)
+    full = model.state_dict() if rank == 0 else {}
+    model = shard_model(model, cfg.device)
+    if rank:
+        model.to_empty(device=cfg.device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    return model.eval()
 
 
 def reshard(model: torch.nn.Module) -> None:
@@ -1514,6 +1641,12 @@ def load_checked_trainer(model_path: str, **kwargs):
     if misfits := {k: sorted(map(str, v))[:3] for k, v in info.items() if v}:
         raise MIPUError(f"{model_path}: its weight files do not fit its config.json: {misfits}")
     return model
+
+
+def trainer_from_config(model_path: str, **kwargs):
+    """load_trainer's `load` for a model without its weights (under torch.device("meta"): its structure only)."""
+    import transformers
+    return transformers.AutoModelForCausalLM.from_config(load_pretrained("AutoConfig", model_path), **kwargs)
 
 
 # ---- DATA & REWARD -------------------------------------------------------------------------------------------------
@@ -2155,9 +2288,8 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         cfg = dataclasses.replace(cfg, gpu_memory_utilization=check_memory_plan(cfg))   # auto: a number now
-    model = load_trainer(weights, cfg.train_dtype, "cpu" if torchrun() else cfg.device, cfg.grad_checkpointing == "on",
-                         load_checked_trainer)
-    model = shard_model(model, cfg.device) if torchrun() else model    # before the optimizer: it holds the shards
+    model = load_sharded_trainer(weights, cfg) if torchrun() else load_trainer(     # before the optimizer: it holds
+        weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on", load_checked_trainer)    # the shards
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
     try:                              # before the engines start: an edited optimizer.pt is one error line

@@ -4,12 +4,14 @@ vLLM path on a tiny model, and the command line as a user runs it.
 Run: python -m pytest -q test_mipu.py
 """
 import ast
+import contextlib
 import dataclasses
 import errno
 import fcntl
 import functools
 import gc
 import json
+import logging
 import math
 import os
 import re
@@ -1219,6 +1221,31 @@ def test_sync_in_pieces_equals_whole_sync(llm, trainer, prompt_ids, restore, qua
     assert mipu.vllm_prompt_logprobs(llm, seq) == whole                              # bit for bit
 
 
+def test_sync_drops_only_the_expected_reload_warnings(llm, trainer, restore, monkeypatch):
+    """vLLM's reload warns "Failed to load weights" for the rotary cache and the tied lm_head at every sync: those
+    two lines are dropped during the sync; another layer's line, or one outside the sync, stays."""
+    log, seen = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log.addHandler(handler)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(mipu, "_quiet_reload", lambda model_config: contextlib.nullcontext())
+            mipu.sync_weights(llm, list(trainer.named_parameters()), "none")
+        unfiltered, seen[:] = list(seen), []
+        mipu.sync_weights(llm, list(trainer.named_parameters()), "none")
+        filtered = list(seen)
+        with mipu._quiet_reload(llm.llm_engine.vllm_config.model_config):
+            for layer in ("RotaryEmbedding", "ParallelLMHead", "Qwen3DecoderLayer"):
+                log.warning("%s: Failed to load weights", layer)
+        log.warning("%s: Failed to load weights", "RotaryEmbedding")
+    finally:
+        log.removeHandler(handler)
+    assert sorted(unfiltered) == ["ParallelLMHead: Failed to load weights", "RotaryEmbedding: Failed to load weights"]
+    assert filtered == [] and seen == ["Qwen3DecoderLayer: Failed to load weights",
+                                       "RotaryEmbedding: Failed to load weights"]
+
+
 def test_nonfinite_probe_is_its_own_error(llm, trainer, prompt_ids, restore):
     with torch.no_grad():
         trainer.model.norm.weight.fill_(float("nan"))                   # e.g. a damaged checkpoint
@@ -1389,6 +1416,58 @@ def test_probe_is_engine_sampled_and_a_sync_that_did_not_take_is_caught(llm, mod
     monkeypatch.setattr(mipu, "sync_weights", lambda *args: None)     # the sync silently does nothing
     with pytest.raises(mipu.MIPUError, match="weight sync did not take effect"):
         run.sync()
+
+
+def _syncs_after(n: int, monkeypatch) -> list:
+    """sync_weights as it is for its first n calls, then a no-op (a sync that silently stops); returns the calls."""
+    real, calls = mipu.sync_weights, []
+
+    def sync(*args, **kwargs):
+        calls.append(len(calls) < n)
+        if calls[-1]:
+            real(*args, **kwargs)
+    monkeypatch.setattr(mipu, "sync_weights", sync)
+    return calls
+
+
+def _parity_reward(self, sample: dict, answer: str) -> float:    # TrainEngine.reward: groups with both rewards
+    return sum(sample["completion_ids"]) % 2.0
+
+
+def test_a_missed_sync_at_a_small_learning_rate_stops_the_run(llm, model_dir, tmp_path, restore, monkeypatch, capsys):
+    """`train` at LR 1e-5, where the probe's log-probs move far less than its tolerance: with sync_weights a no-op
+    after start-up's, the run stops at its first step's sync with one error line (the digests); with the real sync
+    the same run passes. The untrained model earns no reward (zero advantages: θ would not move), so a reward by
+    the response's token ids' parity gives each group both."""
+    monkeypatch.setattr(mipu, "make_sampler", lambda cfg, **engine_args: llm)       # one vLLM engine per session
+    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)
+    args = ["train", "--model", model_dir, "--train-data", str(ARITH), "--method", "grpo", "--steps", "2",
+            "--prompts-per-step", "4", "--num-generations", "4", "--mini-batch-size", "16", "--max-new-tokens", "6",
+            "--learning-rate", "1e-5"]
+    assert mipu.main([*args, "--output-dir", str(tmp_path / "synced")]) == 0, capsys.readouterr().err[-2000:]
+    lines = [json.loads(x) for x in (tmp_path / "synced" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1] and all(m["sync/digest_coverage"] > 0 for m in lines)
+    assert all(m["step1/grad_norm"] > 0 for m in lines)                               # θ moved at every step
+    assert all(m["sync/probe_mean_abs_dlogp"] < mipu.SYNC_GAP_FLOOR for m in lines)   # the probe alone sees nothing
+    capsys.readouterr()
+    calls = _syncs_after(1, monkeypatch)
+    assert mipu.main([*args, "--output-dir", str(tmp_path / "stale")]) == 2
+    errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert errors == [errors[0]] and errors[0].startswith("error: weight sync did not take effect at step 0: ") and \
+        "digests" in errors[0], errors
+    assert calls == [True, False] and not (tmp_path / "stale" / "metrics.jsonl").exists()
+
+
+def test_a_rollback_whose_resync_is_skipped_is_caught(llm, model_dir, tmp_path, restore, monkeypatch):
+    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)       # θ moves (see the test above)
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu", c=-1e9, learning_rate=1e-5), llm=llm)
+    m = mipu.mipu_step(run)                                            # rejected (T_post >= 1e9: never), re-synced
+    assert m["step2/accepted"] == 0.0 and run.step == 1 and m["step1/grad_norm"] > 0
+    calls = _syncs_after(1, monkeypatch)                               # step 1's sync happens, its rollback's not
+    with pytest.raises(mipu.MIPUError, match=r"weight sync did not take effect at step 1's rollback: \d+ of vLLM's "
+                                             r"weight tensors differ from the trainer's \(their digests\)"):
+        mipu.mipu_step(run)
+    assert calls == [True, False]
 
 
 def test_gap_batch_next_needs_step2():
@@ -1746,7 +1825,7 @@ def test_cli_bench_tiny_budget(model_dir, tmp_path):
     report = (tmp_path / "bench.md").read_text()
     for label in bench.BENCH_VARIANTS:
         assert f"| {label} |" in report
-    assert "throughput ratio wrapper/bare" in report
+    assert "throughput ratio wrapper/bare" in report and "sync check per sync: probe " in report
 
 
 def test_cli_llm_demo_tiny_budget(tmp_path):
@@ -1797,6 +1876,8 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     from transformers import AutoTokenizer
 
     rank, world = mipu.rank_world()
+    loads, load = [], mipu.load_checked_trainer                  # who reads the weight files
+    mipu.load_checked_trainer = lambda *args, **kwargs: loads.append(rank) or load(*args, **kwargs)
     run = mipu.setup_llm_run(_two_rank_cfg(model_dir, out))
     # 1. one Step-1 update on the fixed batch: this rank's half of it
     ro = _fixed_batch(AutoTokenizer.from_pretrained(model_dir)).select(torch.arange(rank * 8, rank * 8 + 8))
@@ -1817,7 +1898,7 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     restored = all(torch.equal(a, b) for a, b in zip(before, _local_state(run)))
     report = {"decisions": decisions + [(m["step2/accepted"], m["step2/t_post"])], "restored": restored,
               "engine_restored": _probe_logprobs(run) == probe, "probe_gap": m["sync/probe_mean_abs_dlogp"],
-              "snapshot_on_host": bool(host) and all(host), "in_place": _state_ptrs(run) == ptrs}
+              "snapshot_on_host": bool(host) and all(host), "in_place": _state_ptrs(run) == ptrs, "loads": loads}
     # 3. a sync that reaches rank 0's engine only (rank 1's keeps its weights): the check fails on rank 1
     if rank == 1:
         mipu._reload_in_worker = lambda *args, **kwargs: None
@@ -1863,6 +1944,12 @@ def test_two_ranks_same_decisions_and_exact_rollback(two_ranks):
     for rep in reports:
         assert rep["restored"] and rep["engine_restored"] and rep["probe_gap"] < MAX_TOL
         assert rep["snapshot_on_host"] and rep["in_place"]     # plain host tensors (no DTensor), restored in place
+
+
+def test_two_ranks_load_the_weights_once(two_ranks):
+    """Rank 0 reads the weight files, rank 1 builds the model on the meta device and gets its shards broadcast (its
+    step-1 weights equal one process's: test_two_ranks_step1_equals_one_process)."""
+    assert [json.loads((two_ranks / f"rank{r}.json").read_text())["loads"] for r in range(2)] == [[0], []]
 
 
 def test_two_ranks_stop_together_on_a_failed_sync(two_ranks):

@@ -1,8 +1,9 @@
 """The step benchmark: `python -m toy.bench --model toy/tiny-qwen3 ...` (from the repo root).
 
 Runs grpo and mipu variants interleaved step by step in one process on one vLLM engine and
-prints median seconds per phase, the rollout wrapper against a bare LLM.generate, and the wall
-time of the toy demo; the report also goes to <--output-dir>/bench.md.
+prints median seconds per phase, the rollout wrapper against a bare LLM.generate, the sync check's
+parts (probe, digests) against the push, and the wall time of the toy demo; the report also goes to
+<--output-dir>/bench.md.
 """
 import argparse
 import dataclasses
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 import mipu
 
@@ -44,11 +46,14 @@ def bench(args: dict) -> None:
                      "(sync+rollback) / step": f"{(med['sync'] + med['rollback']) / med['step']:.2f}",
                      "rejected": f"{1 - np.mean([m['step2/accepted'] for m in ms]):.2f}"})
     wrapper, bare = bench_rollout(runs["grpo"], repeats=max(cfg.steps, 3))
+    push, probe, digests = bench_sync_check(runs["grpo"], repeats=max(cfg.steps, 3))
     lines = [f"`python -m toy.bench` on {cfg.model}: {cfg.steps} steps per variant, batch "
              f"{cfg.prompts_per_step}x{cfg.num_generations}, max {cfg.max_new_tokens} new tokens, "
              f"rollout-quant {cfg.rollout_quant}; median seconds per phase.", "", mipu.markdown_table(rows), "",
              f"rollout wrapper `generate`: {wrapper:.4f} s; bare `LLM.generate`: {bare:.4f} s; "
-             f"throughput ratio wrapper/bare = {bare / wrapper:.3f}"]
+             f"throughput ratio wrapper/bare = {bare / wrapper:.3f}", "",
+             f"sync check per sync: probe {probe:.4f} s, digests {digests:.4f} s (the push itself, sync_weights: "
+             f"{push:.4f} s)"]
     if args["bench_toy"]:                    # as the user runs it: a fresh process, default flags
         t0 = time.time()
         subprocess.run([sys.executable, "-m", "toy.demo", "--out", str(Path(cfg.output_dir) / "bench-toy")],
@@ -78,6 +83,24 @@ def bench_rollout(run: mipu.TrainEngine, repeats: int) -> tuple[float, float]:
         wrapper.append(t1 - t0)
         bare.append(t2 - t1)
     return float(np.median(wrapper)), float(np.median(bare))
+
+
+def bench_sync_check(run: mipu.TrainEngine, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of a sync's parts: the push (sync_weights), the probe (probe_gap), the digests (digest_gap)."""
+    named = list(run.model.named_parameters())
+    parts = {
+        "push": lambda: mipu.sync_weights(run.llm, named, run.cfg.rollout_quant),
+        "probe": lambda: mipu.probe_gap(run.llm, lambda p, c: run.trainer_logp(p, c, 1.0), *run.probe),
+        "digests": lambda: mipu.digest_gap(run.llm, named, run.cfg.rollout_quant),
+    }
+    times = {k: [] for k in parts}
+    for _ in range(repeats):                 # interleaved, so machine noise hits all alike
+        for k, f in parts.items():
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                f()
+            times[k].append(time.perf_counter() - t0)
+    return tuple(float(np.median(times[k])) for k in parts)
 
 
 def main() -> int:
