@@ -1453,10 +1453,24 @@ def _simple_equal(pred: str, answer: str) -> bool:
     return abs(a - b) <= min(Fraction(1, 10**6) * max(1, abs(b)), Fraction(1, 1000))
 
 
-def _verify_worker() -> None:
+REWARD_MEMORY_MB = 1024   # the reward worker's address space (RLIMIT_AS): math_verify with sympy loaded takes ~70 MB,
+                          # a math answer a few MB more; 2^{2^{40}} needs 128 GB (it took 1 GB in 15 s here)
+REWARD_START_TRIES = 3    # a worker that dies during its start-up imports (the OOM killer) is started again
+
+
+def _verify_worker(parent: int, memory_bytes: int) -> None:
     """RewardWorker's process, a fresh interpreter given this function's source (it uses nothing else of this file):
-    answers each JSON line [pred, answer] on stdin with true/false per math_verify, or null where it cannot parse."""
-    import json, logging, sys
+    answers each JSON line [pred, answer] on stdin with true/false per math_verify, or null where it cannot parse
+    (past its address-space limit: a MemoryError, which math_verify reports as not equal or not parsed). It ends with
+    its parent process, even a SIGKILLed one."""
+    import ctypes, json, logging, os, resource, signal, sys
+    if sys.platform == "linux":   # PR_SET_PDEATHSIG (1): the kernel kills this process when its parent thread ends
+        ctypes.CDLL(None).prctl(1, ctypes.c_ulong(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:    # the parent died before that line (this one was re-parented)
+        return
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]      # a MemoryError past the limit, never 128 GB
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes if hard == resource.RLIM_INFINITY else
+                                            min(memory_bytes, hard), hard))
     try:
         from math_verify import parse, verify
     except BaseException as e:               # RewardWorker reports it as one error line
@@ -1472,38 +1486,49 @@ def _verify_worker() -> None:
         print(json.dumps(ok), flush=True)
 
 
-class RewardWorker:
-    """math_verify in a worker process with a time budget per call, from any thread: a call past it (or killing the
-    worker) scores None; a gold answer that cannot be compared with 0 within it scores None from then on, uncalled.
-    The worker is a fresh interpreter running _verify_worker: never a fork of this process (unsafe once it holds
-    vLLM and torch threads), never an import of the caller's __main__ (a script without a main guard would rerun)."""
-    def __init__(self):
-        self.proc, self.lock, self.slow = None, threading.RLock(), {}   # slow: gold answer -> budget it failed
+@functools.cache
+def _lasting_thread():
+    """A thread that lives as long as this process (idle between tasks): the reward worker's parent thread, so its
+    PR_SET_PDEATHSIG fires when this process ends, not when the caller's thread (a short-lived one) does."""
+    from concurrent.futures import ThreadPoolExecutor
+    return ThreadPoolExecutor(1, thread_name_prefix="mipu-reward-start")
 
-    def __call__(self, pred: str, answer: str, timeout: float) -> bool | None:
-        """Equal per math_verify (per _simple_equal where it cannot parse them), or None past the time budget."""
+
+class RewardWorker:
+    """math_verify in a worker process with a time budget per call, from any thread, and a memory limit (past it a
+    comparison fails: not equal): a call past the budget (or killing the worker) scores None; a gold answer that
+    cannot be compared with 0 within it scores False from then on, uncalled. The worker is a fresh interpreter
+    running _verify_worker: never a fork of this process (unsafe once it holds vLLM and torch threads), never an
+    import of the caller's __main__ (a script without a main guard would rerun); it ends with this process."""
+    def __init__(self):
+        self.proc, self.lock, self.slow, self.memory_mb = None, threading.RLock(), {}, 0   # slow: answer -> budget
+
+    def __call__(self, pred: str, answer: str, timeout: float, memory_mb: int = REWARD_MEMORY_MB) -> bool | None:
+        """Equal per math_verify (per _simple_equal where it cannot parse them), or None past the budget."""
         with self.lock:
-            if self.slow.get(answer, 0.0) >= timeout:
-                return None
-            reply = self._ask(json.dumps([pred, answer]), timeout)
+            if (budget := self.slow.get(answer)) and timeout <= budget[0] and memory_mb <= budget[1]:
+                return False                         # a hostile gold answer: 0 without a call (and no time spent)
+            if self.proc is not None and self.memory_mb != memory_mb:
+                self._stop()                         # a worker of the other limit
+            reply = self._ask(json.dumps([pred, answer]), timeout, memory_mb)
             if reply:                                # true, false, or null: math_verify cannot parse them
                 return _simple_equal(pred, answer) if reply == "null\n" else json.loads(reply)
             ended = self._stop()
             print(f"warning: reward of answer {pred[:60]!r}... ({len(pred)} chars) " + (f"took over {timeout:g} s"
                   if reply is None else f"killed the reward worker ({ended})") + "; scored 0", file=sys.stderr)
-            if pred != "0" and self("0", answer, timeout) is None:   # nor with a plain 0: a hostile gold answer
-                self.slow[answer] = timeout
-                print(f"warning: gold answer {answer[:60]!r}... cannot be compared with 0 within {timeout:g} s: "
-                      "its samples score 0 from now on, without a call", file=sys.stderr)
+            if pred != "0" and self("0", answer, timeout, memory_mb) is None:  # nor with a plain 0: a hostile gold
+                self.slow[answer] = (timeout, memory_mb)
+                print(f"warning: gold answer {answer[:60]!r}... cannot be compared with 0 within {timeout:g} s and "
+                      f"{memory_mb} MB: its samples score 0 from now on, without a call", file=sys.stderr)
             return None
 
-    def _ask(self, request: str, timeout: float) -> str | None:
+    def _ask(self, request: str, timeout: float, memory_mb: int) -> str | None:
         """The worker's reply line to a request: "" if the worker died meanwhile, None past `timeout` seconds."""
         if self.proc is not None and self.proc.poll() is not None:      # found dead (OOM killer): restart
             print(f"warning: the reward worker ended ({self._stop()}); restarted", file=sys.stderr)
         try:
             if self.proc is None:
-                self._start()
+                self._start(memory_mb)
             self.proc.stdin.write(request + "\n")
             self.proc.stdin.flush()
             return self.proc.stdout.readline() if wait_readable([self.proc.stdout], timeout) else None
@@ -1514,15 +1539,24 @@ class RewardWorker:
                 self._stop()
             raise
 
-    def _start(self) -> None:
+    def _start(self, memory_mb: int) -> None:
         """The worker, in a session of its own (a Ctrl-C at a terminal reaches this process only), once its imports
-        are done: the time budget times the verification only."""
-        code = inspect.getsource(_verify_worker) + "_verify_worker()"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, start_new_session=True)
-        if (ready := self.proc.stdout.readline()) != '"ready"\n':   # an import error's message, else nothing: died
-            why = json.loads(ready) if ready else f"no reply ({self._stop()})"
-            raise MIPUError(f"the reward worker (math_verify) could not start: {why}")
+        are done: the time budget times the verification only. One that dies in its imports is started again."""
+        code = inspect.getsource(_verify_worker) + f"_verify_worker({os.getpid()}, {memory_mb * 2**20})"
+        popen = functools.partial(subprocess.Popen, [sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
+        for tries in range(1, REWARD_START_TRIES + 1):
+            on_main = threading.current_thread() is threading.main_thread()   # the main thread lasts as the process
+            self.proc, self.memory_mb = popen() if on_main else _lasting_thread().submit(popen).result(), memory_mb
+            if (ready := self.proc.stdout.readline()) == '"ready"\n':
+                return
+            ended = self._stop()
+            if ready:                            # an import error's message: the same at every try
+                why = json.loads(ready) + (f" (the reward worker's limit: {memory_mb} MB)" if "Memory" in ready else "")
+                raise MIPUError(f"the reward worker (math_verify) could not start: {why}")
+            if tries < REWARD_START_TRIES:
+                print(f"warning: the reward worker ended in its start-up ({ended}); restarted", file=sys.stderr)
+        raise MIPUError(f"the reward worker (math_verify) could not start: no reply ({ended}) in {tries} tries")
 
     def _stop(self) -> str:
         """Kill the worker if it still runs; how it ended: a signal's name or an exit code."""
@@ -1535,14 +1569,16 @@ class RewardWorker:
 REWARD_WORKER = RewardWorker()
 
 
-def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout: float = 5.0) -> float | None:
-    """1.0 if the completion's final answer equals `answer`, else 0.0; None past `timeout` seconds.
+def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout: float = 5.0,
+                memory_mb: int = REWARD_MEMORY_MB) -> float | None:
+    """1.0 if the completion's final answer equals `answer`, else 0.0; None past `timeout` seconds (a gold answer
+    found hostile scores 0.0 from then on, without a call); math_verify's worker runs in `memory_mb` MB.
     Plain numbers compare in-process (exact, ~1 ms faster than sympy); the rest in REWARD_WORKER."""
     pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
     plain = _to_number(pred) is not None and _to_number(answer) is not None
-    equal = _simple_equal(pred, answer) if plain else REWARD_WORKER(pred, answer, timeout)
+    equal = _simple_equal(pred, answer) if plain else REWARD_WORKER(pred, answer, timeout, memory_mb)
     return None if equal is None else float(equal)
 
 
@@ -1921,6 +1957,16 @@ def config_from(args: dict, command: str = "") -> Config:
     return Config(**{k: v for k, v in args.items() if k in names}).validate(command)
 
 
+INTERRUPTED = "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"
+INTERRUPT_EXIT_S = 30.0    # after a Ctrl-C the command line's process is gone within this, whatever it was doing
+_interrupt_told = threading.Lock()     # held once INTERRUPTED is printed: it is printed once
+
+
+def tell_interrupted() -> None:
+    if _interrupt_told.acquire(blocking=False):
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+
+
 def report_errors(fn, *args) -> int:
     """Run fn(*args): 0, or one `error:` line on stderr and 2 for a MIPUError (bad input), 130 for Ctrl-C."""
     try:
@@ -1929,9 +1975,42 @@ def report_errors(fn, *args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # checkpoints are written whole or not at all
-        print("error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)", file=sys.stderr)
+        tell_interrupted()
         return 130
     return 0
+
+
+def exit_bounded(main_fn) -> None:
+    """sys.exit(main_fn()), but a Ctrl-C ends the process within INTERRUPT_EXIT_S seconds, with one line and 130:
+    the atexit handlers run (vLLM's engine shutdown, wandb) and Python's teardown of the modules does not (the
+    garbage collection of torch's, vLLM's and transformers' objects: 4 s here, 30 s at a load of 10); a Ctrl-C that
+    landed in a finalizer, where Python cannot raise it, or a shutdown that hangs, is ended by a timer."""
+    def timer_exit():
+        tell_interrupted()
+        sys.stdout.flush()
+        os._exit(130)
+
+    def on_sigint(signum, frame):
+        if not hasattr(on_sigint, "timer"):
+            on_sigint.timer = threading.Timer(INTERRUPT_EXIT_S, timer_exit)
+            on_sigint.timer.daemon = True
+            on_sigint.timer.start()
+        raise KeyboardInterrupt
+
+    def unraisable(info):    # a KeyboardInterrupt in a __del__: dropped there, its timer ends the process instead
+        if not issubclass(info.exc_type, KeyboardInterrupt):
+            sys.__unraisablehook__(info)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    sys.unraisablehook = unraisable
+    code = main_fn()
+    if hasattr(on_sigint, "timer"):
+        import atexit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1946,4 +2025,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     faulthandler.enable(all_threads=False)  # a fatal signal in native code (SIGSEGV, SIGILL) is named, with where
-    sys.exit(main())
+    exit_bounded(main)

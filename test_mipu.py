@@ -684,6 +684,98 @@ def test_reward_worker_killed_between_calls_is_restarted(capfd):
     assert "the reward worker ended (SIGKILL); restarted" in capfd.readouterr().err
 
 
+def test_reward_worker_killed_in_its_start_up_is_restarted(tmp_path, monkeypatch, capfd):
+    """A worker killed during its start-up imports (the OOM killer) is started again, as one killed later is."""
+    (tmp_path / "math_verify.py").write_text(
+        f"import os, signal, sys\nif not os.path.exists({str(tmp_path / 'killed')!r}):\n"
+        f"    open({str(tmp_path / 'killed')!r}, 'w').close()\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"sys.path.remove({str(tmp_path)!r})\ndel sys.modules['math_verify']\nfrom math_verify import parse, verify\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))             # the worker imports this one, the real one after
+    worker = mipu.RewardWorker()
+    assert worker("\\frac{1}{2}", "0.5", 5.0) is True and (tmp_path / "killed").exists()
+    assert "the reward worker ended in its start-up (SIGKILL); restarted" in capfd.readouterr().err
+    worker._stop()
+
+
+def test_reward_worker_lives_on_after_the_thread_that_started_it(capfd):
+    """The worker ends with its parent process (PR_SET_PDEATHSIG), not with the thread that happened to start it."""
+    worker = mipu.RewardWorker()
+    thread = threading.Thread(target=lambda: worker("\\frac{1}{2}", "0.5", 5.0))
+    thread.start()
+    thread.join()
+    pid = worker.proc.pid
+    time.sleep(0.5)                                             # a parent-death signal takes effect within microseconds
+    assert worker("\\frac{3}{4}", "0.75", 5.0) is True and worker.proc.pid == pid
+    assert "restarted" not in capfd.readouterr().err
+    worker._stop()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie left for a reaper that never comes does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")       # utime + stime
+
+
+def test_reward_worker_ends_with_a_killed_parent(tmp_path):
+    """SIGKILL (the OOM killer) of a process mid-reward, scoring a hostile answer under a long budget: its worker is
+    gone within 5 s, not left computing as an orphan."""
+    code = (f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport mipu\n"
+            "mipu.math_reward('\\\\boxed{\\\\frac{1}{2}}', '0.5', memory_mb=10**6)\n"     # a worker without a limit
+            "print(mipu.REWARD_WORKER.proc.pid, flush=True)\n"
+            "mipu.math_reward('\\\\boxed{2^{2^{40}}}', '1', timeout=3600, memory_mb=10**6)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    worker = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 120
+        while _cpu_seconds(worker) < 1.0 and time.monotonic() < deadline:  # it computes: the call is under way
+            time.sleep(0.1)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while _running(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(worker), "the reward worker outlived its killed parent"
+    finally:
+        if _running(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_reward_worker_memory_limit():
+    """A hostile answer under a long budget stops at the worker's memory limit (scored 0), not at 128 GB."""
+    worker, limit_mb = mipu.RewardWorker(), 300
+    start = time.monotonic()
+    assert worker("2^{2^{40}}", "1", 600.0, limit_mb) is False
+    assert time.monotonic() - start < 120
+    peak_kb = int(re.search(r"VmPeak:\s*(\d+) kB", Path(f"/proc/{worker.proc.pid}/status").read_text())[1])
+    assert peak_kb <= limit_mb * 1024                          # the worker never held more address space
+    assert worker("\\frac{1}{2}", "0.5", 5.0, limit_mb) is True  # and goes on scoring
+    worker._stop()
+
+
+def test_rollout_counts_only_calls_that_timed_out(monkeypatch, capfd):
+    """48 samples of 3 hostile gold answers: 3 calls ran out of time (the rest scored 0 uncalled), so
+    rollout/reward_timeouts counts 3, not 48."""
+    towers = [f"{b}^{{{b}^{{{b}^{{{b}^{{{b}^{{{b}}}}}}}}}}}" for b in (9, 8, 7)]
+    rows = [{"prompt": "p", "answer": tower} for tower in towers]
+    cfg = mipu.Config(num_generations=16, reward_timeout=1.0).validate()
+    fake = [{"prompt_idx": i, "prompt_ids": [1], "completion_ids": [2], "sampler_logprobs": [-1.0],
+             "text": f"\\boxed{{{j + 1}}}", "truncated": False} for i in range(3) for j in range(16)]
+    monkeypatch.setattr(mipu, "generate", lambda *args: fake)
+    monkeypatch.setattr(mipu, "prompts_of", lambda tokenizer, rows, cfg: [[1]] * len(rows))
+    monkeypatch.setattr(mipu, "REWARD_WORKER", mipu.RewardWorker())
+    run = mipu.LLMRun(cfg, None, None, None, None, rows, [], probe=(), order=[])
+    ro = mipu.rollout(run, rows, seed=0)
+    assert len(ro.rewards) == 48 and ro.rewards.eq(0).all()
+    assert run.reward_timeouts == 3, capfd.readouterr().err
+
+
 def test_math_reward_numbers_past_int_digit_limit():
     """Python's int() refuses over 4,300 digits: numbers that long still compare, exactly."""
     n = "1" * 5000
@@ -696,10 +788,10 @@ def test_math_reward_numbers_past_int_digit_limit():
 
 def test_hostile_gold_answer_costs_two_budgets(capfd):
     """A gold answer math_verify cannot compare with anything in time (a tower of exponents) costs the budget of
-    one sample and of a probe against 0; its later samples score None without a call."""
+    one sample and of a probe against 0; its later samples score 0 without a call (not None: no time ran out)."""
     tower = "9^{9^{9^{9^{9^{9}}}}}"
     start = time.perf_counter()
-    assert [mipu.math_reward(f"\\boxed{{{i}}}", tower, timeout=1.0) for i in range(1, 7)] == [None] * 6
+    assert [mipu.math_reward(f"\\boxed{{{i}}}", tower, timeout=1.0) for i in range(1, 7)] == [None] + [0.0] * 5
     assert time.perf_counter() - start < 2 * (1.0 + 10)                         # two budgets and worker restarts
     err = capfd.readouterr().err
     assert err.count("took over 1 s") == 2 and err.count("cannot be compared with 0 within 1 s") == 1, err
@@ -1400,6 +1492,22 @@ def test_cli_ctrl_c_is_one_line(model_dir, tmp_path):
     assert proc.returncode == 130 and "Traceback" not in text, text[-3000:]
     assert [line for line in text.splitlines() if line.startswith("error:")] == [
         "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"]
+
+
+def test_ctrl_c_that_python_drops_still_ends_the_process(tmp_path):
+    """A Ctrl-C that lands in a finalizer (__del__), where Python cannot raise it, or a shutdown that hangs: the
+    process still ends, INTERRUPT_EXIT_S after the signal, with the one line, 130 and no traceback."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(f"import os, signal, sys, time\nsys.path.insert(0, {str(HERE)!r})\nimport mipu\n"
+                      "mipu.INTERRUPT_EXIT_S = 2.0\n"
+                      "class Finalizer:\n    def __del__(self):\n        os.kill(os.getpid(), signal.SIGINT)\n"
+                      "        time.sleep(1)\n"                      # the handler runs here, inside __del__
+                      "def run():\n    Finalizer()\n    print('dropped', flush=True)\n    time.sleep(600)\n"
+                      "mipu.exit_bounded(lambda: mipu.report_errors(run))\n")
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.stdout == "dropped\n" and time.monotonic() - start < 300
+    assert p.returncode == 130 and p.stderr == mipu.INTERRUPTED + "\n", p.stderr
 
 
 def test_cli_train_compiled_vllm_syncs(model_dir, tmp_path):
