@@ -1606,6 +1606,9 @@ def prompts_of(tokenizer, rows: list, cfg: Config) -> list[list[int]]:
 # ---- CHECKPOINTS, METRICS, EVALUATION ------------------------------------------------------------------------------
 
 CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders: this name only (not checkpoint-best)
+RUN_TEMP = re.compile(r"\.tmp-(checkpoint-\d{6,}|metrics)-\d+")   # the run's temporary names (+ the writer's pid):
+# a killed save's or metrics rewrite's, deleted at the next start; no other name in --output-dir is ever deleted
+RUN_FILES = {".lock": "file", "metrics.jsonl": "file", "wandb-id": "file", "tensorboard": "folder"}  # the run writes
 # the LLMRun fields (and types) a checkpoint keeps as they are; the sync probe too: a resumed run's syncs score alike
 RUN_COUNTERS = {"step": int, "rejections": int, "order": list, "data_pos": int, "val_pos": int,
                 "pending_rows": list | None, "reward_timeouts": int, "probe": tuple, "probe_gap0": float}
@@ -1618,8 +1621,12 @@ def save_checkpoint(run: LLMRun) -> Path:
         run.model, run.opt, options=full_sd)
     final = Path(run.cfg.output_dir) / f"checkpoint-{run.step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    if rank_world()[0] == 0 and (final.is_symlink() or final.exists()):   # a user's, the name a run's to come
+        raise MIPUError(f"{final} is in the way of this run's checkpoint (move it; a run replaces only its own)")
     if rank_world()[0] == 0:                  # (a temp folder of a killed save is removed at the next start)
         try:
+            remove_run_temp(tmp)
+            tmp.mkdir(parents=True)           # a folder of its own: no symlink of that name is written through
             run.model.save_pretrained(tmp, state_dict=weights)
             run.tokenizer.save_pretrained(tmp)
             torch.save(opt_state, tmp / "optimizer.pt")
@@ -1655,20 +1662,40 @@ def latest_checkpoint(output_dir: str) -> Path:
     return found[-1]
 
 
+def remove_run_temp(path: Path) -> None:
+    """Delete one of the run's temporary names (RUN_TEMP), if there: a folder with its contents, else the name
+    itself (a file, or a symlink: never what it points to)."""
+    assert RUN_TEMP.fullmatch(path.name), path
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)                   # rmtree follows no symlink inside
+    elif path.is_symlink() or path.exists():
+        path.unlink()
+
+
 def claim_output_dir(cfg: Config):
     """Make --output-dir this run's: writable, locked while the run lives (flock: the kernel releases a killed run's
-    lock), without temp folders of a killed save, holding no other run unless --resume or --overwrite; the lock."""
+    lock), without temp folders of a killed save, holding no other run unless --resume or --overwrite; the lock.
+    The names the run writes (RUN_FILES) must be its own kind: no symlink is followed, no user's file truncated."""
     out = Path(cfg.output_dir)
+    for name, kind in RUN_FILES.items():
+        path = out / name
+        if path.is_symlink() or path.exists() and not (path.is_dir() if kind == "folder" else path.is_file()):
+            raise MIPUError(f"{path} is a symlink or not a {kind}: the run writes its own {name} there and follows "
+                            "no link (move it)")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        lock = open(out / ".lock", "w")
+        fd = os.open(out / ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        lock = os.fdopen(fd, "w")             # no O_TRUNC: the lock's content does not matter
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise MIPUError(f"--output-dir {out} is in use by another run (give each run its own)") from None
     except OSError as e:
         raise MIPUError(f"--output-dir {out} is not a writable directory ({e.strerror})") from e
-    for tmp in out.glob(".tmp-*"):
-        shutil.rmtree(tmp)
+    try:
+        for tmp in [p for p in out.iterdir() if RUN_TEMP.fullmatch(p.name)]:
+            remove_run_temp(tmp)
+    except OSError as e:
+        raise MIPUError(f"could not delete {e.filename}, a temporary file of a killed run ({e.strerror})") from e
     runs = run_checkpoints(out) + [p for p in [out / "metrics.jsonl"] if p.exists()]
     if runs and not cfg.resume and not cfg.overwrite:
         raise MIPUError(f"--output-dir {out} holds a run: continue it with --resume, or delete it with --overwrite")
@@ -1685,12 +1712,14 @@ def keep_metrics_before(path: Path, step: int) -> None:
     if path.exists():
         lines = [x for x in path.read_text().splitlines(keepends=True) if x.endswith("\n")]
         keep = [x for x in lines if not (r := re.match(r'\{"step": (\d+)[,}]', x)) or int(r[1]) < step]
+        tmp = path.with_name(f".tmp-metrics-{os.getpid()}")   # RUN_TEMP: a kill's leftover goes at the next start
         try:
-            path.with_suffix(".tmp").write_text("".join(keep))
+            remove_run_temp(tmp)
+            tmp.write_text("".join(keep))
         except OSError as e:                                    # a full disk: no empty temp file left behind
-            path.with_suffix(".tmp").unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise MIPUError(f"could not write {path} ({e.strerror or e}); make room, then --resume") from e
-        os.replace(path.with_suffix(".tmp"), path)
+        os.replace(tmp, path)
 
 
 def check_resume(cfg: Config, state: dict, n_train: int) -> None:

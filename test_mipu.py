@@ -1856,6 +1856,64 @@ def test_output_dir_belongs_to_one_run(tmp_path):
         mipu.claim_output_dir(mipu.Config(output_dir=str(ARITH / "run")).validate())
 
 
+def test_output_dir_deletes_only_the_runs_temporary_names(tmp_path):
+    """A killed save's temp folder (or a file, a symlink of that name) goes at the next start, a symlink unlinked,
+    never followed; a user's .tmp-notes/ folder, .tmp-x file and .tmp-y symlink stay as they were."""
+    out, mine = tmp_path / "run", tmp_path / "mine"
+    (out / ".tmp-notes").mkdir(parents=True)
+    (out / ".tmp-notes" / "todo.txt").write_text("keep")
+    (out / ".tmp-x").write_text("keep")
+    mine.mkdir()
+    (mine / "data.txt").write_text("keep")
+    (out / ".tmp-y").symlink_to(mine)
+    (out / ".tmp-checkpoint-000001-7").mkdir()
+    (out / ".tmp-checkpoint-000001-7" / "optimizer.pt").write_text("")
+    (out / ".tmp-checkpoint-000002-7").write_text("")
+    (out / ".tmp-checkpoint-000003-7").symlink_to(mine)
+    (out / ".tmp-metrics-7").symlink_to(mine / "data.txt")
+    mipu.claim_output_dir(mipu.Config(output_dir=str(out)).validate()).close()
+    assert sorted(p.name for p in out.iterdir()) == [".lock", ".tmp-notes", ".tmp-x", ".tmp-y"]
+    assert (out / ".tmp-notes" / "todo.txt").read_text() == (out / ".tmp-x").read_text() == "keep"
+    assert sorted(p.name for p in mine.iterdir()) == ["data.txt"] and (mine / "data.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("name, make", [
+    (".lock", lambda path, target: path.symlink_to(target)),
+    ("metrics.jsonl", lambda path, target: path.symlink_to(target)),
+    ("wandb-id", lambda path, target: path.symlink_to(target)),
+    ("metrics.jsonl", lambda path, target: path.mkdir()),
+    ("tensorboard", lambda path, target: path.symlink_to(target.parent)),
+    ("tensorboard", lambda path, target: path.write_text("")),
+])
+def test_output_dir_follows_no_symlink(tmp_path, name, make):
+    """A name the run writes in --output-dir that is a symlink (or the wrong kind) is refused, naming it: no lock
+    opened through it, no user's file truncated or appended to."""
+    out, target = tmp_path / "run", tmp_path / "notes.txt"
+    out.mkdir()
+    target.write_text("mine")
+    make(out / name, target)
+    for kw in ({}, {"resume": True}, {"overwrite": True}):
+        with pytest.raises(mipu.MIPUError, match=f"run/{name} is a symlink or not a "):
+            mipu.claim_output_dir(mipu.Config(output_dir=str(out), **kw))
+    assert target.read_text() == "mine"
+
+
+def test_checkpoint_name_in_the_way_is_one_error(tmp_path, trainer, tokenizer):
+    """A user's symlink or file named as the checkpoint a save is about to write: refused, nothing followed."""
+    out, mine = tmp_path / "run", tmp_path / "mine"
+    run = _bare_run(mipu.Config(output_dir=str(out)).validate(), trainer, tokenizer)
+    mine.mkdir()
+    out.mkdir()
+    (out / "checkpoint-000001").symlink_to(mine)
+    (out / ".tmp-checkpoint-000001-" f"{os.getpid()}").symlink_to(mine)   # a planted temp name: not written through
+    run.step = 1
+    with pytest.raises(mipu.MIPUError, match="checkpoint-000001 is in the way of this run's checkpoint"):
+        mipu.save_checkpoint(run)
+    (out / "checkpoint-000001").unlink()
+    mipu.save_checkpoint(run)
+    assert not list(mine.iterdir()) and sorted(p.name for p in out.iterdir()) == ["checkpoint-000001"]
+
+
 def _bare_run(cfg, trainer, tokenizer) -> mipu.LLMRun:
     """An LLMRun without engines, enough for save_checkpoint (the session trainer, left unchanged)."""
     opt = torch.optim.AdamW(trainer.parameters())
