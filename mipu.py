@@ -1589,13 +1589,22 @@ def sample_reward(sample: dict, answer: str, cfg: Config) -> float | None:
     return math_reward(sample["text"], answer, cfg.answer_format == "boxed", cfg.reward_timeout)
 
 
+def prompt_text(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> str:
+    """question + suffix, through the chat template if any (enable_thinking: Qwen3's switch): what is tokenized."""
+    question += suffix
+    if not getattr(tokenizer, "chat_template", None):
+        return question
+    try:
+        return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=thinking)
+    except Exception as e:  # jinja2's TemplateError (its raise_exception), TemplateSyntaxError, the sandbox's
+        why = str(e).strip().split("\n")[0][:200]         # SecurityError (__class__ ...), a TypeError in the template
+        raise MIPUError(f"{tokenizer.name_or_path}: its chat template fails: {type(e).__name__}: {why}") from e
+
+
 def build_prompt_ids(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> list[int]:
     """Token ids of question + suffix, through the chat template if any (enable_thinking: Qwen3's switch)."""
-    question += suffix
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                                  return_dict=False, enable_thinking=thinking))
-    return tokenizer.encode(question, add_special_tokens=False)
+    return tokenizer.encode(prompt_text(tokenizer, question, suffix, thinking), add_special_tokens=False)
 
 
 def prompts_of(tokenizer, rows: list, cfg: Config) -> list[list[int]]:
@@ -1840,18 +1849,70 @@ def markdown_table(rows: list[dict]) -> str:
 # ---- MAIN ----------------------------------------------------------------------------------------------------------
 # `toy` (one toy run), `train`, `eval`. Demos, benchmarks, the tiny model builder: toy/ scripts (python -m toy.demo).
 
-def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
-    """load_rows; a prompt without room for 1 new token in the context is refused (or --drop-long-prompts)."""
-    rows = load_rows(source, cfg.prompt_key, cfg.answer_key)
-    limit = load_pretrained("AutoConfig", cfg.model).max_position_embeddings    # vLLM's default and maximum
+def context_length(cfg: Config) -> int:
+    """vLLM's context: --max-model-len, else the model's max_position_embeddings (vLLM's default and maximum), whose
+    KV cache for one sequence must fit in vLLM's KV memory (else vLLM fails after its start, or allocates a TB)."""
+    c = load_pretrained("AutoConfig", cfg.model)
+    limit = getattr(c, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise MIPUError(f"{cfg.model}: config.json's max_position_embeddings {limit!r} is not a whole number >= 1")
     if cfg.max_model_len > limit:
         raise MIPUError(f"--max-model-len {cfg.max_model_len} is above {cfg.model}'s maximum, {limit} tokens "
                         "(max_position_embeddings)")
-    context = cfg.max_model_len or limit
+    context, space = cfg.max_model_len or limit, os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, make_sampler's
+    full = [t for t in getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers if "full" in t]
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_bytes = 2 * len(full) * getattr(c, "num_key_value_heads", c.num_attention_heads) * head_dim * (
+        4 if cfg.rollout_dtype == "float32" else 2) * context            # k and v of its full-attention layers
+    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+    kv_space = cfg.gpu_memory_utilization * gpu if gpu else float(space) * 2**30 if re.fullmatch(
+        r"[0-9]+", space) else math.inf                  # an int of GiB, as vLLM reads it; unset: vLLM sizes it
+    if kv_bytes > kv_space:
+        raise MIPUError(f"{cfg.model}: one sequence of its {context}-token context needs {kv_bytes / 2**30:.3g} GiB "
+                        f"of KV cache, more than vLLM's {kv_space / 2**30:.3g} GiB (" + (
+                            "--gpu-memory-utilization" if gpu else "VLLM_CPU_KVCACHE_SPACE") + "): set --max-model-len")
+    return context
+
+
+def check_prompt_frame(cfg: Config, tokenizer, context: int, max_chars: int) -> None:
+    """--prompt-suffix and the chat template, once, before every row: text, and room for a prompt in the context
+    (a 100 KB suffix or a template that writes 100,000 characters fails here, not after templating every row)."""
+    if re.search("[\ud800-\udfff]", cfg.prompt_suffix):
+        raise MIPUError("--prompt-suffix is not UTF-8 text (a lone surrogate: a byte the command line could not "
+                        "decode)")
+    if len(cfg.prompt_suffix) > max_chars:
+        raise MIPUError(f"--prompt-suffix is {len(cfg.prompt_suffix)} characters: more than the {context}-token "
+                        "context can hold")
+    frame = _ids_within(tokenizer, "?", cfg, max_chars)       # the template and suffix around a 1-character prompt
+    if frame is None or len(frame) >= context:
+        raise MIPUError(f"{tokenizer.name_or_path}: its chat template with --prompt-suffix makes a 1-character prompt "
+                        f"{'longer' if frame is None else f'{len(frame)} tokens'}: no room for a new token in the "
+                        f"{context}-token context")
+    if not frame:
+        raise MIPUError(f"{tokenizer.name_or_path}: its chat template renders an empty prompt (vLLM needs a token)")
+
+
+def _ids_within(tokenizer, prompt: str, cfg: Config, max_chars: int) -> list[int] | None:
+    """build_prompt_ids with --prompt-suffix; None, untokenized, if the text (raw or templated) has more than
+    max_chars characters: too long for the context."""
+    if len(prompt) > max_chars or len(text := prompt_text(tokenizer, prompt, cfg.prompt_suffix,
+                                                          cfg.enable_thinking)) > max_chars:
+        return None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
+    """load_rows; a prompt without room for 1 new token in the context is refused (or --drop-long-prompts)."""
+    rows = load_rows(source, cfg.prompt_key, cfg.answer_key)
+    context = context_length(cfg)
     # no token stands for more characters than its vocabulary entry: a longer prompt is too long untokenized
     max_chars = context * max(map(len, tokenizer.get_vocab()))
-    fits = [len(r["prompt"]) <= max_chars and len(prompts_of(tokenizer, [r], cfg)[0]) < context  # as rollout does
-            for r in rows]
+    check_prompt_frame(cfg, tokenizer, context, max_chars)
+    ids = [_ids_within(tokenizer, r["prompt"], cfg, max_chars) for r in rows]     # as rollout tokenizes (prompts_of)
+    if [] in ids:
+        raise MIPUError(f"{source}: row {ids.index([])}: the prompt is no tokens (through the chat template): "
+                        "vLLM needs a token")
+    fits = [x is not None and len(x) < context for x in ids]
     if all(fits):
         return rows
     if not cfg.drop_long_prompts or not any(fits):

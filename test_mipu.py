@@ -1428,6 +1428,10 @@ def _edit_config(**kw):
     (lambda folder: (folder / "tokenizer.json").write_text("{oops"), "AutoTokenizer: JSONDecodeError: Expecting"),
     (lambda folder: (folder / "tokenizer.json").write_text('{"model": {}}'), "AutoTokenizer: KeyError: 'added_tokens'"),
     (lambda folder: [f.unlink() for f in folder.glob("tokenizer*")], "no tokenizer files"),
+    (lambda folder: (folder / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}"),
+     "its chat template fails: SecurityError: access to attribute '__class__' of 'list' object is unsafe"),
+    (_edit_config(max_position_embeddings=10**9), "one sequence of its 1000000000-token context needs 477 GiB of KV "
+                                                  "cache, more than vLLM's 1 GiB (VLLM_CPU_KVCACHE_SPACE)"),
 ])
 def test_cli_bad_model_folder_one_clear_error(model_dir, tmp_path, edit, message):
     folder = tmp_path / "model"
@@ -2046,6 +2050,8 @@ def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_pa
     cfg = mipu.Config(model=model_dir, max_model_len=len(mipu.build_prompt_ids(tokenizer, "1+1=")) + 1).validate()
     assert mipu.load_prompts(cfg, tokenizer, short) == [{"prompt": "1+1=", "answer": "2"}]
     with pytest.raises(mipu.MIPUError, match="1 of 1 prompts"):
+        mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix="=1"), tokenizer, short)
+    with pytest.raises(mipu.MIPUError, match="with --prompt-suffix makes a 1-character prompt 22 tokens: no room"):
         mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix=" (answer as a number)"), tokenizer, short)
 
 
@@ -2065,6 +2071,41 @@ def test_load_prompts_refuses_a_huge_prompt_untokenized(model_dir, tokenizer, tm
 
     with pytest.raises(mipu.MIPUError, match=r"1 of 2 prompts \(the first: row 1\) leave no room"):
         mipu.load_prompts(mipu.Config(model=model_dir).validate(), Guarded(), data)
+
+
+LOOP_TEMPLATE = "{% for i in range(100000) %}x{% endfor %}{{ messages[0]['content'] }}"   # 100,000 characters
+
+
+@pytest.mark.parametrize("template, config, kw, message", [
+    ("{{ raise_exception('only user turns') }}", {}, {}, "its chat template fails: TemplateError: only user turns"),
+    ("{% for m in messages %}{{ m.content }", {}, {}, "its chat template fails: TemplateSyntaxError: unexpected '}'"),
+    ("{{ messages.__class__.__mro__ }}", {}, {}, "its chat template fails: SecurityError: access to attribute "
+                                                 "'__class__' of 'list' object is unsafe"),
+    ("{{ '' }}", {}, {}, "its chat template renders an empty prompt"),
+    (LOOP_TEMPLATE, {}, {}, "its chat template with --prompt-suffix makes a 1-character prompt longer: no room"),
+    (None, {}, {"prompt_suffix": "x" * 100_000}, "--prompt-suffix is 100000 characters: more than the 256-token"),
+    (None, {}, {"prompt_suffix": "\udcff"}, "--prompt-suffix is not UTF-8 text"),
+    (None, {"max_position_embeddings": 10**9}, {"max_model_len": 0},
+     "one sequence of its 1000000000-token context needs 477 GiB of KV cache, more than vLLM's 1 GiB"),
+])
+def test_load_prompts_bad_template_suffix_or_context(model_dir, tmp_path, monkeypatch, template, config, kw, message):
+    """A chat template that fails, renders nothing or writes 100,000 characters, a 100 KB or non-UTF-8
+    --prompt-suffix, a context whose KV cache cannot fit: one MIPUError naming it, found on one rendered prompt
+    (not after templating and tokenizing every row), before any engine."""
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    if template is not None:
+        (folder / "chat_template.jinja").write_text(template)
+    _edit_config(**config)(folder)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    tokenizer = mipu.load_pretrained("AutoTokenizer", str(folder))
+    calls = []
+    for name in ("apply_chat_template", "encode"):
+        monkeypatch.setattr(tokenizer, name, lambda *a, _f=getattr(tokenizer, name), **k: calls.append(1) or _f(*a, **k))
+    cfg = mipu.Config(model=str(folder), **{"max_model_len": 256, **kw}).validate()
+    with pytest.raises(mipu.MIPUError, match=re.escape(message)):
+        mipu.load_prompts(cfg, tokenizer, str(ARITH))
+    assert len(calls) <= 2                                  # one prompt rendered and tokenized at most
 
 
 def test_load_eval_sets_names_sets_with_one_stem_apart(model_dir, tmp_path):
