@@ -1258,10 +1258,21 @@ def torchrun() -> bool:      # the environment decides: vLLM may have made a pro
     return "WORLD_SIZE" in os.environ
 
 
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")   # what torchrun sets beside WORLD_SIZE
+
+
 def rank_world() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) of torchrun's environment, (0, 1) without one; Config.validate's first call: at start."""
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
-    if not (rank.isdecimal() and world.isdecimal() and int(world) >= 1):   # Config.validate's first call: at start
-        raise MIPUError(f"RANK={rank!r}, WORLD_SIZE={world!r} in the environment: torchrun's whole numbers expected")
+    digits = re.compile("[0-9]+")                    # ASCII only: str.isdecimal takes a full-width "２", torch does not
+    if not (digits.fullmatch(rank) and digits.fullmatch(world) and 0 <= int(rank) < int(world)):
+        raise MIPUError(f"RANK={rank!r}, WORLD_SIZE={world!r} in the environment: torchrun's whole numbers expected, "
+                        "0 <= RANK < WORLD_SIZE")
+    if torchrun() and (missing := [k for k in TORCHRUN_ENV if not os.environ.get(k)]):
+        raise MIPUError(f"WORLD_SIZE is set but not {', '.join(missing)}: launch the ranks with torchrun")
+    if torchrun() and not all(digits.fullmatch(os.environ[k]) for k in ("LOCAL_RANK", "MASTER_PORT")):
+        raise MIPUError(f"LOCAL_RANK={os.environ['LOCAL_RANK']!r}, MASTER_PORT={os.environ['MASTER_PORT']!r} in the "
+                        "environment: torchrun's whole numbers expected")
     return int(rank), int(world)
 
 
@@ -1364,13 +1375,15 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
-    """(location, row) pairs of a .parquet file, a save_to_disk or hub-layout folder, or an HF id, via `datasets`."""
+    """(location, row) pairs of a .parquet file, a save_to_disk or hub-layout folder, or an HF id, via `datasets`;
+    split "" is the default, train (a Dataset saved without splits: its rows, and no other split)."""
+    asked, split, on_disk = split, split or "train", False
     import datasets                               # here: importing it takes seconds, JSONL runs skip it
     from huggingface_hub import errors, snapshot_download
     try:
         if Path(name).suffix == ".parquet":
             ds = datasets.load_dataset("parquet", data_files=name, split=split)
-        elif any((Path(name) / f).is_file() for f in ("state.json", "dataset_dict.json")):   # save_to_disk
+        elif on_disk := any((Path(name) / f).is_file() for f in ("state.json", "dataset_dict.json")):  # save_to_disk
             ds = datasets.load_from_disk(name)
         else:   # a hub-layout folder, or a hub id's from the local HF cache only, as models (offline: no retries)
             src = name if Path(name).is_dir() else snapshot_download(name, repo_type="dataset", local_files_only=True)
@@ -1381,6 +1394,9 @@ def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
         raise MIPUError(f"could not load dataset {name!r} (split {split!r}): {why}") from e
     if isinstance(ds, datasets.DatasetDict) and split not in ds:
         raise MIPUError(f"{name}: no split {split!r}; splits present: {sorted(ds)}")
+    if isinstance(ds, datasets.Dataset) and on_disk and asked and asked != str(ds.split or "train"):  # no splits
+        raise MIPUError(f"{name}: a saved Dataset, not a DatasetDict: it has no split {asked!r} (name the folder "
+                        f"without ':{asked}')")
     ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
     return [(f"{name}:row {i}", row) for i, row in enumerate(ds)]
 
@@ -1394,7 +1410,7 @@ def load_rows(source: str, prompt_key: str, answer_key: str) -> list[dict]:
     if (path.is_file() and path.suffix not in (".jsonl", ".parquet")) or (path.suffix == ".jsonl" and split):
         raise MIPUError(f"{source}: unsupported file type {path.suffix!r} (expected .jsonl, .parquet, a dataset "
                         "folder or an HF id; all but .jsonl may end in :split)")
-    items = _read_jsonl(path) if path.suffix == ".jsonl" else _read_dataset(name, split or "train")
+    items = _read_jsonl(path) if path.suffix == ".jsonl" else _read_dataset(name, split)
     rows = [_check_row(row, where, prompt_key, answer_key) for where, row in items]
     if not rows:
         raise MIPUError(f"dataset {source!r} is empty")
@@ -1743,9 +1759,79 @@ def check_resume(cfg: Config, state: dict, n_train: int) -> None:
         raise MIPUError(f"--resume: --train-data has {n_train} rows, the run's had {len(state['order'])}")
 
 
-def check_weight_files(folder: Path) -> None:
-    """Every *.safetensors file of a model folder whole (its header, a size holding its tensors), else one error."""
+TRAIN_DTYPE_SAVED = {"float32": "F32", "bf16-mixed": "F32", "bfloat16": "BF16", "float16": "F16"}   # safetensors'
+
+
+def _token_ids(x, vocab: int) -> bool:
+    return isinstance(x, list) and all(type(t) is int and 0 <= t < vocab for t in x)
+
+
+def _pending_fits(pending, batch: int, vocab: int) -> bool:
+    """--gap-batch next's saved batch: (the Rollout's fields, log π [B, T]) of `batch` responses, shapes agreeing."""
+    if not (isinstance(pending, tuple) and len(pending) == 2 and isinstance(pending[0], dict)
+            and sorted(pending[0]) == sorted(f.name for f in dataclasses.fields(Rollout))):
+        return False
+    ro, logp = pending
+    if not all(isinstance(ro[k], list) and len(ro[k]) == batch and all(_token_ids(x, vocab) for x in ro[k])
+               for k in ("prompt_ids", "completion_ids")):
+        return False
+    width = max(map(len, ro["completion_ids"]), default=0)
+    shapes = {"logp_sampler": (batch, width), "mask": (batch, width), "rewards": (batch,), "adv": (batch,),
+              "truncated": (batch,)}
+    return all(torch.is_tensor(v) and v.is_floating_point() and tuple(v.shape) == shape
+               for v, shape in [(ro[k], shape) for k, shape in shapes.items()] + [(logp, (batch, width))])
+
+
+def check_trainer_state(cfg: Config, state: dict, ckpt: Path, n_train: int, n_val: int) -> None:
+    """trainer_state.pt's values in range (against the data, the vocabulary and each other), optimizer.pt's AdamW
+    state finite (a NaN start never trains) and non-negative where a variance is, the weights in the run's dtype: one
+    error naming the file and the field, before the engines (an edited checkpoint fails there, not later)."""
+    vocab, s = load_pretrained("AutoConfig", str(ckpt)).vocab_size, state
+    rules = {"step": (s["step"] >= 0, ">= 0"), "rejections": (0 <= s["rejections"] <= s["step"], "in [0, step]"),
+             "reward_timeouts": (s["reward_timeouts"] >= 0, ">= 0"),
+             "order": (s["order"] == [] or all(type(i) is int for i in s["order"]) and sorted(s["order"]) == list(
+                 range(n_train)), f"a permutation of the {n_train} training rows' indices"),
+             "data_pos": (0 <= s["data_pos"] <= len(s["order"]), "in [0, len(order)]"),
+             "val_pos": (0 <= s["val_pos"] < max(n_val, 1), f"in [0, {max(n_val, 1)}) (the --val-data rows)"),
+             "pending_rows": (s["pending_rows"] is None or len(s["pending_rows"]) == cfg.prompts_per_step and all(
+                 isinstance(r, dict) and all(isinstance(r.get(k), str) for k in ("prompt", "answer"))
+                 for r in s["pending_rows"]), f"None or {cfg.prompts_per_step} rows of prompt and answer"),
+             "pending": (s["pending"] is None or _pending_fits(s["pending"], cfg.batch_size, vocab),
+                         f"None or a batch of {cfg.batch_size} responses of token ids below {vocab}"),
+             "probe": (len(s["probe"]) == 2 and _token_ids(s["probe"][0], vocab) and _token_ids(s["probe"][1], vocab)
+                       and len(s["probe"][1]) > 0, f"(prompt, response) token ids below the vocabulary's {vocab}"),
+             "probe_gap0": (math.isfinite(s["probe_gap0"]) and s["probe_gap0"] >= 0, "finite, >= 0")}
+    if bad := [(k, rule) for k, (ok, rule) in rules.items() if not ok]:
+        raise MIPUError(f"{ckpt / 'trainer_state.pt'}: refused: {bad[0][0]} = {str(s[bad[0][0]])[:60]} is not "
+                        f"{bad[0][1]}")
+    for k, st in state["optimizer"].get("state", {}).items() if isinstance(state["optimizer"], dict) else ():
+        values = st.items() if isinstance(st, dict) else ()
+        if bad := [n for n, v in values if torch.is_tensor(v) and v.is_floating_point() and not (
+                torch.isfinite(v).all() and (n != "exp_avg_sq" and n != "step" or (v >= 0).all()))]:
+            raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused: {k}'s {bad[0]} is not finite" +
+                            (" and >= 0" if bad[0] in ("exp_avg_sq", "step") else "") + " (a start that never trains)")
     from safetensors import safe_open
+    want = TRAIN_DTYPE_SAVED.get(cfg.train_dtype)
+    for path in sorted(ckpt.glob("*.safetensors")):
+        f = safe_open(path, "pt")
+        if bad := [k for k in f.keys() if f.get_slice(k).get_dtype() != want]:
+            raise MIPUError(f"{path}: refused: {bad[0]} is {f.get_slice(bad[0]).get_dtype()}, the run's weights are "
+                            f"{want} (--train-dtype {cfg.train_dtype})")
+
+
+def check_weight_files(folder: Path) -> None:
+    """Every *.safetensors file of a model folder whole (its header, a size holding its tensors), and the files its
+    model.safetensors.index.json names there (a name outside the folder is refused, never opened), else one error."""
+    from safetensors import safe_open
+    index = folder / "model.safetensors.index.json"
+    try:
+        named = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else set()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MIPUError(f"{index}: refused or damaged ({type(e).__name__}: {e})") from e
+    for name in sorted(map(str, named)):
+        if Path(name).is_absolute() or ".." in Path(name).parts or not (folder / name).is_file():
+            raise MIPUError(f"{folder}: model.safetensors.index.json names {name[:100]!r}: not a file in the model "
+                            "folder (a name outside it is refused)")
     for path in sorted(folder.glob("*.safetensors")):
         try:
             safe_open(path, "pt").keys()
@@ -1926,6 +2012,8 @@ def load_prompts(cfg: Config, tokenizer, source: str) -> list[dict]:
 def load_eval_sets(cfg: Config) -> dict:
     """{name: rows} of each --eval-data source, named by its file stem, or in full where two share a stem."""
     sources = [src for src in cfg.eval_data.split(",") if src]
+    if not sources:
+        raise MIPUError(f"--eval-data (eval: --data) {cfg.eval_data!r} names no dataset")
     stems, tokenizer = [Path(src).stem for src in sources], load_pretrained("AutoTokenizer", cfg.model)
     return {stem if stems.count(stem) == 1 else src: load_prompts(cfg, tokenizer, src)
             for stem, src in zip(stems, sources)}
@@ -1942,6 +2030,7 @@ def setup_llm_run(cfg: Config, llm=None) -> LLMRun:
     val_rows = load_prompts(cfg, tokenizer, cfg.val_data) if cfg.val_data else []
     if state:
         check_resume(cfg, state, len(train_rows))
+        check_trainer_state(cfg, state, ckpt, len(train_rows), len(val_rows))
     if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         check_memory_plan(cfg)

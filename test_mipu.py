@@ -551,6 +551,8 @@ def test_load_rows_datasets_formats_and_splits(tmp_path, offline_datasets):
     for fmt in ("parquet", "hub folder"):
         with pytest.raises(mipu.MIPUError, match=r"could not load dataset .*split 'validation'.*Unknown split"):
             mipu.load_rows(sources[fmt] + ":validation", "q", "a")
+    with pytest.raises(mipu.MIPUError, match=r"one: a saved Dataset, not a DatasetDict: it has no split 'test'"):
+        mipu.load_rows(sources["save_to_disk"] + ":test", "q", "a")   # not every row of a Dataset without splits
 
 
 @pytest.mark.parametrize("rows, match", [
@@ -1404,12 +1406,24 @@ def test_cli_bad_input_one_clear_error(args, message):
     assert message in p.stderr and "Traceback" not in p.stderr
 
 
-@pytest.mark.parametrize("world", ["0", "abc"])
-def test_cli_bad_torchrun_environment_one_clear_error(monkeypatch, world):
-    monkeypatch.setenv("WORLD_SIZE", world)
+TORCHRUN_REST = {"LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "0"}, "error: RANK='0', WORLD_SIZE='0' in the environment"),
+    ({"WORLD_SIZE": "abc"}, "error: RANK='0', WORLD_SIZE='abc' in the environment"),
+    ({"WORLD_SIZE": "\uff12", "RANK": "0", **TORCHRUN_REST}, "error: RANK='0', WORLD_SIZE='\uff12' in the environment"),
+    ({"WORLD_SIZE": "2", "RANK": "5", **TORCHRUN_REST}, "WORLD_SIZE='2' in the environment: torchrun's whole numbers "
+                                                        "expected, 0 <= RANK < WORLD_SIZE"),
+    ({"WORLD_SIZE": "1"}, "error: WORLD_SIZE is set but not RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: launch"),
+    ({"WORLD_SIZE": "1", "RANK": "0", **TORCHRUN_REST, "MASTER_PORT": "x"}, "MASTER_PORT='x' in the environment"),
+])
+def test_cli_bad_torchrun_environment_one_clear_error(monkeypatch, env, message):
+    """WORLD_SIZE without the rest of torchrun's variables, RANK past WORLD_SIZE, a full-width digit: one line."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     p = run_cli("toy", "--steps", "1")
-    assert p.returncode == 2 and f"error: RANK='0', WORLD_SIZE='{world}' in the environment" in p.stderr
-    assert "Traceback" not in p.stderr
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
 
 
 def _edit_config(**kw):
@@ -1430,6 +1444,9 @@ def _edit_config(**kw):
     (lambda folder: [f.unlink() for f in folder.glob("tokenizer*")], "no tokenizer files"),
     (lambda folder: (folder / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}"),
      "its chat template fails: SecurityError: access to attribute '__class__' of 'list' object is unsafe"),
+    (lambda folder: (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "../../../etc/passwd"}})),
+     "model.safetensors.index.json names '../../../etc/passwd': not a file in the model folder"),
     (_edit_config(max_position_embeddings=10**9), "one sequence of its 1000000000-token context needs 477 GiB of KV "
                                                   "cache, more than vLLM's 1 GiB (VLLM_CPU_KVCACHE_SPACE)"),
 ])
@@ -1631,6 +1648,7 @@ def test_report_to_wandb_resume_continues_the_run(tmp_path, monkeypatch):
     (None, ["--temperature", "inf"], "error: --temperature must be a finite number"),
     (None, ["--seed", "-1"], "error: --seed must be in [0, 4294967295]"),
     (None, ["--max-model-len", "100000"], "error: --max-model-len 100000 is above"),
+    (None, ["--eval-every", "1", "--eval-data", ","], "error: --eval-data (eval: --data) ',' names no dataset"),
 ])
 def test_cli_train_bad_input(tmp_path, model_dir, make_file, extra, message):
     data = str(ARITH)
@@ -1799,7 +1817,8 @@ def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
 
 
 def test_world_size_must_divide_prompts(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "3")
+    for key, value in {"WORLD_SIZE": "3", "RANK": "0", **TORCHRUN_REST}.items():
+        monkeypatch.setenv(key, value)
     with pytest.raises(mipu.MIPUError, match="must divide by the 3 torchrun ranks"):
         mipu.Config(prompts_per_step=4).validate()
 
@@ -2118,6 +2137,12 @@ def test_load_eval_sets_names_sets_with_one_stem_apart(model_dir, tmp_path):
     assert {name: rows[0]["answer"] for name, rows in sets.items()} == {sources[0]: "2", sources[1]: "3", "test": "4"}
 
 
+def test_load_eval_sets_of_no_source_is_one_error(model_dir):
+    """eval --data , (or --eval-data ,): no dataset named is one error, not an IndexError after vLLM starts."""
+    with pytest.raises(mipu.MIPUError, match="--eval-data .eval: --data. ',' names no dataset"):
+        mipu.load_eval_sets(mipu.Config(model=model_dir, eval_data=",").validate("eval"))
+
+
 def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monkeypatch):
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", score_truncated=True), llm=llm)
     monkeypatch.setattr(mipu, "math_reward", lambda completion, answer, boxed_only, timeout: None)  # all past budget
@@ -2224,6 +2249,13 @@ def _wrong_shape_optimizer(ckpt):
     torch.save(opt, ckpt / "optimizer.pt")
 
 
+def _optimizer_entry(ckpt, exp_avg_sq):
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    opt["state"]["model.norm.weight"] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(128),
+                                         "exp_avg_sq": torch.full((128,), exp_avg_sq)}
+    torch.save(opt, ckpt / "optimizer.pt")
+
+
 def _three_layers(weights):
     weights.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in weights.items() if "layers.1." in k})
 
@@ -2246,6 +2278,27 @@ def _three_layers(weights):
     (_wrong_shape_optimizer, "optimizer.pt: refused or damaged .its tensors' shapes are not the weights'"),
     (lambda c: torch.save([1.0], c / "optimizer.pt"), "optimizer.pt: refused or damaged .not a dict"),
     (lambda c: torch.save({}, c / "optimizer.pt"), "optimizer.pt: refused or damaged"),
+    # values in range, before the engines (each of these failed after they started, or trained on nonsense)
+    (lambda c: _edit_state(c, lambda s: {**s, "order": [10**9] + list(range(1, 512))}),
+     "trainer_state.pt: refused: order = .* is not a permutation of the 512 training rows' indices"),
+    (lambda c: _edit_state(c, lambda s: {**s, "pending": ({"prompt_ids": [[1]]}, torch.zeros(1))}),
+     "trainer_state.pt: refused: pending = .* is not None or a batch of 16 responses of token ids below 64"),
+    (lambda c: _edit_state(c, lambda s: {**s, "probe": ([1, 2], [999999])}),
+     r"trainer_state.pt: refused: probe = \(\[1, 2\], \[999999\]\) is not \(prompt, response\) token ids below"),
+    (lambda c: _edit_state(c, lambda s: {**s, "step": -1}), "trainer_state.pt: refused: step = -1 is not >= 0"),
+    (lambda c: _edit_state(c, lambda s: {**s, "rejections": 2}), "refused: rejections = 2 is not in \\[0, step\\]"),
+    (lambda c: _edit_state(c, lambda s: {**s, "reward_timeouts": -1}), "refused: reward_timeouts = -1 is not >= 0"),
+    (lambda c: _edit_state(c, lambda s: {**s, "data_pos": 5}), "refused: data_pos = 5 is not in \\[0, len\\(order"),
+    (lambda c: _edit_state(c, lambda s: {**s, "val_pos": -1}), "refused: val_pos = -1 is not in \\[0, 128\\)"),
+    (lambda c: _edit_state(c, lambda s: {**s, "pending_rows": [1, 2]}), "refused: pending_rows = \\[1, 2\\] is not"),
+    (lambda c: _edit_state(c, lambda s: {**s, "probe_gap0": float("nan")}), "refused: probe_gap0 = nan is not finite"),
+    (lambda c: _edit_weights(c, lambda w: w.update({k: v.half() for k, v in w.items()})),
+     "model.safetensors: refused: .* is F16, the run's weights are F32 .--train-dtype float32"),
+    (lambda c: _edit_weights(c, lambda w: w.update({k: (v * 100).int() for k, v in w.items()})),
+     "model.safetensors: refused: .* is I32, the run's weights are F32"),
+    (lambda c: _optimizer_entry(c, float("nan")), "optimizer.pt: refused: model.norm.weight's exp_avg_sq is not "
+                                                  "finite and >= 0 .a start that never trains"),
+    (lambda c: _optimizer_entry(c, -1.0), "optimizer.pt: refused: model.norm.weight's exp_avg_sq is not finite and"),
 ])
 def test_resume_refuses_an_edited_checkpoint(llm, model_dir, tmp_path, tokenizer, damage, message):
     """An edited or damaged checkpoint is one MIPUError naming its file, raised before the engines are used;
