@@ -1419,10 +1419,21 @@ def torchrun() -> bool:      # the environment decides: vLLM may have made a pro
     return "WORLD_SIZE" in os.environ
 
 
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")   # what torchrun sets beside WORLD_SIZE
+
+
 def rank_world() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) of torchrun's environment, (0, 1) without one; Config.validate's first call: at start."""
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
-    if not (rank.isdecimal() and world.isdecimal() and int(world) >= 1):   # TrainConfig.checks' first call: at start
-        raise MIPUError(f"RANK={rank!r}, WORLD_SIZE={world!r} in the environment: torchrun's whole numbers expected")
+    digits = re.compile("[0-9]+")                    # ASCII only: str.isdecimal takes a full-width "２", torch does not
+    if not (digits.fullmatch(rank) and digits.fullmatch(world) and 0 <= int(rank) < int(world)):
+        raise MIPUError(f"RANK={rank!r}, WORLD_SIZE={world!r} in the environment: torchrun's whole numbers expected, "
+                        "0 <= RANK < WORLD_SIZE")
+    if torchrun() and (missing := [k for k in TORCHRUN_ENV if not os.environ.get(k)]):
+        raise MIPUError(f"WORLD_SIZE is set but not {', '.join(missing)}: launch the ranks with torchrun")
+    if torchrun() and not all(digits.fullmatch(os.environ[k]) for k in ("LOCAL_RANK", "MASTER_PORT")):
+        raise MIPUError(f"LOCAL_RANK={os.environ['LOCAL_RANK']!r}, MASTER_PORT={os.environ['MASTER_PORT']!r} in the "
+                        "environment: torchrun's whole numbers expected")
     return int(rank), int(world)
 
 
@@ -1689,13 +1700,15 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
-    """(location, row) pairs of a .parquet file, a save_to_disk or hub-layout folder, or an HF id, via `datasets`."""
+    """(location, row) pairs of a .parquet file, a save_to_disk or hub-layout folder, or an HF id, via `datasets`;
+    split "" is the default, train (a Dataset saved without splits: its rows, and no other split)."""
+    asked, split, on_disk = split, split or "train", False
     import datasets                               # here: importing it takes seconds, JSONL runs skip it
     from huggingface_hub import errors, snapshot_download
     try:
         if Path(name).suffix == ".parquet":
             ds = datasets.load_dataset("parquet", data_files=name, split=split)
-        elif any((Path(name) / f).is_file() for f in ("state.json", "dataset_dict.json")):   # save_to_disk
+        elif on_disk := any((Path(name) / f).is_file() for f in ("state.json", "dataset_dict.json")):  # save_to_disk
             ds = datasets.load_from_disk(name)
         else:   # a hub-layout folder, or a hub id's from the local HF cache only, as models (offline: no retries)
             src = name if Path(name).is_dir() else snapshot_download(name, repo_type="dataset", local_files_only=True)
@@ -1706,6 +1719,9 @@ def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
         raise MIPUError(f"could not load dataset {name!r} (split {split!r}): {why}") from e
     if isinstance(ds, datasets.DatasetDict) and split not in ds:
         raise MIPUError(f"{name}: no split {split!r}; splits present: {sorted(ds)}")
+    if isinstance(ds, datasets.Dataset) and on_disk and asked and asked != str(ds.split or "train"):  # no splits
+        raise MIPUError(f"{name}: a saved Dataset, not a DatasetDict: it has no split {asked!r} (name the folder "
+                        f"without ':{asked}')")
     ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
     return [(f"{name}:row {i}", row) for i, row in enumerate(ds)]
 
@@ -1719,7 +1735,7 @@ def load_rows(source: str, prompt_key: str, answer_key: str) -> list[dict]:
     if (path.is_file() and path.suffix not in (".jsonl", ".parquet")) or (path.suffix == ".jsonl" and split):
         raise MIPUError(f"{source}: unsupported file type {path.suffix!r} (expected .jsonl, .parquet, a dataset "
                         "folder or an HF id; all but .jsonl may end in :split)")
-    items = _read_jsonl(path) if path.suffix == ".jsonl" else _read_dataset(name, split or "train")
+    items = _read_jsonl(path) if path.suffix == ".jsonl" else _read_dataset(name, split)
     rows = [_check_row(row, where, prompt_key, answer_key) for where, row in items]
     if not rows:
         raise MIPUError(f"dataset {source!r} is empty")
@@ -1729,10 +1745,24 @@ def load_rows(source: str, prompt_key: str, answer_key: str) -> list[dict]:
 POLL_LIMIT_S = (2**31 - 1) / 1000  # the reward worker waits with poll(): its timeout is a C int of milliseconds
 
 
-def _verify_worker() -> None:
+REWARD_MEMORY_MB = 1024   # the reward worker's address space (RLIMIT_AS): math_verify with sympy loaded takes ~70 MB,
+                          # a math answer a few MB more; 2^{2^{40}} needs 128 GB (it took 1 GB in 15 s here)
+REWARD_START_TRIES = 3    # a worker that dies during its start-up imports (the OOM killer) is started again
+
+
+def _verify_worker(parent: int, memory_bytes: int) -> None:
     """RewardWorker's process, a fresh interpreter given this function's source (it uses nothing else of this file):
-    answers each JSON line [pred, answer] on stdin with true/false per math_verify, or null where it cannot parse."""
-    import json, logging, sys
+    answers each JSON line [pred, answer] on stdin with true/false per math_verify, or null where it cannot parse
+    (past its address-space limit: a MemoryError, which math_verify reports as not equal or not parsed). It ends with
+    its parent process, even a SIGKILLed one."""
+    import ctypes, json, logging, os, resource, signal, sys
+    if sys.platform == "linux":   # PR_SET_PDEATHSIG (1): the kernel kills this process when its parent thread ends
+        ctypes.CDLL(None).prctl(1, ctypes.c_ulong(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:    # the parent died before that line (this one was re-parented)
+        return
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]      # a MemoryError past the limit, never 128 GB
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes if hard == resource.RLIM_INFINITY else
+                                            min(memory_bytes, hard), hard))
     try:
         from math_verify import parse, verify
     except BaseException as e:               # RewardWorker reports it as one error line
@@ -1748,38 +1778,49 @@ def _verify_worker() -> None:
         print(json.dumps(ok), flush=True)
 
 
-class RewardWorker:
-    """math_verify in a worker process with a time budget per call, from any thread: a call past it (or killing the
-    worker) scores None; a gold answer that cannot be compared with 0 within it scores None from then on, uncalled.
-    The worker is a fresh interpreter running _verify_worker: never a fork of this process (unsafe once it holds
-    vLLM and torch threads), never an import of the caller's __main__ (a script without a main guard would rerun)."""
-    def __init__(self):
-        self.proc, self.lock, self.slow = None, threading.RLock(), {}   # slow: gold answer -> budget it failed
+@functools.cache
+def _lasting_thread():
+    """A thread that lives as long as this process (idle between tasks): the reward worker's parent thread, so its
+    PR_SET_PDEATHSIG fires when this process ends, not when the caller's thread (a short-lived one) does."""
+    from concurrent.futures import ThreadPoolExecutor
+    return ThreadPoolExecutor(1, thread_name_prefix="mipu-reward-start")
 
-    def __call__(self, pred: str, answer: str, timeout: float) -> bool | None:
-        """Equal per math_verify (per _simple_equal where it cannot parse them), or None past the time budget."""
+
+class RewardWorker:
+    """math_verify in a worker process with a time budget per call, from any thread, and a memory limit (past it a
+    comparison fails: not equal): a call past the budget (or killing the worker) scores None; a gold answer that
+    cannot be compared with 0 within it scores False from then on, uncalled. The worker is a fresh interpreter
+    running _verify_worker: never a fork of this process (unsafe once it holds vLLM and torch threads), never an
+    import of the caller's __main__ (a script without a main guard would rerun); it ends with this process."""
+    def __init__(self):
+        self.proc, self.lock, self.slow, self.memory_mb = None, threading.RLock(), {}, 0   # slow: answer -> budget
+
+    def __call__(self, pred: str, answer: str, timeout: float, memory_mb: int = REWARD_MEMORY_MB) -> bool | None:
+        """Equal per math_verify (per _simple_equal where it cannot parse them), or None past the budget."""
         with self.lock:
-            if self.slow.get(answer, 0.0) >= timeout:
-                return None
-            reply = self._ask(json.dumps([pred, answer]), timeout)
+            if (budget := self.slow.get(answer)) and timeout <= budget[0] and memory_mb <= budget[1]:
+                return False                         # a hostile gold answer: 0 without a call (and no time spent)
+            if self.proc is not None and self.memory_mb != memory_mb:
+                self._stop()                         # a worker of the other limit
+            reply = self._ask(json.dumps([pred, answer]), timeout, memory_mb)
             if reply:                                # true, false, or null: math_verify cannot parse them
                 return _simple_equal(pred, answer) if reply == "null\n" else json.loads(reply)
             ended = self._stop()
             print(f"warning: reward of answer {pred[:60]!r}... ({len(pred)} chars) " + (f"took over {timeout:g} s"
                   if reply is None else f"killed the reward worker ({ended})") + "; scored 0", file=sys.stderr)
-            if pred != "0" and self("0", answer, timeout) is None:   # nor with a plain 0: a hostile gold answer
-                self.slow[answer] = timeout
-                print(f"warning: gold answer {answer[:60]!r}... cannot be compared with 0 within {timeout:g} s: "
-                      "its samples score 0 from now on, without a call", file=sys.stderr)
+            if pred != "0" and self("0", answer, timeout, memory_mb) is None:  # nor with a plain 0: a hostile gold
+                self.slow[answer] = (timeout, memory_mb)
+                print(f"warning: gold answer {answer[:60]!r}... cannot be compared with 0 within {timeout:g} s and "
+                      f"{memory_mb} MB: its samples score 0 from now on, without a call", file=sys.stderr)
             return None
 
-    def _ask(self, request: str, timeout: float) -> str | None:
+    def _ask(self, request: str, timeout: float, memory_mb: int) -> str | None:
         """The worker's reply line to a request: "" if the worker died meanwhile, None past `timeout` seconds."""
         if self.proc is not None and self.proc.poll() is not None:      # found dead (OOM killer): restart
             print(f"warning: the reward worker ended ({self._stop()}); restarted", file=sys.stderr)
         try:
             if self.proc is None:
-                self._start()
+                self._start(memory_mb)
             self.proc.stdin.write(request + "\n")
             self.proc.stdin.flush()
             return self.proc.stdout.readline() if wait_readable([self.proc.stdout], timeout) else None
@@ -1790,15 +1831,24 @@ class RewardWorker:
                 self._stop()
             raise
 
-    def _start(self) -> None:
+    def _start(self, memory_mb: int) -> None:
         """The worker, in a session of its own (a Ctrl-C at a terminal reaches this process only), once its imports
-        are done: the time budget times the verification only."""
-        code = inspect.getsource(_verify_worker) + "_verify_worker()"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, start_new_session=True)
-        if (ready := self.proc.stdout.readline()) != '"ready"\n':   # an import error's message, else nothing: died
-            why = json.loads(ready) if ready else f"no reply ({self._stop()})"
-            raise MIPUError(f"the reward worker (math_verify) could not start: {why}")
+        are done: the time budget times the verification only. One that dies in its imports is started again."""
+        code = inspect.getsource(_verify_worker) + f"_verify_worker({os.getpid()}, {memory_mb * 2**20})"
+        popen = functools.partial(subprocess.Popen, [sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
+        for tries in range(1, REWARD_START_TRIES + 1):
+            on_main = threading.current_thread() is threading.main_thread()   # the main thread lasts as the process
+            self.proc, self.memory_mb = popen() if on_main else _lasting_thread().submit(popen).result(), memory_mb
+            if (ready := self.proc.stdout.readline()) == '"ready"\n':
+                return
+            ended = self._stop()
+            if ready:                            # an import error's message: the same at every try
+                why = json.loads(ready) + (f" (the reward worker's limit: {memory_mb} MB)" if "Memory" in ready else "")
+                raise MIPUError(f"the reward worker (math_verify) could not start: {why}")
+            if tries < REWARD_START_TRIES:
+                print(f"warning: the reward worker ended in its start-up ({ended}); restarted", file=sys.stderr)
+        raise MIPUError(f"the reward worker (math_verify) could not start: no reply ({ended}) in {tries} tries")
 
     def _stop(self) -> str:
         """Kill the worker if it still runs; how it ended: a signal's name or an exit code."""
@@ -1816,20 +1866,39 @@ def worker_score(cfg: TrainConfig):
     return functools.partial(math_reward, timeout=cfg.reward_timeout)
 
 
-def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout: float = 5.0) -> float | None:
-    """1.0 if the completion's final answer equals `answer`, else 0.0; None past `timeout` seconds.
+def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout: float = 5.0,
+                memory_mb: int = REWARD_MEMORY_MB) -> float | None:
+    """1.0 if the completion's final answer equals `answer`, else 0.0; None past `timeout` seconds (a gold answer
+    found hostile scores 0.0 from then on, without a call); math_verify's worker runs in `memory_mb` MB.
     Plain numbers compare in-process (exact, ~1 ms faster than sympy); the rest in REWARD_WORKER."""
     pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
     plain = _to_number(pred) is not None and _to_number(answer) is not None
-    equal = _simple_equal(pred, answer) if plain else REWARD_WORKER(pred, answer, timeout)
+    equal = _simple_equal(pred, answer) if plain else REWARD_WORKER(pred, answer, timeout, memory_mb)
     return None if equal is None else float(equal)
+
+
+def prompt_text(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> str:
+    """question + suffix, through the chat template if any (enable_thinking: Qwen3's switch): what is tokenized."""
+    question += suffix
+    if not getattr(tokenizer, "chat_template", None):
+        return question
+    try:
+        return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=thinking)
+    except Exception as e:  # jinja2's TemplateError (its raise_exception), TemplateSyntaxError, the sandbox's
+        why = str(e).strip().split("\n")[0][:200]         # SecurityError (__class__ ...), a TypeError in the template
+        raise MIPUError(f"{tokenizer.name_or_path}: its chat template fails: {type(e).__name__}: {why}") from e
+
 
 
 # ---- CHECKPOINTS, METRICS, EVALUATION ------------------------------------------------------------------------------
 
 CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders: this name only (not checkpoint-best)
+RUN_TEMP = re.compile(r"\.tmp-(checkpoint-\d{6,}|metrics)-\d+")   # the run's temporary names (+ the writer's pid):
+# a killed save's or metrics rewrite's, deleted at the next start; no other name in --output-dir is ever deleted
+RUN_FILES = {".lock": "file", "metrics.jsonl": "file", "wandb-id": "file", "tensorboard": "folder"}  # the run writes
 # the TrainEngine fields (and types) a checkpoint keeps as they are; the sync probe too: a resumed run's syncs score alike
 RUN_COUNTERS = {"step": int, "rejections": int, "order": list, "data_pos": int, "val_pos": int,
                 "pending_rows": list | None, "reward_timeouts": int, "probe": tuple, "probe_gap0": float}
@@ -1842,8 +1911,12 @@ def save_checkpoint(run: TrainEngine) -> Path:
         run.model, run.opt, options=full_sd)
     final = Path(run.cfg.output_dir) / f"checkpoint-{run.step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    if rank_world()[0] == 0 and (final.is_symlink() or final.exists()):   # a user's, the name a run's to come
+        raise MIPUError(f"{final} is in the way of this run's checkpoint (move it; a run replaces only its own)")
     if rank_world()[0] == 0:                  # (a temp folder of a killed save is removed at the next start)
         try:
+            remove_run_temp(tmp)
+            tmp.mkdir(parents=True)           # a folder of its own: no symlink of that name is written through
             run.model.save_pretrained(tmp, state_dict=weights)
             run.tokenizer.save_pretrained(tmp)
             torch.save(opt_state, tmp / "optimizer.pt")
@@ -1879,20 +1952,40 @@ def latest_checkpoint(output_dir: str) -> Path:
     return found[-1]
 
 
+def remove_run_temp(path: Path) -> None:
+    """Delete one of the run's temporary names (RUN_TEMP), if there: a folder with its contents, else the name
+    itself (a file, or a symlink: never what it points to)."""
+    assert RUN_TEMP.fullmatch(path.name), path
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)                   # rmtree follows no symlink inside
+    elif path.is_symlink() or path.exists():
+        path.unlink()
+
+
 def claim_output_dir(cfg: TrainConfig):
     """Make --output-dir this run's: writable, locked while the run lives (flock: the kernel releases a killed run's
-    lock), without temp folders of a killed save, holding no other run unless --resume or --overwrite; the lock."""
+    lock), without temp folders of a killed save, holding no other run unless --resume or --overwrite; the lock.
+    The names the run writes (RUN_FILES) must be its own kind: no symlink is followed, no user's file truncated."""
     out = Path(cfg.output_dir)
+    for name, kind in RUN_FILES.items():
+        path = out / name
+        if path.is_symlink() or path.exists() and not (path.is_dir() if kind == "folder" else path.is_file()):
+            raise MIPUError(f"{path} is a symlink or not a {kind}: the run writes its own {name} there and follows "
+                            "no link (move it)")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        lock = open(out / ".lock", "w")
+        fd = os.open(out / ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        lock = os.fdopen(fd, "w")             # no O_TRUNC: the lock's content does not matter
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise MIPUError(f"--output-dir {out} is in use by another run (give each run its own)") from None
     except OSError as e:
         raise MIPUError(f"--output-dir {out} is not a writable directory ({e.strerror})") from e
-    for tmp in out.glob(".tmp-*"):
-        shutil.rmtree(tmp)
+    try:
+        for tmp in [p for p in out.iterdir() if RUN_TEMP.fullmatch(p.name)]:
+            remove_run_temp(tmp)
+    except OSError as e:
+        raise MIPUError(f"could not delete {e.filename}, a temporary file of a killed run ({e.strerror})") from e
     runs = run_checkpoints(out) + [p for p in [out / "metrics.jsonl"] if p.exists()]
     if runs and not cfg.resume and not cfg.overwrite:
         raise MIPUError(f"--output-dir {out} holds a run: continue it with --resume, or delete it with --overwrite")
@@ -1909,12 +2002,14 @@ def keep_metrics_before(path: Path, step: int) -> None:
     if path.exists():
         lines = [x for x in path.read_text().splitlines(keepends=True) if x.endswith("\n")]
         keep = [x for x in lines if not (r := re.match(r'\{"step": (\d+)[,}]', x)) or int(r[1]) < step]
+        tmp = path.with_name(f".tmp-metrics-{os.getpid()}")   # RUN_TEMP: a kill's leftover goes at the next start
         try:
-            path.with_suffix(".tmp").write_text("".join(keep))
+            remove_run_temp(tmp)
+            tmp.write_text("".join(keep))
         except OSError as e:                                    # a full disk: no empty temp file left behind
-            path.with_suffix(".tmp").unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise MIPUError(f"could not write {path} ({e.strerror or e}); make room, then --resume") from e
-        os.replace(path.with_suffix(".tmp"), path)
+        os.replace(tmp, path)
 
 
 def check_resume(cfg: TrainConfig, state: dict, n_train: int) -> None:
@@ -1929,9 +2024,79 @@ def check_resume(cfg: TrainConfig, state: dict, n_train: int) -> None:
         raise MIPUError(f"--resume: --train-data has {n_train} rows, the run's had {len(state['order'])}")
 
 
-def check_weight_files(folder: Path) -> None:
-    """Every *.safetensors file of a model folder whole (its header, a size holding its tensors), else one error."""
+TRAIN_DTYPE_SAVED = {"float32": "F32", "bf16-mixed": "F32", "bfloat16": "BF16", "float16": "F16"}   # safetensors'
+
+
+def _token_ids(x, vocab: int) -> bool:
+    return isinstance(x, list) and all(type(t) is int and 0 <= t < vocab for t in x)
+
+
+def _pending_fits(pending, batch: int, vocab: int) -> bool:
+    """--gap-batch next's saved batch: (the Rollout's fields, log π [B, T]) of `batch` responses, shapes agreeing."""
+    if not (isinstance(pending, tuple) and len(pending) == 2 and isinstance(pending[0], dict)
+            and sorted(pending[0]) == sorted(f.name for f in dataclasses.fields(Rollout))):
+        return False
+    ro, logp = pending
+    if not all(isinstance(ro[k], list) and len(ro[k]) == batch and all(_token_ids(x, vocab) for x in ro[k])
+               for k in ("prompt_ids", "completion_ids")):
+        return False
+    width = max(map(len, ro["completion_ids"]), default=0)
+    shapes = {"logp_sampler": (batch, width), "mask": (batch, width), "rewards": (batch,), "adv": (batch,),
+              "truncated": (batch,)}
+    return all(torch.is_tensor(v) and v.is_floating_point() and tuple(v.shape) == shape
+               for v, shape in [(ro[k], shape) for k, shape in shapes.items()] + [(logp, (batch, width))])
+
+
+def check_trainer_state(cfg: Config, state: dict, ckpt: Path, n_train: int, n_val: int) -> None:
+    """trainer_state.pt's values in range (against the data, the vocabulary and each other), optimizer.pt's AdamW
+    state finite (a NaN start never trains) and non-negative where a variance is, the weights in the run's dtype: one
+    error naming the file and the field, before the engines (an edited checkpoint fails there, not later)."""
+    vocab, s = load_pretrained("AutoConfig", str(ckpt)).vocab_size, state
+    rules = {"step": (s["step"] >= 0, ">= 0"), "rejections": (0 <= s["rejections"] <= s["step"], "in [0, step]"),
+             "reward_timeouts": (s["reward_timeouts"] >= 0, ">= 0"),
+             "order": (s["order"] == [] or all(type(i) is int for i in s["order"]) and sorted(s["order"]) == list(
+                 range(n_train)), f"a permutation of the {n_train} training rows' indices"),
+             "data_pos": (0 <= s["data_pos"] <= len(s["order"]), "in [0, len(order)]"),
+             "val_pos": (0 <= s["val_pos"] < max(n_val, 1), f"in [0, {max(n_val, 1)}) (the --val-data rows)"),
+             "pending_rows": (s["pending_rows"] is None or len(s["pending_rows"]) == cfg.prompts_per_step and all(
+                 isinstance(r, dict) and all(isinstance(r.get(k), str) for k in ("prompt", "answer"))
+                 for r in s["pending_rows"]), f"None or {cfg.prompts_per_step} rows of prompt and answer"),
+             "pending": (s["pending"] is None or _pending_fits(s["pending"], cfg.batch_size, vocab),
+                         f"None or a batch of {cfg.batch_size} responses of token ids below {vocab}"),
+             "probe": (len(s["probe"]) == 2 and _token_ids(s["probe"][0], vocab) and _token_ids(s["probe"][1], vocab)
+                       and len(s["probe"][1]) > 0, f"(prompt, response) token ids below the vocabulary's {vocab}"),
+             "probe_gap0": (math.isfinite(s["probe_gap0"]) and s["probe_gap0"] >= 0, "finite, >= 0")}
+    if bad := [(k, rule) for k, (ok, rule) in rules.items() if not ok]:
+        raise MIPUError(f"{ckpt / 'trainer_state.pt'}: refused: {bad[0][0]} = {str(s[bad[0][0]])[:60]} is not "
+                        f"{bad[0][1]}")
+    for k, st in state["optimizer"].get("state", {}).items() if isinstance(state["optimizer"], dict) else ():
+        values = st.items() if isinstance(st, dict) else ()
+        if bad := [n for n, v in values if torch.is_tensor(v) and v.is_floating_point() and not (
+                torch.isfinite(v).all() and (n != "exp_avg_sq" and n != "step" or (v >= 0).all()))]:
+            raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused: {k}'s {bad[0]} is not finite" +
+                            (" and >= 0" if bad[0] in ("exp_avg_sq", "step") else "") + " (a start that never trains)")
     from safetensors import safe_open
+    want = TRAIN_DTYPE_SAVED.get(cfg.train_dtype)
+    for path in sorted(ckpt.glob("*.safetensors")):
+        f = safe_open(path, "pt")
+        if bad := [k for k in f.keys() if f.get_slice(k).get_dtype() != want]:
+            raise MIPUError(f"{path}: refused: {bad[0]} is {f.get_slice(bad[0]).get_dtype()}, the run's weights are "
+                            f"{want} (--train-dtype {cfg.train_dtype})")
+
+
+def check_weight_files(folder: Path) -> None:
+    """Every *.safetensors file of a model folder whole (its header, a size holding its tensors), and the files its
+    model.safetensors.index.json names there (a name outside the folder is refused, never opened), else one error."""
+    from safetensors import safe_open
+    index = folder / "model.safetensors.index.json"
+    try:
+        named = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else set()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MIPUError(f"{index}: refused or damaged ({type(e).__name__}: {e})") from e
+    for name in sorted(map(str, named)):
+        if Path(name).is_absolute() or ".." in Path(name).parts or not (folder / name).is_file():
+            raise MIPUError(f"{folder}: model.safetensors.index.json names {name[:100]!r}: not a file in the model "
+                            "folder (a name outside it is refused)")
     for path in sorted(folder.glob("*.safetensors")):
         try:
             safe_open(path, "pt").keys()
@@ -2244,18 +2409,71 @@ def vllm_args(cfg: TrainConfig) -> dict:
 # ---- MAIN ----------------------------------------------------------------------------------------------------------
 # `toy` (one toy run), `train`, `eval`. Demos, benchmarks, the tiny model builder: toy/ scripts (python -m toy.demo).
 
-def load_prompts(cfg: TrainConfig, tokenizer, source: str) -> list[dict]:
-    """load_rows; a prompt without room for 1 new token in the context is refused (or --drop-long-prompts)."""
-    rows = load_rows(source, cfg.prompt_key, cfg.answer_key)
-    limit = load_pretrained("AutoConfig", cfg.model).max_position_embeddings    # vLLM's default and maximum
+def context_length(cfg: TrainConfig) -> int:
+    """vLLM's context: --max-model-len, else the model's max_position_embeddings (vLLM's default and maximum), whose
+    KV cache for one sequence must fit in vLLM's KV memory (else vLLM fails after its start, or allocates a TB)."""
+    c = load_pretrained("AutoConfig", cfg.model)
+    limit = getattr(c, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise MIPUError(f"{cfg.model}: config.json's max_position_embeddings {limit!r} is not a whole number >= 1")
     if cfg.max_model_len > limit:
         raise MIPUError(f"--max-model-len {cfg.max_model_len} is above {cfg.model}'s maximum, {limit} tokens "
                         "(max_position_embeddings)")
-    context = cfg.max_model_len or limit
+    context, space = cfg.max_model_len or limit, os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, make_sampler's
+    full = [t for t in getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers if "full" in t]
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_bytes = 2 * len(full) * getattr(c, "num_key_value_heads", c.num_attention_heads) * head_dim * (
+        4 if cfg.rollout_dtype == "float32" else 2) * context            # k and v of its full-attention layers
+    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+    share = VLLM_DEFAULT_SHARE if cfg.gpu_memory_utilization == "auto" else cfg.gpu_memory_utilization   # at most
+    kv_space = share * gpu if gpu else float(space) * 2**30 if re.fullmatch(
+        r"[0-9]+", space) else math.inf                  # an int of GiB, as vLLM reads it; unset: vLLM sizes it
+    if kv_bytes > kv_space:
+        raise MIPUError(f"{cfg.model}: one sequence of its {context}-token context needs {kv_bytes / 2**30:.3g} GiB "
+                        f"of KV cache, more than vLLM's {kv_space / 2**30:.3g} GiB (" + (
+                            "--gpu-memory-utilization" if gpu else "VLLM_CPU_KVCACHE_SPACE") + "): set --max-model-len")
+    return context
+
+
+def check_prompt_frame(cfg: TrainConfig, tokenizer, context: int, max_chars: int) -> None:
+    """--prompt-suffix and the chat template, once, before every row: text, and room for a prompt in the context
+    (a 100 KB suffix or a template that writes 100,000 characters fails here, not after templating every row)."""
+    if re.search("[\ud800-\udfff]", cfg.prompt_suffix):
+        raise MIPUError("--prompt-suffix is not UTF-8 text (a lone surrogate: a byte the command line could not "
+                        "decode)")
+    if len(cfg.prompt_suffix) > max_chars:
+        raise MIPUError(f"--prompt-suffix is {len(cfg.prompt_suffix)} characters: more than the {context}-token "
+                        "context can hold")
+    frame = _ids_within(tokenizer, "?", cfg, max_chars)       # the template and suffix around a 1-character prompt
+    if frame is None or len(frame) >= context:
+        raise MIPUError(f"{tokenizer.name_or_path}: its chat template with --prompt-suffix makes a 1-character prompt "
+                        f"{'longer' if frame is None else f'{len(frame)} tokens'}: no room for a new token in the "
+                        f"{context}-token context")
+    if not frame:
+        raise MIPUError(f"{tokenizer.name_or_path}: its chat template renders an empty prompt (vLLM needs a token)")
+
+
+def _ids_within(tokenizer, prompt: str, cfg: TrainConfig, max_chars: int) -> list[int] | None:
+    """build_prompt_ids with --prompt-suffix; None, untokenized, if the text (raw or templated) has more than
+    max_chars characters: too long for the context."""
+    if len(prompt) > max_chars or len(text := prompt_text(tokenizer, prompt, cfg.prompt_suffix,
+                                                          cfg.enable_thinking)) > max_chars:
+        return None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def load_prompts(cfg: TrainConfig, tokenizer, source: str) -> list[dict]:
+    """load_rows; a prompt without room for 1 new token in the context is refused (or --drop-long-prompts)."""
+    rows = load_rows(source, cfg.prompt_key, cfg.answer_key)
+    context = context_length(cfg)
     # no token stands for more characters than its vocabulary entry: a longer prompt is too long untokenized
     max_chars = context * max(map(len, tokenizer.get_vocab()))
-    fits = [len(r["prompt"]) <= max_chars and len(prompts_of(tokenizer, [r], cfg)[0]) < context  # as rollout does
-            for r in rows]
+    check_prompt_frame(cfg, tokenizer, context, max_chars)
+    ids = [_ids_within(tokenizer, r["prompt"], cfg, max_chars) for r in rows]     # as rollout tokenizes (prompts_of)
+    if [] in ids:
+        raise MIPUError(f"{source}: row {ids.index([])}: the prompt is no tokens (through the chat template): "
+                        "vLLM needs a token")
+    fits = [x is not None and len(x) < context for x in ids]
     if all(fits):
         return rows
     if not cfg.drop_long_prompts or not any(fits):
@@ -2269,6 +2487,8 @@ def load_prompts(cfg: TrainConfig, tokenizer, source: str) -> list[dict]:
 def load_eval_sets(cfg: TrainConfig) -> dict:
     """{name: rows} of each --eval-data source, named by its file stem, or in full where two share a stem."""
     sources = [src for src in cfg.eval_data.split(",") if src]
+    if not sources:
+        raise MIPUError(f"--eval-data (eval: --data) {cfg.eval_data!r} names no dataset")
     stems, tokenizer = [Path(src).stem for src in sources], load_pretrained("AutoTokenizer", cfg.model)
     return {stem if stems.count(stem) == 1 else src: load_prompts(cfg, tokenizer, src)
             for stem, src in zip(stems, sources)}
@@ -2285,6 +2505,7 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     val_rows = load_prompts(cfg, tokenizer, cfg.val_data) if cfg.val_data else []
     if state:
         check_resume(cfg, state, len(train_rows))
+        check_trainer_state(cfg, state, ckpt, len(train_rows), len(val_rows))
     if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         cfg = dataclasses.replace(cfg, gpu_memory_utilization=check_memory_plan(cfg))   # auto: a number now
@@ -2386,6 +2607,16 @@ def config_from(args: dict, command: str = "") -> Config:
     return cls(**{k: v for k, v in args.items() if k in names}).validate(command)
 
 
+INTERRUPTED = "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"
+INTERRUPT_EXIT_S = 30.0    # after a Ctrl-C the command line's process is gone within this, whatever it was doing
+_interrupt_told = threading.Lock()     # held once INTERRUPTED is printed: it is printed once
+
+
+def tell_interrupted() -> None:
+    if _interrupt_told.acquire(blocking=False):
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+
+
 def report_errors(fn, *args) -> int:
     """Run fn(*args): 0, or one `error:` line on stderr and 2 for a MIPUError (bad input), 130 for Ctrl-C."""
     try:
@@ -2394,9 +2625,42 @@ def report_errors(fn, *args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # checkpoints are written whole or not at all
-        print("error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)", file=sys.stderr)
+        tell_interrupted()
         return 130
     return 0
+
+
+def exit_bounded(main_fn) -> None:
+    """sys.exit(main_fn()), but a Ctrl-C ends the process within INTERRUPT_EXIT_S seconds, with one line and 130:
+    the atexit handlers run (vLLM's engine shutdown, wandb) and Python's teardown of the modules does not (the
+    garbage collection of torch's, vLLM's and transformers' objects: 4 s here, 30 s at a load of 10); a Ctrl-C that
+    landed in a finalizer, where Python cannot raise it, or a shutdown that hangs, is ended by a timer."""
+    def timer_exit():
+        tell_interrupted()
+        sys.stdout.flush()
+        os._exit(130)
+
+    def on_sigint(signum, frame):
+        if not hasattr(on_sigint, "timer"):
+            on_sigint.timer = threading.Timer(INTERRUPT_EXIT_S, timer_exit)
+            on_sigint.timer.daemon = True
+            on_sigint.timer.start()
+        raise KeyboardInterrupt
+
+    def unraisable(info):    # a KeyboardInterrupt in a __del__: dropped there, its timer ends the process instead
+        if not issubclass(info.exc_type, KeyboardInterrupt):
+            sys.__unraisablehook__(info)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    sys.unraisablehook = unraisable
+    code = main_fn()
+    if hasattr(on_sigint, "timer"):
+        import atexit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -2411,9 +2675,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     faulthandler.enable(all_threads=False)  # a fatal signal in native code (SIGSEGV, SIGILL) is named, with where
-    sys.exit(main())
-
-
-if __name__ == "__main__":
-    faulthandler.enable(all_threads=False)  # a fatal signal in native code (SIGSEGV, SIGILL) is named, with where
-    sys.exit(main())
+    exit_bounded(main)

@@ -580,6 +580,8 @@ def test_load_rows_datasets_formats_and_splits(tmp_path, offline_datasets):
     for fmt in ("parquet", "hub folder"):
         with pytest.raises(mipu.MIPUError, match=r"could not load dataset .*split 'validation'.*Unknown split"):
             mipu.load_rows(sources[fmt] + ":validation", "q", "a")
+    with pytest.raises(mipu.MIPUError, match=r"one: a saved Dataset, not a DatasetDict: it has no split 'test'"):
+        mipu.load_rows(sources["save_to_disk"] + ":test", "q", "a")   # not every row of a Dataset without splits
 
 
 @pytest.mark.parametrize("rows, match", [
@@ -714,6 +716,98 @@ def test_reward_worker_killed_between_calls_is_restarted(capfd):
     assert "the reward worker ended (SIGKILL); restarted" in capfd.readouterr().err
 
 
+def test_reward_worker_killed_in_its_start_up_is_restarted(tmp_path, monkeypatch, capfd):
+    """A worker killed during its start-up imports (the OOM killer) is started again, as one killed later is."""
+    (tmp_path / "math_verify.py").write_text(
+        f"import os, signal, sys\nif not os.path.exists({str(tmp_path / 'killed')!r}):\n"
+        f"    open({str(tmp_path / 'killed')!r}, 'w').close()\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"sys.path.remove({str(tmp_path)!r})\ndel sys.modules['math_verify']\nfrom math_verify import parse, verify\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))             # the worker imports this one, the real one after
+    worker = mipu.RewardWorker()
+    assert worker("\\frac{1}{2}", "0.5", 5.0) is True and (tmp_path / "killed").exists()
+    assert "the reward worker ended in its start-up (SIGKILL); restarted" in capfd.readouterr().err
+    worker._stop()
+
+
+def test_reward_worker_lives_on_after_the_thread_that_started_it(capfd):
+    """The worker ends with its parent process (PR_SET_PDEATHSIG), not with the thread that happened to start it."""
+    worker = mipu.RewardWorker()
+    thread = threading.Thread(target=lambda: worker("\\frac{1}{2}", "0.5", 5.0))
+    thread.start()
+    thread.join()
+    pid = worker.proc.pid
+    time.sleep(0.5)                                             # a parent-death signal takes effect within microseconds
+    assert worker("\\frac{3}{4}", "0.75", 5.0) is True and worker.proc.pid == pid
+    assert "restarted" not in capfd.readouterr().err
+    worker._stop()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie left for a reaper that never comes does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")       # utime + stime
+
+
+def test_reward_worker_ends_with_a_killed_parent(tmp_path):
+    """SIGKILL (the OOM killer) of a process mid-reward, scoring a hostile answer under a long budget: its worker is
+    gone within 5 s, not left computing as an orphan."""
+    code = (f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport mipu\n"
+            "mipu.math_reward('\\\\boxed{\\\\frac{1}{2}}', '0.5', memory_mb=10**6)\n"     # a worker without a limit
+            "print(mipu.REWARD_WORKER.proc.pid, flush=True)\n"
+            "mipu.math_reward('\\\\boxed{2^{2^{40}}}', '1', timeout=3600, memory_mb=10**6)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    worker = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 120
+        while _cpu_seconds(worker) < 1.0 and time.monotonic() < deadline:  # it computes: the call is under way
+            time.sleep(0.1)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while _running(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(worker), "the reward worker outlived its killed parent"
+    finally:
+        if _running(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_reward_worker_memory_limit():
+    """A hostile answer under a long budget stops at the worker's memory limit (scored 0), not at 128 GB."""
+    worker, limit_mb = mipu.RewardWorker(), 300
+    start = time.monotonic()
+    assert worker("2^{2^{40}}", "1", 600.0, limit_mb) is False
+    assert time.monotonic() - start < 120
+    peak_kb = int(re.search(r"VmPeak:\s*(\d+) kB", Path(f"/proc/{worker.proc.pid}/status").read_text())[1])
+    assert peak_kb <= limit_mb * 1024                          # the worker never held more address space
+    assert worker("\\frac{1}{2}", "0.5", 5.0, limit_mb) is True  # and goes on scoring
+    worker._stop()
+
+
+def test_rollout_counts_only_calls_that_timed_out(monkeypatch, capfd):
+    """48 samples of 3 hostile gold answers: 3 calls ran out of time (the rest scored 0 uncalled), so
+    rollout/reward_timeouts counts 3, not 48."""
+    towers = [f"{b}^{{{b}^{{{b}^{{{b}^{{{b}^{{{b}}}}}}}}}}}" for b in (9, 8, 7)]
+    rows = [{"prompt": "p", "answer": tower} for tower in towers]
+    cfg = mipu.TrainConfig(num_generations=16, reward_timeout=1.0).validate()
+    fake = [{"prompt_idx": i, "prompt_ids": [1], "completion_ids": [2], "sampler_logprobs": [-1.0],
+             "text": f"\\boxed{{{j + 1}}}", "truncated": False} for i in range(3) for j in range(16)]
+    monkeypatch.setattr(mipu, "generate", lambda *args: fake)
+    monkeypatch.setattr(mipu, "prompts_of", lambda tokenizer, rows, cfg: [[1]] * len(rows))
+    monkeypatch.setattr(mipu, "REWARD_WORKER", mipu.RewardWorker())
+    run = mipu.TrainEngine(cfg, None, None, None, None, rows, [])
+    ro = run.sample(rows, seed=0)
+    assert len(ro.rewards) == 48 and ro.rewards.eq(0).all()
+    assert run.reward_timeouts == 3, capfd.readouterr().err
+
+
 def test_math_reward_numbers_past_int_digit_limit():
     """Python's int() refuses over 4,300 digits: numbers that long still compare, exactly."""
     n = "1" * 5000
@@ -726,10 +820,10 @@ def test_math_reward_numbers_past_int_digit_limit():
 
 def test_hostile_gold_answer_costs_two_budgets(capfd):
     """A gold answer math_verify cannot compare with anything in time (a tower of exponents) costs the budget of
-    one sample and of a probe against 0; its later samples score None without a call."""
+    one sample and of a probe against 0; its later samples score 0 without a call (not None: no time ran out)."""
     tower = "9^{9^{9^{9^{9^{9}}}}}"
     start = time.perf_counter()
-    assert [mipu.math_reward(f"\\boxed{{{i}}}", tower, timeout=1.0) for i in range(1, 7)] == [None] * 6
+    assert [mipu.math_reward(f"\\boxed{{{i}}}", tower, timeout=1.0) for i in range(1, 7)] == [None] + [0.0] * 5
     assert time.perf_counter() - start < 2 * (1.0 + 10)                         # two budgets and worker restarts
     err = capfd.readouterr().err
     assert err.count("took over 1 s") == 2 and err.count("cannot be compared with 0 within 1 s") == 1, err
@@ -1597,12 +1691,24 @@ def test_cli_bad_input_one_clear_error(args, message):
     assert message in p.stderr and "Traceback" not in p.stderr
 
 
-@pytest.mark.parametrize("world", ["0", "abc"])
-def test_cli_bad_torchrun_environment_one_clear_error(monkeypatch, world):
-    monkeypatch.setenv("WORLD_SIZE", world)
+TORCHRUN_REST = {"LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "0"}, "error: RANK='0', WORLD_SIZE='0' in the environment"),
+    ({"WORLD_SIZE": "abc"}, "error: RANK='0', WORLD_SIZE='abc' in the environment"),
+    ({"WORLD_SIZE": "\uff12", "RANK": "0", **TORCHRUN_REST}, "error: RANK='0', WORLD_SIZE='\uff12' in the environment"),
+    ({"WORLD_SIZE": "2", "RANK": "5", **TORCHRUN_REST}, "WORLD_SIZE='2' in the environment: torchrun's whole numbers "
+                                                        "expected, 0 <= RANK < WORLD_SIZE"),
+    ({"WORLD_SIZE": "1"}, "error: WORLD_SIZE is set but not RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: launch"),
+    ({"WORLD_SIZE": "1", "RANK": "0", **TORCHRUN_REST, "MASTER_PORT": "x"}, "MASTER_PORT='x' in the environment"),
+])
+def test_cli_bad_torchrun_environment_one_clear_error(monkeypatch, env, message):
+    """WORLD_SIZE without the rest of torchrun's variables, RANK past WORLD_SIZE, a full-width digit: one line."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     p = run_cli("train", "--steps", "1")       # the toy runs in one process: it never reads them
-    assert p.returncode == 2 and f"error: RANK='0', WORLD_SIZE='{world}' in the environment" in p.stderr
-    assert "Traceback" not in p.stderr
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
 
 
 def _edit_config(**kw):
@@ -1621,6 +1727,13 @@ def _edit_config(**kw):
     (lambda folder: (folder / "tokenizer.json").write_text("{oops"), "AutoTokenizer: JSONDecodeError: Expecting"),
     (lambda folder: (folder / "tokenizer.json").write_text('{"model": {}}'), "AutoTokenizer: KeyError: 'added_tokens'"),
     (lambda folder: [f.unlink() for f in folder.glob("tokenizer*")], "no tokenizer files"),
+    (lambda folder: (folder / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}"),
+     "its chat template fails: SecurityError: access to attribute '__class__' of 'list' object is unsafe"),
+    (lambda folder: (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "../../../etc/passwd"}})),
+     "model.safetensors.index.json names '../../../etc/passwd': not a file in the model folder"),
+    (_edit_config(max_position_embeddings=10**9), "one sequence of its 1000000000-token context needs 477 GiB of KV "
+                                                  "cache, more than vLLM's 1 GiB (VLLM_CPU_KVCACHE_SPACE)"),
 ])
 def test_cli_bad_model_folder_one_clear_error(model_dir, tmp_path, edit, message):
     folder = tmp_path / "model"
@@ -1685,6 +1798,22 @@ def test_cli_ctrl_c_is_one_line(model_dir, tmp_path):
     assert proc.returncode == 130 and "Traceback" not in text, text[-3000:]
     assert [line for line in text.splitlines() if line.startswith("error:")] == [
         "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"]
+
+
+def test_ctrl_c_that_python_drops_still_ends_the_process(tmp_path):
+    """A Ctrl-C that lands in a finalizer (__del__), where Python cannot raise it, or a shutdown that hangs: the
+    process still ends, INTERRUPT_EXIT_S after the signal, with the one line, 130 and no traceback."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(f"import os, signal, sys, time\nsys.path.insert(0, {str(HERE)!r})\nimport mipu\n"
+                      "mipu.INTERRUPT_EXIT_S = 2.0\n"
+                      "class Finalizer:\n    def __del__(self):\n        os.kill(os.getpid(), signal.SIGINT)\n"
+                      "        time.sleep(1)\n"                      # the handler runs here, inside __del__
+                      "def run():\n    Finalizer()\n    print('dropped', flush=True)\n    time.sleep(600)\n"
+                      "mipu.exit_bounded(lambda: mipu.report_errors(run))\n")
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.stdout == "dropped\n" and time.monotonic() - start < 300
+    assert p.returncode == 130 and p.stderr == mipu.INTERRUPTED + "\n", p.stderr
 
 
 def test_cli_train_compiled_vllm_syncs(model_dir, tmp_path):
@@ -1804,6 +1933,7 @@ def test_report_to_wandb_resume_continues_the_run(tmp_path, monkeypatch):
     (None, ["--temperature", "inf"], "error: --temperature must be a finite number"),
     (None, ["--seed", "-1"], "error: --seed must be in [0, 4294967295]"),
     (None, ["--max-model-len", "100000"], "error: --max-model-len 100000 is above"),
+    (None, ["--eval-every", "1", "--eval-data", ","], "error: --eval-data (eval: --data) ',' names no dataset"),
 ])
 def test_cli_train_bad_input(tmp_path, model_dir, make_file, extra, message):
     data = str(ARITH)
@@ -1980,7 +2110,8 @@ def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
 
 
 def test_world_size_must_divide_prompts(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "3")
+    for key, value in {"WORLD_SIZE": "3", "RANK": "0", **TORCHRUN_REST}.items():
+        monkeypatch.setenv(key, value)
     with pytest.raises(mipu.MIPUError, match="must divide by the 3 torchrun ranks"):
         mipu.TrainConfig(prompts_per_step=4).validate()
 
@@ -2041,8 +2172,67 @@ def test_output_dir_belongs_to_one_run(tmp_path):
         mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(ARITH / "run")).validate())
 
 
+def test_output_dir_deletes_only_the_runs_temporary_names(tmp_path):
+    """A killed save's temp folder (or a file, a symlink of that name) goes at the next start, a symlink unlinked,
+    never followed; a user's .tmp-notes/ folder, .tmp-x file and .tmp-y symlink stay as they were."""
+    out, mine = tmp_path / "run", tmp_path / "mine"
+    (out / ".tmp-notes").mkdir(parents=True)
+    (out / ".tmp-notes" / "todo.txt").write_text("keep")
+    (out / ".tmp-x").write_text("keep")
+    mine.mkdir()
+    (mine / "data.txt").write_text("keep")
+    (out / ".tmp-y").symlink_to(mine)
+    (out / ".tmp-checkpoint-000001-7").mkdir()
+    (out / ".tmp-checkpoint-000001-7" / "optimizer.pt").write_text("")
+    (out / ".tmp-checkpoint-000002-7").write_text("")
+    (out / ".tmp-checkpoint-000003-7").symlink_to(mine)
+    (out / ".tmp-metrics-7").symlink_to(mine / "data.txt")
+    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out)).validate()).close()
+    assert sorted(p.name for p in out.iterdir()) == [".lock", ".tmp-notes", ".tmp-x", ".tmp-y"]
+    assert (out / ".tmp-notes" / "todo.txt").read_text() == (out / ".tmp-x").read_text() == "keep"
+    assert sorted(p.name for p in mine.iterdir()) == ["data.txt"] and (mine / "data.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("name, make", [
+    (".lock", lambda path, target: path.symlink_to(target)),
+    ("metrics.jsonl", lambda path, target: path.symlink_to(target)),
+    ("wandb-id", lambda path, target: path.symlink_to(target)),
+    ("metrics.jsonl", lambda path, target: path.mkdir()),
+    ("tensorboard", lambda path, target: path.symlink_to(target.parent)),
+    ("tensorboard", lambda path, target: path.write_text("")),
+])
+def test_output_dir_follows_no_symlink(tmp_path, name, make):
+    """A name the run writes in --output-dir that is a symlink (or the wrong kind) is refused, naming it: no lock
+    opened through it, no user's file truncated or appended to."""
+    out, target = tmp_path / "run", tmp_path / "notes.txt"
+    out.mkdir()
+    target.write_text("mine")
+    make(out / name, target)
+    for kw in ({}, {"resume": True}, {"overwrite": True}):
+        with pytest.raises(mipu.MIPUError, match=f"run/{name} is a symlink or not a "):
+            mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), **kw))
+    assert target.read_text() == "mine"
+
+
+def test_checkpoint_name_in_the_way_is_one_error(tmp_path, trainer, tokenizer):
+    """A user's symlink or file named as the checkpoint a save is about to write: refused, nothing followed."""
+    out, mine = tmp_path / "run", tmp_path / "mine"
+    run = _bare_run(mipu.TrainConfig(output_dir=str(out)).validate(), trainer, tokenizer)
+    mine.mkdir()
+    out.mkdir()
+    (out / "checkpoint-000001").symlink_to(mine)
+    (out / ".tmp-checkpoint-000001-" f"{os.getpid()}").symlink_to(mine)   # a planted temp name: not written through
+    run.step = 1
+    with pytest.raises(mipu.MIPUError, match="checkpoint-000001 is in the way of this run's checkpoint"):
+        mipu.save_checkpoint(run)
+    (out / "checkpoint-000001").unlink()
+    mipu.save_checkpoint(run)
+    assert not list(mine.iterdir()) and sorted(p.name for p in out.iterdir()) == ["checkpoint-000001"]
+
+
 def _bare_run(cfg, trainer, tokenizer) -> mipu.TrainEngine:
     """A TrainEngine without vLLM, enough for save_checkpoint (the session trainer, left unchanged)."""
+
     opt = torch.optim.AdamW(trainer.parameters())
     run = mipu.TrainEngine(cfg, None, trainer, tokenizer, opt, [], [])
     run.probe = ([1, 2], [3])
@@ -2175,6 +2365,8 @@ def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_pa
     cfg = mipu.TrainConfig(model=model_dir, max_model_len=len(mipu.build_prompt_ids(tokenizer, "1+1=")) + 1).validate()
     assert mipu.load_prompts(cfg, tokenizer, short) == [{"prompt": "1+1=", "answer": "2"}]
     with pytest.raises(mipu.MIPUError, match="1 of 1 prompts"):
+        mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix="=1"), tokenizer, short)
+    with pytest.raises(mipu.MIPUError, match="with --prompt-suffix makes a 1-character prompt 22 tokens: no room"):
         mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix=" (answer as a number)"), tokenizer, short)
 
 
@@ -2196,6 +2388,41 @@ def test_load_prompts_refuses_a_huge_prompt_untokenized(model_dir, tokenizer, tm
         mipu.load_prompts(mipu.TrainConfig(model=model_dir).validate(), Guarded(), data)
 
 
+LOOP_TEMPLATE = "{% for i in range(100000) %}x{% endfor %}{{ messages[0]['content'] }}"   # 100,000 characters
+
+
+@pytest.mark.parametrize("template, config, kw, message", [
+    ("{{ raise_exception('only user turns') }}", {}, {}, "its chat template fails: TemplateError: only user turns"),
+    ("{% for m in messages %}{{ m.content }", {}, {}, "its chat template fails: TemplateSyntaxError: unexpected '}'"),
+    ("{{ messages.__class__.__mro__ }}", {}, {}, "its chat template fails: SecurityError: access to attribute "
+                                                 "'__class__' of 'list' object is unsafe"),
+    ("{{ '' }}", {}, {}, "its chat template renders an empty prompt"),
+    (LOOP_TEMPLATE, {}, {}, "its chat template with --prompt-suffix makes a 1-character prompt longer: no room"),
+    (None, {}, {"prompt_suffix": "x" * 100_000}, "--prompt-suffix is 100000 characters: more than the 256-token"),
+    (None, {}, {"prompt_suffix": "\udcff"}, "--prompt-suffix is not UTF-8 text"),
+    (None, {"max_position_embeddings": 10**9}, {"max_model_len": 0},
+     "one sequence of its 1000000000-token context needs 477 GiB of KV cache, more than vLLM's 1 GiB"),
+])
+def test_load_prompts_bad_template_suffix_or_context(model_dir, tmp_path, monkeypatch, template, config, kw, message):
+    """A chat template that fails, renders nothing or writes 100,000 characters, a 100 KB or non-UTF-8
+    --prompt-suffix, a context whose KV cache cannot fit: one MIPUError naming it, found on one rendered prompt
+    (not after templating and tokenizing every row), before any engine."""
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    if template is not None:
+        (folder / "chat_template.jinja").write_text(template)
+    _edit_config(**config)(folder)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    tokenizer = mipu.load_pretrained("AutoTokenizer", str(folder))
+    calls = []
+    for name in ("apply_chat_template", "encode"):
+        monkeypatch.setattr(tokenizer, name, lambda *a, _f=getattr(tokenizer, name), **k: calls.append(1) or _f(*a, **k))
+    cfg = mipu.TrainConfig(model=str(folder), **{"max_model_len": 256, **kw}).validate()
+    with pytest.raises(mipu.MIPUError, match=re.escape(message)):
+        mipu.load_prompts(cfg, tokenizer, str(ARITH))
+    assert len(calls) <= 2                                  # one prompt rendered and tokenized at most
+
+
 def test_load_eval_sets_names_sets_with_one_stem_apart(model_dir, tmp_path):
     for folder, answer in (("a", "2"), ("b", "3")):
         (tmp_path / folder).mkdir()
@@ -2204,6 +2431,12 @@ def test_load_eval_sets_names_sets_with_one_stem_apart(model_dir, tmp_path):
     sources = [str(tmp_path / "a" / "val.jsonl"), str(tmp_path / "b" / "val.jsonl"), str(tmp_path / "test.jsonl")]
     sets = mipu.load_eval_sets(mipu.TrainConfig(model=model_dir, eval_data=",".join(sources)).validate())
     assert {name: rows[0]["answer"] for name, rows in sets.items()} == {sources[0]: "2", sources[1]: "3", "test": "4"}
+
+
+def test_load_eval_sets_of_no_source_is_one_error(model_dir):
+    """eval --data , (or --eval-data ,): no dataset named is one error, not an IndexError after vLLM starts."""
+    with pytest.raises(mipu.MIPUError, match="--eval-data .eval: --data. ',' names no dataset"):
+        mipu.load_eval_sets(mipu.TrainConfig(model=model_dir, eval_data=",").validate("eval"))
 
 
 def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monkeypatch):
@@ -2312,6 +2545,13 @@ def _wrong_shape_optimizer(ckpt):
     torch.save(opt, ckpt / "optimizer.pt")
 
 
+def _optimizer_entry(ckpt, exp_avg_sq):
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    opt["state"]["model.norm.weight"] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(128),
+                                         "exp_avg_sq": torch.full((128,), exp_avg_sq)}
+    torch.save(opt, ckpt / "optimizer.pt")
+
+
 def _three_layers(weights):
     weights.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in weights.items() if "layers.1." in k})
 
@@ -2334,6 +2574,27 @@ def _three_layers(weights):
     (_wrong_shape_optimizer, "optimizer.pt: refused or damaged .its tensors' shapes are not the weights'"),
     (lambda c: torch.save([1.0], c / "optimizer.pt"), "optimizer.pt: refused or damaged .not a dict"),
     (lambda c: torch.save({}, c / "optimizer.pt"), "optimizer.pt: refused or damaged"),
+    # values in range, before the engines (each of these failed after they started, or trained on nonsense)
+    (lambda c: _edit_state(c, lambda s: {**s, "order": [10**9] + list(range(1, 512))}),
+     "trainer_state.pt: refused: order = .* is not a permutation of the 512 training rows' indices"),
+    (lambda c: _edit_state(c, lambda s: {**s, "pending": ({"prompt_ids": [[1]]}, torch.zeros(1))}),
+     "trainer_state.pt: refused: pending = .* is not None or a batch of 16 responses of token ids below 64"),
+    (lambda c: _edit_state(c, lambda s: {**s, "probe": ([1, 2], [999999])}),
+     r"trainer_state.pt: refused: probe = \(\[1, 2\], \[999999\]\) is not \(prompt, response\) token ids below"),
+    (lambda c: _edit_state(c, lambda s: {**s, "step": -1}), "trainer_state.pt: refused: step = -1 is not >= 0"),
+    (lambda c: _edit_state(c, lambda s: {**s, "rejections": 2}), "refused: rejections = 2 is not in \\[0, step\\]"),
+    (lambda c: _edit_state(c, lambda s: {**s, "reward_timeouts": -1}), "refused: reward_timeouts = -1 is not >= 0"),
+    (lambda c: _edit_state(c, lambda s: {**s, "data_pos": 5}), "refused: data_pos = 5 is not in \\[0, len\\(order"),
+    (lambda c: _edit_state(c, lambda s: {**s, "val_pos": -1}), "refused: val_pos = -1 is not in \\[0, 128\\)"),
+    (lambda c: _edit_state(c, lambda s: {**s, "pending_rows": [1, 2]}), "refused: pending_rows = \\[1, 2\\] is not"),
+    (lambda c: _edit_state(c, lambda s: {**s, "probe_gap0": float("nan")}), "refused: probe_gap0 = nan is not finite"),
+    (lambda c: _edit_weights(c, lambda w: w.update({k: v.half() for k, v in w.items()})),
+     "model.safetensors: refused: .* is F16, the run's weights are F32 .--train-dtype float32"),
+    (lambda c: _edit_weights(c, lambda w: w.update({k: (v * 100).int() for k, v in w.items()})),
+     "model.safetensors: refused: .* is I32, the run's weights are F32"),
+    (lambda c: _optimizer_entry(c, float("nan")), "optimizer.pt: refused: model.norm.weight's exp_avg_sq is not "
+                                                  "finite and >= 0 .a start that never trains"),
+    (lambda c: _optimizer_entry(c, -1.0), "optimizer.pt: refused: model.norm.weight's exp_avg_sq is not finite and"),
 ])
 def test_resume_refuses_an_edited_checkpoint(llm, model_dir, tmp_path, tokenizer, damage, message):
     """An edited or damaged checkpoint is one MIPUError naming its file, raised before the engines are used;
