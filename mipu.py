@@ -132,6 +132,26 @@ SEED_LIMIT = 2**32                # --seed + rank seeds each rank's vLLM engine,
 # Step k's random streams on the LLM are seeded seed * M + k, one prime M per stream: distinct (seed, k) pairs give
 # distinct seeds within a stream (for k < M), and the streams of one seed differ. Rollouts use 2k and 2k + 1 (Step 2).
 SEED_MUL = {"rollout": 1_000_003, "minibatch": 7919, "reject": 31}
+# Upper bounds of the flags, each with the reason (the numbers: python -m toy.limits)
+INT_FLAG_MAX = 2**62      # torch's sizes, indices and seeds are int64: 2**62 keeps a sum of two sizes, and Step 2's
+#                           rollout seed seed * 1_000_003 + 2k + 1, inside 2**63
+MIN_TEMPERATURE = 1e-2    # vLLM raises a smaller temperature to 0.01 (its _MAX_TEMP, against inf/NaN in logits / T):
+#                           the trainer, dividing by the flag's value, would score another policy than vLLM samples
+TOY_MISMATCH_MAX = 100.0  # the warm start's largest |log pi - log mu| grows with alpha: 35-73 nats at 100, 75-153 at
+#                           200 (seeds 0-19); float32's exp overflows at 88.7, so w = pi/mu and rho turn inf beyond it
+TOY_LR_MAX = 1.0          # Adam moves each weight by ~lr a step and the toy's weights are O(0.5): one step at lr 0.3
+#                           takes J(mu) to ~0; from ~1e20 the logits overflow float32, at 1e38 Adam itself does
+FP8_SUBNORMAL_MIN = 2**-9     # float8_e4m3fn's smallest positive value (torch.finfo gives the normal one, 2**-6)
+# --toy-fp8-headroom h: the warm start's largest logit lands at fp8_max / h on the FP8 grid; above 448 / 2**-9 it is
+# below FP8's smallest positive value, so every logit of μ rounds to 0 (μ uniform)
+TOY_FP8_HEADROOM_MAX = torch.finfo(torch.float8_e4m3fn).max / FP8_SUBNORMAL_MIN
+# Host RAM a toy run's sizes need, bytes per element (fitted to the peak RSS toy.limits measures): its tables
+# [P, H, V+1, V] (float32 logits and log-probs of both engines, the float64 DP over both), its hidden layer
+# [P, H, V+1, d] (pre- and post-tanh), its weights (with gradient, Adam's moments, the snapshot), a rollout token
+TOY_TABLE_BYTES, TOY_HIDDEN_BYTES, TOY_WEIGHT_BYTES, TOY_TOKEN_BYTES = 64, 28, 24, 72
+# An LLM rollout's host RAM per response token, at least (counted, not measured): its four float32 [B, T] tensors
+# (log mu, mask, log pi_k, Step 2's log pi) 16, vLLM's token id (an int: 8 + 32) and log-prob (a float: 8 + 24) lists
+ROLLOUT_TOKEN_BYTES = 88
 
 
 def _arg(default, help: str, group: str = "algo", choices=None):
@@ -140,6 +160,25 @@ def _arg(default, help: str, group: str = "algo", choices=None):
 
 _llm, _toy = functools.partial(_arg, group="llm"), functools.partial(_arg, group="toy")   # the other groups
 _train = functools.partial(_arg, group="train")
+# a field's kind (its default's type) -> what a value of it must be: (test, the words of the error)
+FIELD_KINDS = {bool: (lambda v: isinstance(v, bool), "True or False"),
+               int: (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
+               float: (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
+               str: (lambda v: isinstance(v, str), "text")}
+
+
+def host_ram_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def toy_bytes(cfg: "Config") -> int:
+    """Host RAM of a toy run (estimated): its tables, hidden layer and weights, and its two rollouts per step."""
+    P, H, V, d = cfg.toy_prompts, cfg.toy_horizon, cfg.toy_vocab, cfg.toy_dim
+    weights = (P + H + V + 1 + d + V) * d                              # embeddings, W1 [d, d], W2 [d, V]
+    tokens = (cfg.prompts_per_step + cfg.val_prompts) * cfg.num_generations * H
+    return (P * H * (V + 1) * (TOY_TABLE_BYTES * V + TOY_HIDDEN_BYTES * d) + TOY_WEIGHT_BYTES * weights
+            + TOY_TOKEN_BYTES * tokens)
 
 
 @dataclasses.dataclass
@@ -209,6 +248,7 @@ class Config:
     toy_fp8_headroom: float = _toy(1.0, "static FP8 logits saturate at this multiple of the warm start's max |logit|")
 
     def __post_init__(self):
+        self.check_types()                                               # before any arithmetic on the fields
         self.batch_size = self.prompts_per_step * self.num_generations   # derived, responses per step
         for name, (cpu, gpu) in AUTO_DEFAULTS.items():                   # "auto": the device's default
             if getattr(self, name, None) == "auto":
@@ -218,11 +258,25 @@ class Config:
                 self.gpu_memory_utilization = float(self.gpu_memory_utilization)
             except (TypeError, ValueError):
                 pass
-        if self.gpu_memory_utilization != "auto":   # a number (a flag's text too); another word is refused by checks
+
+    def check_types(self) -> None:
+        """MIPUError naming the first field whose value is not of its kind: bools are bools, ints ints (not a float,
+        even 10.0: the flag's text refuses it too), numbers numbers, text text (--gpu-memory-utilization: "auto" or
+        a number, or its text); a bool is no number. Each value becomes its field's type (a numpy int an int, an int
+        a float)."""
+        for f in dataclasses.fields(self):
+            value, kind, flag = getattr(self, f.name), type(f.default), "--" + f.name.replace("_", "-")
+            if f.name == "gpu_memory_utilization" and FIELD_KINDS[float][0](value):
+                kind = float
+            elif not FIELD_KINDS[kind][0](value):
+                shown = f"of {value.bit_length()} bits" if isinstance(value, int) and value.bit_length() > 64 else (
+                    repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "...")
+                words = "auto or a number" if f.name == "gpu_memory_utilization" else FIELD_KINDS[kind][1]
+                raise MIPUError(f"{flag} must be {words}, not {type(value).__name__} {shown}")
             try:
-                self.gpu_memory_utilization = float(self.gpu_memory_utilization)
-            except (TypeError, ValueError):
-                pass
+                setattr(self, f.name, kind(value))
+            except OverflowError:                                        # an int beyond float's range
+                raise MIPUError(f"{flag} must be a finite number, not an int of {value.bit_length()} bits") from None
 
     def validate(self, command: str = "") -> "Config":
         """One MIPUError line per bad value or combination, before anything heavy loads; `command` adds its needs."""
@@ -269,6 +323,37 @@ class Config:
              and 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be auto or a number in (0, 1]"),
             (command != "train" or (self.accept_rule != "oracle" and not self.c_se),
              "--accept-rule oracle and --c-se are toy only (they need the exact J / T_post's SE)"),
+        ] + self.limit_checks(command)
+
+    def limit_checks(self, command: str) -> list[tuple[bool, str]]:
+        """(ok, message) of the upper bounds (the constants above Config say why) and of the host RAM the sizes need:
+        the toy's (toy_bytes) unless `command` is an LLM one, one LLM step's rollouts in `train`."""
+        ints = [f.name for f in dataclasses.fields(self) if type(f.default) is int]
+        flag, ram = {n: "--" + n.replace("_", "-") for n in ints}, host_ram_bytes()
+        sane = all(abs(getattr(self, n)) <= INT_FLAG_MAX for n in ints)     # else the sizes below overflow floats
+        toy, llm = sane and command not in ("train", "eval"), sane and command == "train"
+        length = min(self.max_new_tokens, self.max_model_len or self.max_new_tokens)     # a response's longest
+        rollout = (self.prompts_per_step + self.val_prompts) * self.num_generations * length
+        return [(getattr(self, n) <= INT_FLAG_MAX, f"{flag[n]} must be <= 2**62 (torch's sizes, indices and seeds "
+                                                   "are int64)") for n in ints] + [
+            (self.max_model_len >= 0, "--max-model-len must be >= 0 (0: the model's own maximum)"),
+            (self.target_holdout >= 0, "--target-holdout must be >= 0"),
+            (not 0 < self.temperature < MIN_TEMPERATURE, f"--temperature must be >= {MIN_TEMPERATURE:g}: vLLM raises "
+             "a smaller one to it (against inf/NaN in logits / T), while the trainer divides by the flag's value"),
+            (self.toy_mismatch <= TOY_MISMATCH_MAX, f"--toy-mismatch must be <= {TOY_MISMATCH_MAX:g}: beyond it "
+             "log pi - log mu passes float32's exp range (88.7 nats) and w = pi/mu overflows"),
+            (self.toy_lr <= TOY_LR_MAX, f"--toy-lr must be <= {TOY_LR_MAX:g}: an Adam step moves every toy weight "
+             "by ~lr and they are O(0.5); one step at lr 0.3 takes J(mu) to ~0"),
+            (self.toy_fp8_headroom <= TOY_FP8_HEADROOM_MAX, f"--toy-fp8-headroom must be <= {TOY_FP8_HEADROOM_MAX:g} "
+             "(448 / 2**-9): beyond it every logit rounds to FP8's zero"),
+            (not toy or toy_bytes(self) <= ram, "--toy-prompts P, --toy-horizon H, --toy-vocab V, --toy-dim d, "
+             "--prompts-per-step, --val-prompts, --num-generations: the toy's tables [P, H, V+1, V], hidden layer "
+             f"[P, H, V+1, d], weights and rollouts need ~{toy_bytes(self) / 2**30:.3g} GiB (estimated), more than "
+             f"this machine's {ram / 2**30:.0f} GiB" if toy else ""),
+            (not llm or rollout * ROLLOUT_TOKEN_BYTES <= ram, f"(--prompts-per-step + --val-prompts) x "
+             f"--num-generations x --max-new-tokens (or --max-model-len) = {rollout:.3g} rollout tokens a step: at "
+             f"full length at least ~{rollout * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, more than this "
+             f"machine's {ram / 2**30:.0f} GiB" if llm else ""),
         ]
 # ==== MIPU MATH =====================================================================================================
 # Pure functions. logp*, mask [B, T]: each sampled token's log-prob, 1 on response tokens (B responses of T); adv [B]
@@ -777,7 +862,10 @@ class ToyEngine(Engine):
             self.policy.logit_amax = self.policy.logits().abs().max().item() * cfg.toy_fp8_headroom
         self.opt = torch.optim.Adam(self.policy.parameters(), lr=cfg.toy_lr, foreach=True)
         self.tables, self.J = (), ()               # (log π, log μ) tables of the synced θ and their exact J
+        self.candidate = None                      # θ_{k+1}'s tables, built by end_update for sync
         self.sync()
+        if not all(torch.isfinite(t).all() for t in self.tables):    # the Python API can pass unchecked flags
+            raise MIPUError("toy: the warm-started tables are not finite (--toy-mismatch, --toy-fp8-headroom)")
 
     @property
     def base_lr(self) -> float:
@@ -803,6 +891,14 @@ class ToyEngine(Engine):
             return toy_train_logp(self.policy, ro.prompt_ids, ro.completion_ids)
         return toy_token_logp(self.tables[0], ro.prompt_ids, ro.completion_ids)
 
+    def end_update(self, finite: bool) -> bool:
+        """Engine's, and θ_{k+1}'s tables built here for sync: a finite θ whose logits overflow float32 is rejected
+        too (never synced: toy_sample draws from finite tables only)."""
+        finite = super().end_update(finite)
+        with torch.no_grad():
+            self.candidate = toy_tables(self.policy, self.alpha) if finite else None
+        return finite and all(torch.isfinite(t).all() for t in self.candidate)
+
     def clip_grad(self) -> float:                  # the toy does not clip: the norm only
         return torch.nn.utils.get_total_norm([p.grad for p in self.policy.parameters() if p.grad is not None]).item()
 
@@ -810,7 +906,7 @@ class ToyEngine(Engine):
         """'Weight sync': both engines' tables from the current θ, and their exact J; the candidate's exact terms."""
         self.prev = self.tables, self.J            # θ_k's, which a rollback restores
         with torch.no_grad():
-            self.tables = toy_tables(self.policy, self.alpha)
+            self.tables, self.candidate = self.candidate or toy_tables(self.policy, self.alpha), None
         if self.tables[1] is self.tables[0]:
             self.J = (float(toy_exact_J(self.tables[0], self.targets, self.cfg.toy_tolerance).mean()),) * 2
         else:   # both engines in one DP: [2P] prompts
@@ -1871,6 +1967,8 @@ def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout:
     """1.0 if the completion's final answer equals `answer`, else 0.0; None past `timeout` seconds (a gold answer
     found hostile scores 0.0 from then on, without a call); math_verify's worker runs in `memory_mb` MB.
     Plain numbers compare in-process (exact, ~1 ms faster than sympy); the rest in REWARD_WORKER."""
+    if not (FIELD_KINDS[float][0](timeout) and 0 < timeout <= POLL_LIMIT_S):      # inf, NaN: poll() cannot wait them
+        raise MIPUError(f"math_reward: timeout must be in (0, {POLL_LIMIT_S:g}] seconds, not {timeout!r}")
     pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
@@ -2381,6 +2479,8 @@ class TrainConfig(Config):
             (self.eval_every >= 0 and self.eval_temperature >= 0, "--eval-every and --eval-temperature must be >= 0"),
             (0 < self.reward_timeout <= POLL_LIMIT_S, f"--reward-timeout must be in (0, {POLL_LIMIT_S:g}] seconds"),
             (not (self.resume and self.overwrite), "--resume and --overwrite exclude each other"),
+            (self.output_dir != "", "--output-dir must not be empty (a run would claim the current directory; "
+                                    "name it: --output-dir .)"),
             (set(self.report_to.split(",")) <= {"", "tensorboard", "wandb"}, "--report-to takes tensorboard, wandb"),
             (not any(n % world for n in (self.prompts_per_step, self.val_prompts, self.mini_batch_size,
                                          self.target_holdout * (self.accept_rule == "target"))),
@@ -2545,6 +2645,13 @@ def toy_command(cfg: Config) -> None:
         log_metrics(None, {k: v for k, v in m.items() if not k.startswith("time/")})
 
 
+# A run stops when this many candidates in a row were non-finite (NaN/inf loss, gradient or weights, each rolled
+# back): every one came from the same θ_k on fresh rollouts and mini-batches, so the cause is the state (weights,
+# AdamW's moments, the flags), not a batch; a rare bad batch seldom repeats 5 times in a row, and 5 steps is the
+# compute a stuck run wastes before it says so
+NONFINITE_STOP_STEPS = 5
+
+
 def train(cfg: TrainConfig) -> None:
     """`python mipu.py train`: the MIPU loop, one function per phase."""
     rank0 = rank_world()[0] == 0
@@ -2555,8 +2662,8 @@ def train(cfg: TrainConfig) -> None:
     metrics = Path(cfg.output_dir) / "metrics.jsonl"
     if rank0:
         keep_metrics_before(metrics, run.step)  # a kill after a log line but before its checkpoint: re-run, re-log
-    start, first = time.time(), run.step
-    while run.step < cfg.steps:
+    start, first, nonfinite = time.time(), run.step, 0
+    while run.step < cfg.steps and nonfinite < NONFINITE_STOP_STEPS:
         m = mipu_step(run)
         m["perf/tokens_per_s"] = m["rollout/response_len"] * cfg.batch_size / m["time/step"]
         if eval_sets and run.step % cfg.eval_every == 0:
@@ -2567,12 +2674,17 @@ def train(cfg: TrainConfig) -> None:
                 writer.add_scalar(key, value, m["step"])  # every JSONL key under its own name
         if run.step % cfg.save_every == 0 or run.step == cfg.steps:
             save_checkpoint(run)
+        nonfinite = nonfinite + 1 if m["step1/finite"] == 0 else 0     # the same on every rank (all_of)
     if writer:
         writer.close()
     if torchrun():
         dist_close(run)
     if lock:
         lock.close()
+    if nonfinite == NONFINITE_STOP_STEPS:
+        raise MIPUError(f"steps {run.step - nonfinite}-{run.step - 1}: {nonfinite} candidates in a row were non-finite "
+                        "(NaN/inf loss, gradient or weights) and rolled back; the run cannot train from this state "
+                        "(--temperature, --learning-rate, the checkpoint's optimizer state?)")
 
 
 def eval_command(cfg: TrainConfig) -> None:

@@ -299,6 +299,106 @@ def test_bad_config(kw, message):
         mipu.TrainConfig(**kw).validate()
 
 
+@pytest.mark.parametrize("kw, message", [
+    (dict(steps="10"), "--steps must be an integer, not str '10'"),               # types: at construction
+    (dict(c="0.1"), "--c must be a number, not str '0.1'"),
+    (dict(seed=None), "--seed must be an integer, not NoneType None"),
+    (dict(c=10**400), "--c must be a finite number, not an int of 1329 bits"),    # no OverflowError
+    (dict(num_generations=2.5), "--num-generations must be an integer, not float 2.5"),
+    (dict(steps=10.0), "--steps must be an integer, not float 10.0"),              # as the flag's text "10.0"
+    (dict(seed=True), "--seed must be an integer, not bool True"),
+    (dict(c=False), "--c must be a number, not bool False"),
+    (dict(lr_decay=1), "--lr-decay must be True or False, not int 1"),
+    (dict(output_dir=5), "--output-dir must be text, not int 5"),
+    (dict(method=None), "--method must be text, not NoneType None"),
+    (dict(gpu_memory_utilization=True), "--gpu-memory-utilization must be auto or a number, not bool True"),
+    (dict(max_model_len=-5), "--max-model-len must be >= 0"),                      # ranges: in validate
+    (dict(target_holdout=-1), "--target-holdout must be >= 0"),
+    (dict(micro_batch_size=10**20), "--micro-batch-size must be <= 2**62 (torch's sizes"),
+    (dict(steps=10**20), "--steps must be <= 2**62"),
+    (dict(logprob_chunk=2**63), "--logprob-chunk must be <= 2**62"),
+    (dict(temperature=1e-300), "--temperature must be >= 0.01: vLLM raises a smaller one"),
+    (dict(temperature=0.005), "--temperature must be >= 0.01"),
+    (dict(toy_mismatch=1e300), "--toy-mismatch must be <= 100: beyond it log pi - log mu"),
+    (dict(toy_lr=1e38), "--toy-lr must be <= 1: an Adam step"),
+    (dict(toy_fp8_headroom=1e300), "--toy-fp8-headroom must be <= 229376 (448 / 2**-9)"),
+    (dict(toy_vocab=10**5), "--toy-vocab V, --toy-dim d, --prompts-per-step, --val-prompts, --num-generations: "
+                            "the toy's tables"),
+    (dict(toy_dim=10**6), "the toy's tables [P, H, V+1, V], hidden layer [P, H, V+1, d], weights and rollouts"),
+    (dict(val_prompts=10**9), "the toy's tables"),
+    (dict(toy_prompts=2**62, toy_horizon=2**62), "the toy's tables"),              # no float overflow in the message
+    (dict(output_dir=""), "--output-dir must not be empty"),
+])
+def test_bad_config_types_and_bounds(kw, message):
+    with pytest.raises(mipu.MIPUError, match=re.escape(message)):
+        mipu.TrainConfig(**kw).validate()
+
+
+def test_config_numbers_take_their_fields_type():
+    """An int is a number (and becomes a float), a numpy int an int, --gpu-memory-utilization's text or number a
+    float; the LLM's rollout bound counts a response up to --max-model-len when that is shorter."""
+    cfg = mipu.TrainConfig(c=1, seed=np.int64(3), toy_lr=np.float32(0.5), gpu_memory_utilization="0.5").validate()
+    assert (type(cfg.c), type(cfg.seed), type(cfg.toy_lr), cfg.gpu_memory_utilization) == (float, int, float, 0.5)
+    assert mipu.TrainConfig(gpu_memory_utilization=1).validate().gpu_memory_utilization == 1.0
+    assert mipu.TrainConfig(steps=2**62, toy_mismatch=100, toy_fp8_headroom=229376, temperature=0.01).validate()
+
+    def rollout_ok(**kw):
+        return [ok for ok, message in mipu.TrainConfig(**kw).checks("train") if "rollout tokens" in message]
+
+    assert rollout_ok(max_new_tokens=2**40) == [False]
+    assert rollout_ok(max_new_tokens=2**40, max_model_len=4096) == [True]
+
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, 0.0, "5", True])
+def test_math_reward_bad_timeout_one_error(timeout):
+    with pytest.raises(mipu.MIPUError, match=re.escape("math_reward: timeout must be in (0, 2.14748e+06] seconds")):
+        mipu.math_reward(r"\boxed{x+1}", "1+x", timeout=timeout)      # no OverflowError / ValueError from poll()
+
+
+@pytest.mark.parametrize("method", ["mipu", "random-rollback"])
+def test_toy_candidate_whose_logits_overflow_is_rejected(method):
+    """A finite θ_{k+1} whose tables are not (toy_lr 1e25, past its bound: the Python API runs unchecked flags) is
+    rejected and never synced, as a non-finite one: the run goes on from θ_k, no multinomial error."""
+    cfg = mipu.Config(method=method, reject_rate=0.5 * (method != "mipu"), toy_lr=1e25, steps=3, toy_prompts=16,
+                      prompts_per_step=8, val_prompts=8)
+    h = mipu.toy_run(cfg, 1.0)
+    assert [(m["step1/finite"], m["step2/accepted"]) for m in h[1:]] == [(0.0, 0.0)] * 3
+    assert h[-1]["exact/J_mu"] == h[0]["exact/J_mu"]
+    with pytest.raises(mipu.MIPUError, match="step 0: non-finite update, and --method grpo keeps no rollback"):
+        mipu.toy_run(dataclasses.replace(cfg, method="grpo", reject_rate=0.0), 1.0)
+    with pytest.raises(mipu.MIPUError, match="toy: the warm-started tables are not finite"):
+        mipu.toy_run(dataclasses.replace(cfg, toy_mismatch=1e39), 1e39)
+
+
+def test_toy_limits_back_the_bounds(monkeypatch):
+    """toy.limits' measurements (2 seeds here): one step at the lr bound ruins J(mu); logits overflow by 1e20; past the
+    headroom bound μ's logits are all FP8's zero."""
+    from toy import limits
+    monkeypatch.setattr(limits, "SEEDS", range(2))
+    assert float(limits.one_step(toy_lr=mipu.TOY_LR_MAX)) < 0.01 and "non-finite update" in limits.one_step(toy_lr=1e20)
+    assert limits.headroom_table().splitlines()[-1] == "| 1e+06 | 0.000 | 1 |" and 1e6 > mipu.TOY_FP8_HEADROOM_MAX
+
+
+def test_train_stops_after_nonfinite_steps_in_a_row(monkeypatch, tmp_path):
+    """NONFINITE_STOP_STEPS rolled-back non-finite candidates in a row end `train` with one error (a finite step
+    restarts the count), after the last one's metrics line and checkpoint."""
+    finite, saved = iter([0, 0, 1] + [0] * 100), []
+    run = types.SimpleNamespace(step=0)
+
+    def step(eng):
+        eng.step += 1
+        return {"step": eng.step - 1, "rollout/response_len": 1.0, "time/step": 1.0,
+                "step1/finite": float(next(finite))}
+    monkeypatch.setattr(mipu, "setup_llm_run", lambda cfg: run)
+    monkeypatch.setattr(mipu, "mipu_step", step)
+    monkeypatch.setattr(mipu, "save_checkpoint", lambda r: saved.append(r.step))
+    cfg = mipu.TrainConfig(output_dir=str(tmp_path / "run"), steps=100).validate()
+    with pytest.raises(mipu.MIPUError, match=r"steps 3-7: 5 candidates in a row were non-finite \(NaN/inf loss"):
+        mipu.train(cfg)
+    assert mipu.NONFINITE_STOP_STEPS == 5 and run.step == 8 and saved == list(range(1, 9))
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 8
+
+
 # ---- collapse mechanisms (toy flags), the oracle acceptance, --c-se, random-rollback-tis
 
 @pytest.mark.parametrize("kw", [dict(toy_vocab=3, toy_horizon=6, toy_tolerance=1),
@@ -1689,6 +1789,43 @@ def test_cli_bad_input_one_clear_error(args, message):
     p = run_cli(*args)
     assert p.returncode == 2
     assert message in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["toy", "--toy-mismatch", "1e300"], "error: --toy-mismatch must be <= 100"),
+    (["toy", "--toy-lr", "1e38"], "error: --toy-lr must be <= 1"),
+    (["toy", "--toy-fp8-headroom", "1e300"], "error: --toy-fp8-headroom must be <= 229376"),
+    (["toy", "--toy-vocab", "100000"], "error: --toy-prompts P, --toy-horizon H, --toy-vocab V"),
+    (["toy", "--toy-dim", "1000000"], "error: --toy-prompts P, --toy-horizon H, --toy-vocab V"),
+    (["toy", "--val-prompts", "1000000000"], "error: --toy-prompts P, --toy-horizon H, --toy-vocab V"),
+    (["toy", "--steps", str(10**20)], "error: --steps must be <= 2**62"),
+    (["toy", "--prompts-per-step", str(10**20)], "error: --prompts-per-step must be <= 2**62"),
+    (["train", "--micro-batch-size", str(10**20)], "error: --micro-batch-size must be <= 2**62"),
+    (["train", "--mini-batch-size", str(10**20)], "error: --mini-batch-size must be <= 2**62"),
+    (["train", "--max-new-tokens", str(2**40)], "rollout tokens a step: at full length at least"),
+    (["train", "--temperature", "1e-300"], "error: --temperature must be >= 0.01"),
+    (["train", "--output-dir", ""], "error: --output-dir must not be empty"),
+])
+def test_cli_huge_sizes_and_degenerate_values_one_clear_error(args, message):
+    p = run_cli(*args, timeout=300)               # before any engine: a few seconds
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert message in p.stderr and "Traceback" not in p.stderr and len(p.stderr.splitlines()) == 1
+
+
+def test_cli_toy_prints_each_step_of_a_huge_run():
+    """--steps 2**62 (its bound): each step's line comes as the step ends, not after the run."""
+    p = subprocess.Popen([sys.executable, str(HERE / "mipu.py"), "toy", "--steps", str(2**62), "--toy-prompts", "16",
+                          "--prompts-per-step", "8", "--val-prompts", "8"], stdout=subprocess.PIPE, text=True,
+                         cwd=HERE, stdin=subprocess.DEVNULL)
+    lines, deadline = [], time.monotonic() + 300  # loaded machine: generous
+    try:
+        while len(lines) < 4 and time.monotonic() < deadline:
+            if mipu.wait_readable([p.stdout], 1.0):
+                lines.append(p.stdout.readline())
+    finally:
+        p.kill()
+        p.wait()
+    assert lines[0].startswith("toy run: alpha=1") and [x.split()[1] for x in lines[1:]] == ["0", "1", "2"]
 
 
 TORCHRUN_REST = {"LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
