@@ -1563,7 +1563,7 @@ def all_max(x: float) -> float:
 
 
 def shard_model(model: torch.nn.Module, device: str) -> torch.nn.Module:
-    """Join torchrun's process group (gloo on CPU, NCCL on GPU: one per rank), then FSDP2: fully_shard each
+    """Join torchrun's process group if not yet (gloo on CPU, NCCL on GPU: one per rank), then FSDP2: fully_shard each
     decoder layer, then the root (embeddings, final norm, lm_head); a CPU model moves to the GPU as it is sharded."""
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
