@@ -1841,8 +1841,8 @@ def load_rows(source: str, prompt_key: str, answer_key: str) -> list[dict]:
 POLL_LIMIT_S = (2**31 - 1) / 1000  # the reward worker waits with poll(): its timeout is a C int of milliseconds
 
 
-REWARD_MEMORY_MB = 1024   # the reward worker's address space (RLIMIT_AS): math_verify with sympy loaded takes ~70 MB,
-                          # a math answer a few MB more; 2^{2^{40}} needs 128 GB (it took 1 GB in 15 s here)
+REWARD_MEMORY_MB = 1024   # the reward worker's address space (RLIMIT_AS): math_verify loaded takes under a quarter
+                          # (test_reward_worker_memory_limit), a math answer little more; 2^{2^{40}} needs 128 GB
 REWARD_START_TRIES = 3    # a worker that dies during its start-up imports (the OOM killer) is started again
 
 
@@ -2745,8 +2745,8 @@ def report_errors(fn, *args) -> int:
 def exit_bounded(main_fn) -> None:
     """sys.exit(main_fn()), but a Ctrl-C ends the process within INTERRUPT_EXIT_S seconds, with one line and 130:
     the atexit handlers run (vLLM's engine shutdown, wandb) and Python's teardown of the modules does not (the
-    garbage collection of torch's, vLLM's and transformers' objects: 4 s here, 30 s at a load of 10); a Ctrl-C that
-    landed in a finalizer, where Python cannot raise it, or a shutdown that hangs, is ended by a timer."""
+    garbage collection of torch's, vLLM's and transformers' objects: seconds, many times that on a loaded machine);
+    a Ctrl-C that landed in a finalizer, where Python cannot raise it, or a shutdown that hangs, is ended by a timer."""
     def timer_exit():
         tell_interrupted()
         sys.stdout.flush()

@@ -882,11 +882,13 @@ def test_reward_worker_ends_with_a_killed_parent(tmp_path):
 def test_reward_worker_memory_limit():
     """A hostile answer under a long budget stops at the worker's memory limit (scored 0), not at 128 GB."""
     worker, limit_mb = mipu.RewardWorker(), 300
+    assert worker("\\frac{1}{2}", "0.5", 5.0, limit_mb) is True
+    peak_kb = lambda: int(re.search(r"VmPeak:\s*(\d+) kB", Path(f"/proc/{worker.proc.pid}/status").read_text())[1])
+    assert peak_kb() < mipu.REWARD_MEMORY_MB * 1024 / 4        # math_verify loaded and used: well inside the default
     start = time.monotonic()
     assert worker("2^{2^{40}}", "1", 600.0, limit_mb) is False
     assert time.monotonic() - start < 120
-    peak_kb = int(re.search(r"VmPeak:\s*(\d+) kB", Path(f"/proc/{worker.proc.pid}/status").read_text())[1])
-    assert peak_kb <= limit_mb * 1024                          # the worker never held more address space
+    assert peak_kb() <= limit_mb * 1024                        # the worker never held more address space
     assert worker("\\frac{1}{2}", "0.5", 5.0, limit_mb) is True  # and goes on scoring
     worker._stop()
 
@@ -2553,7 +2555,8 @@ def test_load_prompts_bad_template_suffix_or_context(model_dir, tmp_path, monkey
     tokenizer = mipu.load_pretrained("AutoTokenizer", str(folder))
     calls = []
     for name in ("apply_chat_template", "encode"):
-        monkeypatch.setattr(tokenizer, name, lambda *a, _f=getattr(tokenizer, name), **k: calls.append(1) or _f(*a, **k))
+        real = getattr(tokenizer, name)
+        monkeypatch.setattr(tokenizer, name, lambda *a, _f=real, **k: calls.append(1) or _f(*a, **k))
     cfg = mipu.TrainConfig(model=str(folder), **{"max_model_len": 256, **kw}).validate()
     with pytest.raises(mipu.MIPUError, match=re.escape(message)):
         mipu.load_prompts(cfg, tokenizer, str(ARITH))
