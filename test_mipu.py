@@ -314,6 +314,44 @@ def test_toy_exact_J_matches_enumeration(kw):
         assert exact == pytest.approx(sum(per_prompt) / len(per_prompt), abs=1e-9)
 
 
+def _toy_exact_J_loop(logp_table: torch.Tensor, targets: torch.Tensor, tolerance: int) -> np.ndarray:
+    """The first toy_exact_J (an einsum per position over (prev token, errors)), kept as the reference of the
+    batched-matmul DP."""
+    probs = np.exp(logp_table.detach().double().numpy())                       # [P, H, V+1, V]
+    tgt = targets.numpy()
+    P, H = tgt.shape
+    V, E = probs.shape[-1], tolerance + 2
+    state = np.zeros((P, V + 1, E))
+    state[:, V, 0] = 1.0
+    hit = np.arange(V)[None, :] == tgt[:, :, None]                              # [P, H, V]
+    for t in range(H):
+        nxt = np.einsum("pae,pav->pve", state, probs[:, t])                    # [P, V, E]
+        missed = np.concatenate([np.zeros((P, V, 1)), nxt[..., :-1]], -1)
+        missed[..., -1] += nxt[..., -1]
+        state = np.zeros((P, V + 1, E))
+        state[:, :V] = np.where(hit[:, t, :, None], nxt, missed)
+    return state[..., : tolerance + 1].sum((1, 2))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(toy_vocab=3, toy_horizon=6, toy_tolerance=0),
+                                dict(toy_vocab=16, toy_horizon=24, toy_dim=64, toy_tolerance=14),
+                                dict(toy_vocab=5, toy_horizon=7, toy_tolerance=6)])
+def test_toy_exact_J_batched_dp_equals_the_loop(kw):
+    """The batched-matmul DP gives the einsum loop's J to rounding, on warm-start and trained tables of both
+    engines (α = 8: μ far from π), including tolerance 0 and tolerance H - 1."""
+    cfg = small_cfg(method="tis", steps=3, toy_logit_fp8="static", **kw)
+    run = mipu.toy_init(cfg, 8.0)
+    tables = list(run.tables)
+    for k in range(cfg.steps):
+        mipu.toy_step(run, k)
+        tables += run.tables
+    for table in tables:
+        new, old = mipu.toy_exact_J(table, run.targets, cfg.toy_tolerance), _toy_exact_J_loop(table, run.targets,
+                                                                                               cfg.toy_tolerance)
+        assert new.shape == old.shape == (cfg.toy_prompts,) and np.abs(new - old).max() < 1e-15
+    assert len({float(mipu.toy_exact_J(t, run.targets, cfg.toy_tolerance).mean()) for t in tables}) > 2   # it moved
+
+
 def test_toy_exact_J_matches_monte_carlo_long_horizon():
     cfg = small_cfg(toy_vocab=64, toy_horizon=16, toy_tolerance=4, toy_init_prob=0.7, toy_prompts=8)
     run = mipu.ToyEngine(cfg, 8.0)
