@@ -121,7 +121,10 @@ METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mi
 # Toy mismatch presets: name -> toy flags (toy_mismatch = α), by mismatch level (k3: toy/RESULTS.md). none: identical
 # engines; fp8: the FP8/bf16 engine as is; severe: its error x8; collapse: fp8 + logits through a static FP8 scale
 TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0}, "severe": {"toy_mismatch": 8.0},
-               "collapse": {"toy_mismatch": 1.0, "toy_logit_fp8": "static", "toy_fp8_headroom": 1.0}}
+               "collapse": {"toy_mismatch": 1.0, "toy_logit_fp8": "static", "toy_fp8_headroom": 1.0},
+               # collapse on a longer, wider task: 24 tokens over 16 symbols, at least 10 right
+               "collapse-long": {"toy_mismatch": 1.0, "toy_logit_fp8": "static", "toy_fp8_headroom": 1.0,
+                                 "toy_horizon": 24, "toy_vocab": 16, "toy_dim": 64, "toy_tolerance": 14}}
 # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
 AUTO_DEFAULTS = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"),
                  "vllm_sleep": ("off", "on"), "vllm_compile": ("off", "on")}
