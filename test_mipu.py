@@ -340,10 +340,10 @@ def test_toy_exact_J_batched_dp_equals_the_loop(kw):
     """The batched-matmul DP gives the einsum loop's J to rounding, on warm-start and trained tables of both
     engines (α = 8: μ far from π), including tolerance 0 and tolerance H - 1."""
     cfg = small_cfg(method="tis", steps=3, toy_logit_fp8="static", **kw)
-    run = mipu.toy_init(cfg, 8.0)
+    run = mipu.ToyEngine(cfg, 8.0)
     tables = list(run.tables)
-    for k in range(cfg.steps):
-        mipu.toy_step(run, k)
+    for _ in range(cfg.steps):
+        mipu.mipu_step(run)
         tables += run.tables
     for table in tables:
         new, old = mipu.toy_exact_J(table, run.targets, cfg.toy_tolerance), _toy_exact_J_loop(table, run.targets,
@@ -1410,7 +1410,7 @@ def test_toy_study_probes_leave_runs_unchanged_and_gmu_rule_decides_on_gmu():
 def test_toy_study_g_mu_sign_and_auc_windows_known_answers():
     from toy import study
     cfg = small_cfg()
-    run = mipu.toy_init(cfg, 1.0)
+    run = mipu.ToyEngine(cfg, 1.0)
     lp = run.tables[1]
     target = torch.nn.functional.one_hot(run.targets, cfg.toy_vocab)[:, :, None].float()   # [P, H, 1, V]
     gen = torch.Generator().manual_seed(0)

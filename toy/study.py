@@ -60,74 +60,68 @@ def stat_names(base: dict) -> dict:
             **{f"gmu_{n}": (f"G^mu, {n}x{G} (ours)", f"G^mu {n}x{G}") for n in GMU_PROMPTS}}
 
 
-# ---- adapter: every call into the toy's step API (mipu.toy_init, toy_step, toy_gap_check) is in these lines
+# ---- the runs: every use of the toy's engine API (mipu.ToyEngine, mipu.mipu_step) is in this section
 
-def new_run(cfg: mipu.Config, alpha: float):
-    return mipu.toy_init(cfg, alpha)
-
-
-def engine_J(run) -> tuple:
-    return run.J                         # exact (J(π), J(μ)) of the current θ
-
-
-def engine_tables(run) -> tuple:
-    return run.tables                    # (log π, log μ) of the current θ (after a step: the accepted one)
-
-
-def run_step(run, k: int, rule_gen: torch.Generator | None) -> tuple[dict, float]:
-    """One step; with rule_gen, Step 2 decides on Ĝ^μ (drawn from rule_gen) in place of T̂_post, at the same c.
-    Returns the step's metrics and the statistic the rule decided on."""
-    if rule_gen is None:
-        m = mipu.toy_step(run, k)
-        return m, m["step2/t_post"]
-    lp_mu_k, paper_check = run.tables[1], mipu.toy_gap_check
-
-    def gmu_check(r, n_prompts, gen):    # toy_step calls it after the sync: r.tables holds μ_{k+1}
-        return g_mu(r.cfg, r.targets, lp_mu_k, r.tables[1], n_prompts, rule_gen), 0.0
-    mipu.toy_gap_check = gmu_check
-    try:
-        m = mipu.toy_step(run, k)
-    finally:
-        mipu.toy_gap_check = paper_check
-    return m, m["step2/t_post"]
-
-
-# ---- the runs
-
-def g_mu(cfg: mipu.Config, targets, lp_mu_k, lp_mu_new, n_prompts: int, gen: torch.Generator) -> float:
-    """Ĝ^μ on n_prompts × G fresh samples of μ_k: mean_i (ρ_i − 1) A_i, ρ_i the geometric-mean μ_{k+1}/μ_k."""
+def mu_k_sample(cfg: mipu.Config, targets, lp_mu_k, n_prompts: int, gen: torch.Generator) -> tuple:
+    """n_prompts × G fresh samples of μ_k: (prompt [B], tokens [B, H], log μ_k [B, H], rewards [B], advantages [B])."""
     G = cfg.num_generations
     prompts = torch.randint(cfg.toy_prompts, (n_prompts,), generator=gen)
-    prompt, tokens, logp_k = mipu.toy_sample(lp_mu_k, prompts, G, gen)                 # [B], [B, H], [B, H]
-    adv = mipu.group_advantages(mipu.toy_reward(targets, prompt, tokens, cfg.toy_tolerance), G)
-    logp_new = mipu.toy_token_logp(lp_mu_new, prompt, tokens)
+    prompt, tokens, logp_k = mipu.toy_sample(lp_mu_k, prompts, G, gen)
+    rewards = mipu.toy_reward(targets, prompt, tokens, cfg.toy_tolerance)
+    return prompt, tokens, logp_k, rewards, mipu.group_advantages(rewards, G)
+
+
+def g_mu_of(lp_mu_new, prompt, tokens, logp_k, adv) -> float:
+    """Ĝ^μ = mean_i (ρ_i − 1) A_i on samples of μ_k, ρ_i the geometric-mean μ_{k+1}/μ_k of response i."""
+    logp_new = mipu.toy_token_logp(lp_mu_new, prompt, tokens)                           # [B, H]
     return mipu.surrogate_gain(logp_new, logp_k, adv, torch.ones_like(logp_new)).item()
+
+
+def g_mu(cfg: mipu.Config, targets, lp_mu_k, lp_mu_new, n_prompts: int, gen: torch.Generator) -> float:
+    """Ĝ^μ on n_prompts × G fresh samples of μ_k drawn from gen."""
+    prompt, tokens, logp_k, _, adv = mu_k_sample(cfg, targets, lp_mu_k, n_prompts, gen)
+    return g_mu_of(lp_mu_new, prompt, tokens, logp_k, adv)
+
+
+class GmuEngine(mipu.ToyEngine):
+    """The Ĝ^μ rule (ours): Step 2's batch is val_prompts × G fresh samples of μ_k, drawn from a generator of its
+    own, and the rule compares Ĝ^μ on it with c, in place of T̂_post (step2/t_post then holds Ĝ^μ)."""
+
+    def __init__(self, cfg: mipu.Config, alpha: float):
+        super().__init__(cfg, alpha)
+        self.rule_gen = torch.Generator().manual_seed(cfg.seed + RULE_STREAM)
+
+    def acceptance_rollout(self) -> mipu.Rollout:          # after the sync: self.prev holds θ_k's tables
+        prompt, tokens, logp_k, rewards, adv = mu_k_sample(self.cfg, self.targets, self.prev[0][1],
+                                                           self.cfg.val_prompts, self.rule_gen)
+        return mipu.Rollout(prompt, tokens, logp_k, torch.ones_like(logp_k), rewards, adv, torch.zeros_like(rewards))
+
+    def accept_inputs(self, t_post: float, g_k: float, val: mipu.Rollout) -> tuple[float, float, float]:
+        return g_mu_of(self.tables[1], val.prompt_ids, val.completion_ids, val.logp_sampler, val.adv), g_k, self.cfg.c
 
 
 def study_run(job: tuple) -> dict:
     """One run (cfg dict, α, kind), reduced to the per-step series the tables need: the exact J of the accepted θ
     (initial value first), and of every candidate its verdict, the statistic the rule decided on, T̂_post, the
-    exact gap, ΔJ(π), ΔJ(μ), Δgap and (kind probe) Ĝ^μ at each probe size."""
+    exact gap, ΔJ(π), ΔJ(μ), Δgap and (kind probe) Ĝ^μ at each probe size, from generators of their own."""
     cfg_dict, alpha, kind = job
     cfg = mipu.Config(**cfg_dict)
     torch.set_num_threads(1)             # bit-for-bit: results must not depend on thread count
-    run = new_run(cfg, alpha)
-    rule_gen = torch.Generator().manual_seed(cfg.seed + RULE_STREAM) if kind == "gmu" else None
-    J_pi, J_mu = engine_J(run)
-    s = {"J_pi": [J_pi], "J_mu": [J_mu], **{k: [] for k in ("accepted", "stat", "t_post", "gap", "dJ_pi", "dJ_mu",
-                                                             "dgap")}}
+    eng = (GmuEngine if kind == "gmu" else mipu.ToyEngine)(cfg, alpha)
+    s = {"J_pi": [eng.J[0]], "J_mu": [eng.J[1]], **{k: [] for k in ("accepted", "stat", "gap", "dJ_pi", "dJ_mu",
+                                                                     "dgap")}}
     s.update({f"gmu_{n}": [] for n in GMU_PROMPTS} if kind == "probe" else {})
     for k in range(cfg.steps):
-        lp_mu_k, gap_k = engine_tables(run)[1], s["J_mu"][-1] - s["J_pi"][-1]
-        m, stat = run_step(run, k, rule_gen)
+        lp_mu_k, gap_k = eng.tables[1], s["J_mu"][-1] - s["J_pi"][-1]
+        m = mipu.mipu_step(eng)
         for key, v in (("J_pi", m["exact/J_pi"]), ("J_mu", m["exact/J_mu"]), ("accepted", m["step2/accepted"]),
-                       ("stat", stat), ("t_post", m["step2/t_post"]), ("gap", m["exact/cand_gap"]),
-                       ("dJ_pi", m["exact/cand_dJ_pi"]), ("dJ_mu", m["exact/cand_dJ_mu"]),
-                       ("dgap", m["exact/cand_gap"] - gap_k)):
+                       ("stat", m["step2/t_post"]), ("gap", m["exact/cand_gap"]), ("dJ_pi", m["exact/cand_dJ_pi"]),
+                       ("dJ_mu", m["exact/cand_dJ_mu"]), ("dgap", m["exact/cand_gap"] - gap_k)):
             s[key].append(v)
         for i, n in enumerate(GMU_PROMPTS if kind == "probe" else ()):    # after the step: μ_{k+1} is accepted
             gen = torch.Generator().manual_seed(PROBE_STREAM + (cfg.seed * 1_000_003 + k) * len(GMU_PROMPTS) + i)
-            s[f"gmu_{n}"].append(g_mu(cfg, run.targets, lp_mu_k, engine_tables(run)[1], n, gen))
+            s[f"gmu_{n}"].append(g_mu(cfg, eng.targets, lp_mu_k, eng.tables[1], n, gen))
+    s["t_post"] = s["stat"]              # the probed runs' rule is the paper's: the statistic is T̂_post
     return s
 
 
@@ -293,10 +287,11 @@ def write_study(path: Path, command: str, preset: str, base: dict, seeds: list[i
         f"{mipu.markdown_table(window_rows(always, base, window))}\n\n"
         f"**Rules at equal acceptance rates**, all on the TIS update, final exact J(mu) (mean ± SE; collapsed "
         f"runs). The G^mu rule (ours) keeps a candidate iff G^mu >= 0 on n x {G} fresh samples of mu_k, from a "
-        f"generator of its own; at n = {base['val_prompts']} it costs as many samples as the paper rule. Each rule's rejection rate (over all its candidates) sets two "
-        f"controls: random-rollback-tis at that rate (capped at {RATE_CAP}), and tis with its LR scaled by the "
-        f"acceptance rate, 1 - rate (at least {1 - RATE_CAP:g}): the step-size control. Paired by seed (same task "
-        f"and warm start): mean difference, 95% bootstrap CI, two-sided sign-flip permutation p "
+        f"generator of its own; at n = {base['val_prompts']} it costs as many samples as the paper rule. Each "
+        f"rule's rejection rate (over all its candidates) sets two controls: random-rollback-tis at that rate "
+        f"(capped at {RATE_CAP}), and tis with its LR scaled by the acceptance rate, 1 - rate (at least "
+        f"{1 - RATE_CAP:g}): the step-size control. Paired by seed (same task and warm start): mean difference, "
+        f"95% bootstrap CI, two-sided sign-flip permutation p "
         f"({demo.SELECT_RESAMPLES} resamples, fixed generator).\n\n"
         f"{mipu.markdown_table(equal_rate_rows(res, rates, lrs))}\n")
     path.write_text(text)
