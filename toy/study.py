@@ -17,7 +17,6 @@ Bit-for-bit reproducible, whatever --workers: single-threaded runs, one seeded g
 and the Ĝ^μ rule draw from generators of their own, so probing leaves a run unchanged.
 """
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import mipu
 from toy import demo
 from toy.collapse_study import collapsed
 
-STUDY_PRESETS = {"collapse": 150, "collapse-long": 250}   # preset -> steps: the demo's; long enough to collapse
+STUDY_PRESETS = {"collapse": 150, "collapse-long": 250}   # preset -> steps (collapse: the demo's 2 x 75)
 FIRST_SEED = 1000                 # seeds 1000, 1001, ...: none of them was used to choose a preset or a setting
 WINDOW = 15                       # steps per window of the within-window AUC
 GMU_PROMPTS = (32, 128)           # Ĝ^μ probes: prompts × G fresh samples from μ_k
@@ -237,14 +236,14 @@ def window_rows(runs: list[dict], base: dict, window: int) -> list[dict]:
 def equal_rate_rows(res: dict, rates: dict, lrs: dict) -> list[dict]:
     """Each rule next to random rollback at its rejection rate and TIS at LR x its acceptance rate (same seeds)."""
     tis = res["tis (Step 1 only)"]
+    cell = lambda runs: f"{demo.mean_se(final(runs))} ({n_collapsed(runs).split()[0]})"     # noqa: E731
     rows = [{"rule (TIS update)": "none: tis, always accept", "reject rate": "0.000",
-             "final J(mu), mean ± SE (collapsed)": f"{demo.mean_se(final(tis))} ({n_collapsed(tis).split()[0]})",
+             "final J(mu), mean ± SE (collapsed)": cell(tis),
              "random-rollback-tis at that rate": "-", "rule − random, paired: mean [95% CI], p": "-",
              "tis at LR x accept rate (step-size control)": "-", "rule − step-size control, paired": "-",
              "random − step-size control, paired": "-"}]
     for label in RULES:
         h, rr, st = final(res[label]), final(res[("random", label)]), final(res[("step", label)])
-        cell = lambda runs: f"{demo.mean_se(final(runs))} ({n_collapsed(runs).split()[0]})"
         rows.append({"rule (TIS update)": label, "reject rate": f"{rates[label]:.3f}",
                      "final J(mu), mean ± SE (collapsed)": cell(res[label]),
                      "random-rollback-tis at that rate": cell(res[("random", label)]),
