@@ -124,7 +124,10 @@ METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mi
 # Toy mismatch presets: name -> toy flags (toy_mismatch = α), by mismatch level (k3: toy/RESULTS.md). none: identical
 # engines; fp8: the FP8/bf16 engine as is; severe: its error x8; collapse: fp8 + logits through a static FP8 scale
 TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0}, "severe": {"toy_mismatch": 8.0},
-               "collapse": {"toy_mismatch": 1.0, "toy_logit_fp8": "static", "toy_fp8_headroom": 1.0}}
+               "collapse": {"toy_mismatch": 1.0, "toy_logit_fp8": "static", "toy_fp8_headroom": 1.0},
+               # collapse on a longer, wider task: 24 tokens over 16 symbols, at least 10 right
+               "collapse-long": {"toy_mismatch": 1.0, "toy_logit_fp8": "static", "toy_fp8_headroom": 1.0,
+                                 "toy_horizon": 24, "toy_vocab": 16, "toy_dim": 64, "toy_tolerance": 14}}
 # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
 AUTO_DEFAULTS = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"),
                  "vllm_sleep": ("off", "on"), "vllm_compile": ("off", "on")}
@@ -816,21 +819,23 @@ def toy_reward(targets, prompt, tokens, tolerance: int) -> torch.Tensor:
 
 
 def toy_exact_J(logp_table: torch.Tensor, targets: torch.Tensor, tolerance: int) -> np.ndarray:
-    """Exact expected reward of each prompt [P]: DP over (prev token, errors so far), in numpy (less call overhead)."""
+    """Exact expected reward of each prompt [P]: DP over (errors so far, prev token), one batched matmul per
+    position, in numpy (less call overhead)."""
     probs = np.exp(logp_table.detach().double().numpy())                       # [P, H, V+1, V]
     tgt = targets.numpy()
     P, H = tgt.shape
     V, E = probs.shape[-1], tolerance + 2                                       # errors 0..tol, tol+1 = failed
-    state = np.zeros((P, V + 1, E))
-    state[:, V, 0] = 1.0                                                        # start token, no errors
-    hit = np.arange(V)[None, :] == tgt[:, :, None]                              # [P, H, V]
+    hit = np.arange(V)[None, None, :] == tgt[:, :, None, None]                 # [P, H, 1, V]
+    state = np.zeros((P, E, V + 1))                                             # P(errors, prev token)
+    state[:, 0, V] = 1.0                                                        # start token, no errors
     for t in range(H):
-        nxt = np.einsum("pae,pav->pve", state, probs[:, t])                    # [P, V, E]
-        missed = np.concatenate([np.zeros((P, V, 1)), nxt[..., :-1]], -1)
-        missed[..., -1] += nxt[..., -1]                                         # failed stays failed
-        state = np.zeros((P, V + 1, E))
-        state[:, :V] = np.where(hit[:, t, :, None], nxt, missed)
-    return state[..., : tolerance + 1].sum((1, 2))
+        nxt = state @ probs[:, t]                                               # [P, E, V]: sum over prev
+        missed = np.zeros_like(nxt)                                             # a wrong token: one more error
+        missed[:, 1:] = nxt[:, :-1]
+        missed[:, -1] += nxt[:, -1]                                             # failed stays failed
+        state = np.zeros((P, E, V + 1))
+        state[..., :V] = np.where(hit[:, t], nxt, missed)
+    return state[:, : tolerance + 1].sum((1, 2))
 
 
 def toy_warm_start(policy: ToyPolicy, targets: torch.Tensor, init_prob: float) -> int:

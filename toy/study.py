@@ -1,0 +1,352 @@
+"""The toy's claims study: `python -m toy.study [--preset collapse|collapse-long] [--seeds 20]` (from the repo root).
+
+The numbers the README's "What the toy shows" cites, on --seeds seeds of one preset, into toy/study_<preset>.md:
+1. Collapse: every arm's runs, collapsed per seed (toy.collapse_study.collapsed: J(μ) over the last 10 % of steps
+   stays below half of the run's best), with a Wilson 95 % interval.
+2. Selectivity: along always-accepting mipu runs (the TIS update; T̂_post computed and ignored), how well each
+   statistic ranks the candidates that raise the exact J(μ) above those that lower it: ROC AUC pooled over all
+   candidates and within windows of --window steps of one run (the choice a rule faces), 95 % bootstrap intervals
+   over seeds. Statistics: T̂_post (the paper's), the exact gap, ΔJ(π) and Δgap, and Ĝ^μ at two sample sizes.
+   Ĝ^μ = mean_i (μ_{k+1}(y_i)/μ_k(y_i) − 1)·A_i on fresh y ~ μ_k, geometric-mean ratio as mipu.surrogate_gain: an
+   inference-side estimate of J(μ_{k+1}) − J(μ_k); ours, not the paper's.
+3. Equal acceptance rates: the paper rule (c = 0), a Ĝ^μ rule (ours: accept iff Ĝ^μ ≥ 0 on val_prompts × G fresh
+   samples of μ_k, the paper rule's sample cost) and the exact oracle, all on the TIS update, each next to random
+   rollback at its rejection rate and to TIS with its LR scaled by its acceptance rate (the step-size control),
+   paired by seed: mean difference of the final exact J(μ), 95 % bootstrap interval, sign-flip p.
+Bit-for-bit reproducible, whatever --workers: single-threaded runs, one seeded generator per run, and the probes
+and the Ĝ^μ rule draw from generators of their own, so probing leaves a run unchanged.
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import mipu
+from toy import demo
+from toy.collapse_study import collapsed
+
+STUDY_PRESETS = {"collapse": 150, "collapse-long": 250}   # preset -> steps (collapse: the demo's 2 x 75)
+FIRST_SEED = 1000                 # seeds 1000, 1001, ...: none of them was used to choose a preset or a setting
+WINDOW = 15                       # steps per window of the within-window AUC
+GMU_PROMPTS = (32, 128)           # Ĝ^μ probes: prompts × G fresh samples from μ_k
+BOOTSTRAP = 2000                  # resamples of seeds for the AUC intervals (fixed generator)
+Z95 = 1.959964                    # two-sided 95 % normal quantile (Wilson interval)
+RATE_CAP = 0.99                   # random rollback refuses rate 1; the step-size control keeps LR x >= 1 - RATE_CAP
+RULE_STREAM, PROBE_STREAM = 1 << 40, 1 << 41     # seed offsets: the Ĝ^μ rule's and the probes' generators
+MAX_WORKERS = 2                   # the machines this runs on have 2 cores
+ALWAYS = "mipu, always accept (c = 1e9): the probed runs"
+# label -> (Config overrides, kind); kind: plain, probe (Ĝ^μ probes on their own generators), gmu (the Ĝ^μ rule)
+BASE_ARMS = {"grpo (no correction)": ({"method": "grpo"}, "plain"),
+             "tis (Step 1 only)": ({"method": "tis"}, "plain"),
+             ALWAYS: ({"method": "mipu", "c": demo.SELECT_ALWAYS_C}, "probe")}
+# the Ĝ^μ rule draws val_prompts × G fresh samples of μ_k: at 32 (the default) the paper rule's sample cost
+RULES = {"paper rule, c = 0 (mipu)": ({"method": "mipu"}, "plain"),
+         **{f"G^mu rule, {n}x8, c = 0 (ours)": ({"method": "mipu", "val_prompts": n}, "gmu") for n in GMU_PROMPTS},
+         "oracle: keep iff exact dJ(mu) >= 0": ({"method": "mipu", "accept_rule": "oracle"}, "plain")}
+STATS = ("t_post", "gap", "dJ_pi", "dgap", *(f"gmu_{n}" for n in GMU_PROMPTS))   # the selectivity statistics
+
+
+def stat_names(base: dict) -> dict:
+    """statistic key -> (its name in the tables, a short name for the per-window columns)."""
+    G = base["num_generations"]
+    return {"t_post": (f"T_post, {base['val_prompts']}x{G} (the paper rule's)", "T_post"),
+            "gap": ("exact gap J(mu_k+1) - J(pi_k+1) (T_post without noise)", "gap"),
+            "dJ_pi": ("exact dJ(pi) = J(pi_k+1) - J(pi_k)", "dJ(pi)"),
+            "dgap": ("exact change of the gap, gap_k+1 - gap_k", "d gap"),
+            **{f"gmu_{n}": (f"G^mu, {n}x{G} (ours)", f"G^mu {n}x{G}") for n in GMU_PROMPTS}}
+
+
+# ---- the runs: every use of the toy's engine API (mipu.ToyEngine, mipu.mipu_step) is in this section
+
+def mu_k_sample(cfg: mipu.Config, targets, lp_mu_k, n_prompts: int, gen: torch.Generator) -> tuple:
+    """n_prompts × G fresh samples of μ_k: (prompt [B], tokens [B, H], log μ_k [B, H], rewards [B], advantages [B])."""
+    G = cfg.num_generations
+    prompts = torch.randint(cfg.toy_prompts, (n_prompts,), generator=gen)
+    prompt, tokens, logp_k = mipu.toy_sample(lp_mu_k, prompts, G, gen)
+    rewards = mipu.toy_reward(targets, prompt, tokens, cfg.toy_tolerance)
+    return prompt, tokens, logp_k, rewards, mipu.group_advantages(rewards, G)
+
+
+def g_mu_of(lp_mu_new, prompt, tokens, logp_k, adv) -> float:
+    """Ĝ^μ = mean_i (ρ_i − 1) A_i on samples of μ_k, ρ_i the geometric-mean μ_{k+1}/μ_k of response i."""
+    logp_new = mipu.toy_token_logp(lp_mu_new, prompt, tokens)                           # [B, H]
+    return mipu.surrogate_gain(logp_new, logp_k, adv, torch.ones_like(logp_new)).item()
+
+
+def g_mu(cfg: mipu.Config, targets, lp_mu_k, lp_mu_new, n_prompts: int, gen: torch.Generator) -> float:
+    """Ĝ^μ on n_prompts × G fresh samples of μ_k drawn from gen."""
+    prompt, tokens, logp_k, _, adv = mu_k_sample(cfg, targets, lp_mu_k, n_prompts, gen)
+    return g_mu_of(lp_mu_new, prompt, tokens, logp_k, adv)
+
+
+class GmuEngine(mipu.ToyEngine):
+    """The Ĝ^μ rule (ours): Step 2's batch is val_prompts × G fresh samples of μ_k, drawn from a generator of its
+    own, and the rule compares Ĝ^μ on it with c, in place of T̂_post (step2/t_post then holds Ĝ^μ)."""
+
+    def __init__(self, cfg: mipu.Config, alpha: float):
+        super().__init__(cfg, alpha)
+        self.rule_gen = torch.Generator().manual_seed(cfg.seed + RULE_STREAM)
+
+    def acceptance_rollout(self) -> mipu.Rollout:          # after the sync: self.prev holds θ_k's tables
+        prompt, tokens, logp_k, rewards, adv = mu_k_sample(self.cfg, self.targets, self.prev[0][1],
+                                                           self.cfg.val_prompts, self.rule_gen)
+        return mipu.Rollout(prompt, tokens, logp_k, torch.ones_like(logp_k), rewards, adv, torch.zeros_like(rewards))
+
+    def accept_inputs(self, t_post: float, g_k: float, val: mipu.Rollout) -> tuple[float, float, float]:
+        return g_mu_of(self.tables[1], val.prompt_ids, val.completion_ids, val.logp_sampler, val.adv), g_k, self.cfg.c
+
+
+def study_run(job: tuple) -> dict:
+    """One run (cfg dict, α, kind), reduced to the per-step series the tables need: the exact J of the accepted θ
+    (initial value first), and of every candidate its verdict, the statistic the rule decided on, T̂_post, the
+    exact gap, ΔJ(π), ΔJ(μ), Δgap and (kind probe) Ĝ^μ at each probe size, from generators of their own."""
+    cfg_dict, alpha, kind = job
+    cfg = mipu.Config(**cfg_dict)
+    torch.set_num_threads(1)             # bit-for-bit: results must not depend on thread count
+    eng = (GmuEngine if kind == "gmu" else mipu.ToyEngine)(cfg, alpha)
+    s = {"J_pi": [eng.J[0]], "J_mu": [eng.J[1]], **{k: [] for k in ("accepted", "stat", "gap", "dJ_pi", "dJ_mu",
+                                                                     "dgap")}}
+    s.update({f"gmu_{n}": [] for n in GMU_PROMPTS} if kind == "probe" else {})
+    for k in range(cfg.steps):
+        lp_mu_k, gap_k = eng.tables[1], s["J_mu"][-1] - s["J_pi"][-1]
+        m = mipu.mipu_step(eng)
+        for key, v in (("J_pi", m["exact/J_pi"]), ("J_mu", m["exact/J_mu"]), ("accepted", m["step2/accepted"]),
+                       ("stat", m["step2/t_post"]), ("gap", m["exact/cand_gap"]), ("dJ_pi", m["exact/cand_dJ_pi"]),
+                       ("dJ_mu", m["exact/cand_dJ_mu"]), ("dgap", m["exact/cand_gap"] - gap_k)):
+            s[key].append(v)
+        for i, n in enumerate(GMU_PROMPTS if kind == "probe" else ()):    # after the step: μ_{k+1} is accepted
+            gen = torch.Generator().manual_seed(PROBE_STREAM + (cfg.seed * 1_000_003 + k) * len(GMU_PROMPTS) + i)
+            s[f"gmu_{n}"].append(g_mu(cfg, eng.targets, lp_mu_k, eng.tables[1], n, gen))
+    s["t_post"] = s["stat"]              # the probed runs' rule is the paper's: the statistic is T̂_post
+    return s
+
+
+def run_arms(arms: dict, base: dict, seeds: list[int], pool) -> dict:
+    """label -> the runs of that arm (Config overrides, kind), one per seed."""
+    jobs = [({**base, **over, "seed": s}, base["toy_mismatch"], kind) for over, kind in arms.values() for s in seeds]
+    runs = pool.map(study_run, jobs, chunksize=1) if pool else [study_run(j) for j in jobs]
+    return {label: runs[i * len(seeds):(i + 1) * len(seeds)] for i, label in enumerate(arms)}
+
+
+def controls(rates: dict, lr: float) -> dict:
+    """Per rule, at its measured rejection rate: random rollback on the TIS update, and TIS at LR x acceptance."""
+    arms = {}
+    for label, rate in rates.items():
+        arms[("random", label)] = (demo.rollback_at({}, "random-rollback-tis", rate), "plain")
+        arms[("step", label)] = ({"method": "tis", "toy_lr": lr * max(1 - rate, 1 - RATE_CAP)}, "plain")
+    return arms
+
+
+def check_configs(arms: dict, base: dict, seeds: list[int]) -> None:
+    """Every run's Config is valid (one MIPUError line), before any run starts."""
+    for over, _ in arms.values():
+        for s in (seeds[0], seeds[-1]):
+            mipu.Config(**{**base, **over, "seed": s}).validate()
+
+
+# ---- statistics and tables
+
+def wilson(k: int, n: int) -> tuple[float, float]:
+    """Wilson score 95 % interval of a proportion k/n."""
+    p, z2 = k / n, Z95 ** 2
+    centre, half = (p + z2 / (2 * n)) / (1 + z2 / n), Z95 * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def n_collapsed(runs: list[dict]) -> str:
+    k = sum(collapsed(r["J_mu"]) for r in runs)
+    lo, hi = wilson(k, len(runs))
+    return f"{k}/{len(runs)} [{lo:.2f}, {hi:.2f}]"
+
+
+def final(runs: list[dict]) -> np.ndarray:
+    return np.array([r["J_mu"][-1] for r in runs])
+
+
+def reject_rate(runs: list[dict]) -> float:
+    return float(1 - np.mean(np.concatenate([r["accepted"] for r in runs])))
+
+
+def collapse_rows(res: dict) -> list[dict]:
+    return [{"arm": label if isinstance(label, str) else arm_name(label), "collapsed, k/n [Wilson 95%]":
+             n_collapsed(runs), "final J(mu), mean ± SE": demo.mean_se(final(runs)),
+             "best J(mu), mean": f"{np.mean([max(r['J_mu']) for r in runs]):.3f}",
+             "reject rate": f"{reject_rate(runs):.3f}"} for label, runs in res.items()]
+
+
+def arm_name(key: tuple) -> str:
+    kind, rule = key
+    return f"{'random-rollback-tis' if kind == 'random' else 'tis, LR x accept rate'} at the rate of: {rule}"
+
+
+def auc_parts(x: np.ndarray, dj: np.ndarray, window: int) -> tuple[float, float]:
+    """Σ over windows of one run of (AUC · pairs) and the pairs (improving × worsening candidates) of each window."""
+    u = pairs = 0.0
+    for w in range(0, len(x), window):
+        up, down = x[w:w + window][dj[w:w + window] > 0], x[w:w + window][dj[w:w + window] < 0]
+        if len(up) and len(down):
+            u, pairs = u + demo.auc(up, down) * len(up) * len(down), pairs + len(up) * len(down)
+    return u, pairs
+
+
+def auc_cells(runs: list[dict], key: str, window: int, idx: np.ndarray) -> tuple[str, str]:
+    """ROC AUC of statistic `key` for ΔJ(μ) > 0 against < 0: pooled over every candidate, and within windows
+    (pairs of candidates from one run and one window only), each with a 95 % bootstrap interval over seeds
+    (idx: [BOOTSTRAP, seeds] resampled seed indices)."""
+    xs, ds = [np.asarray(r[key]) for r in runs], [np.asarray(r["dJ_mu"]) for r in runs]
+    ups, downs = [x[d > 0] for x, d in zip(xs, ds)], [x[d < 0] for x, d in zip(xs, ds)]
+    u, pairs = np.array([auc_parts(x, d, window) for x, d in zip(xs, ds)]).T                    # [seeds] each
+    pooled = [demo.auc(np.concatenate([ups[i] for i in ix]), np.concatenate([downs[i] for i in ix])) for ix in idx]
+    with np.errstate(invalid="ignore"):                  # a resample without a pair: NaN, left out
+        within = u[idx].sum(1) / pairs[idx].sum(1)
+        point = u.sum() / pairs.sum()
+    cell = lambda x, boot: f"{x:.3f} [{np.nanquantile(boot, 0.025):.3f}, {np.nanquantile(boot, 0.975):.3f}]"
+    return cell(demo.auc(np.concatenate(ups), np.concatenate(downs)), pooled), cell(point, within)
+
+
+def selectivity_rows(runs: list[dict], base: dict, window: int) -> list[dict]:
+    idx = np.random.default_rng(0).integers(len(runs), size=(BOOTSTRAP, len(runs)))
+    dj = np.concatenate([r["dJ_mu"] for r in runs])
+    rows = []
+    for key, (name, _) in stat_names(base).items():
+        pooled, within = auc_cells(runs, key, window, idx)
+        keep = np.concatenate([r[key] for r in runs]) >= 0
+        rows.append({"statistic": name, "AUC pooled [95% CI]": pooled,
+                     f"AUC within {window}-step windows [95% CI]": within, "share >= 0": f"{keep.mean():.2f}",
+                     "share raising J(mu) among >= 0": f"{(dj[keep] > 0).mean():.2f}" if keep.any() else "-"})
+    return rows
+
+
+def window_rows(runs: list[dict], base: dict, window: int) -> list[dict]:
+    """Per window of steps, every seed's candidates: how many raise J(μ), the mean exact gap, per-window AUCs."""
+    rows, steps = [], len(runs[0]["dJ_mu"])
+    for w in range(0, steps, window):
+        cut = {k: np.concatenate([r[k][w:w + window] for r in runs]) for k in ("dJ_mu", *STATS)}
+        up, down = cut["dJ_mu"] > 0, cut["dJ_mu"] < 0
+        rows.append({"steps": f"{w}-{min(w + window, steps) - 1}", "candidates": len(up),
+                     "share raising J(mu)": f"{up.mean():.2f}", "mean exact gap": f"{cut['gap'].mean():+.4f}",
+                     **{f"AUC {short}": f"{demo.auc(cut[k][up], cut[k][down]):.2f}"
+                        for k, (_, short) in stat_names(base).items()}})
+    return rows
+
+
+def equal_rate_rows(res: dict, rates: dict, lrs: dict) -> list[dict]:
+    """Each rule next to random rollback at its rejection rate and TIS at LR x its acceptance rate (same seeds)."""
+    tis = res["tis (Step 1 only)"]
+    cell = lambda runs: f"{demo.mean_se(final(runs))} ({n_collapsed(runs).split()[0]})"     # noqa: E731
+    rows = [{"rule (TIS update)": "none: tis, always accept", "reject rate": "0.000",
+             "final J(mu), mean ± SE (collapsed)": cell(tis),
+             "random-rollback-tis at that rate": "-", "rule − random, paired: mean [95% CI], p": "-",
+             "tis at LR x accept rate (step-size control)": "-", "rule − step-size control, paired": "-",
+             "random − step-size control, paired": "-"}]
+    for label in RULES:
+        h, rr, st = final(res[label]), final(res[("random", label)]), final(res[("step", label)])
+        rows.append({"rule (TIS update)": label, "reject rate": f"{rates[label]:.3f}",
+                     "final J(mu), mean ± SE (collapsed)": cell(res[label]),
+                     "random-rollback-tis at that rate": cell(res[("random", label)]),
+                     "rule − random, paired: mean [95% CI], p": demo.paired_test(h, rr),
+                     "tis at LR x accept rate (step-size control)": f"LR {lrs[label]:.4g}: "
+                                                                    f"{cell(res[('step', label)])}",
+                     "rule − step-size control, paired": demo.paired_test(h, st),
+                     "random − step-size control, paired": demo.paired_test(rr, st)})
+    return rows
+
+
+def preset_text(preset: str, base: dict) -> str:
+    return (f"preset {preset} (alpha={base['toy_mismatch']:g}, FP8 weights, {base['toy_logit_fp8']} FP8 logits; "
+            f"{base['toy_prompts']} prompts, {base['toy_horizon']} tokens over {base['toy_vocab']} symbols, reward 1 "
+            f"iff at most {base['toy_tolerance']} wrong; width {base['toy_dim']}; {base['steps']} steps), batch "
+            f"{base['prompts_per_step']}x{base['num_generations']}, acceptance {base['val_prompts']}x"
+            f"{base['num_generations']}")
+
+
+def write_study(path: Path, command: str, preset: str, base: dict, seeds: list[int], window: int, res: dict,
+                rates: dict, lrs: dict) -> None:
+    always = res[ALWAYS]
+    dj = np.concatenate([r["dJ_mu"] for r in always])
+    G, n = base["num_generations"], len(seeds)
+    text = (
+        f"Generated by `{command}`: {preset_text(preset, base)}; seeds {seeds[0]}..{seeds[-1]}, one run per seed "
+        f"and arm.\n\n**Collapse.** A run collapses when its exact J(mu) over the last 10% of steps (at least 5) "
+        f"stays below half of its best. Interval: Wilson 95% over the {n} seeds. Final J(mu): mean ± standard "
+        f"error over seeds.\n\n{mipu.markdown_table(collapse_rows(res))}\n\n"
+        f"**Which candidates would each statistic accept?** Every candidate of the {n} always-accepting mipu runs "
+        f"(the TIS update; T_post computed and ignored): {len(dj)} candidates, {(dj > 0).mean():.2f} of them raise "
+        f"the exact J(mu). AUC: P(a candidate that raises J(mu) scores above one that lowers it), ties 1/2; pooled "
+        f"over every candidate, and within windows (only pairs of candidates of one run and one window of {window} "
+        f"steps). Interval: 95% bootstrap over seeds ({BOOTSTRAP} resamples, fixed generator). G^mu = mean_i "
+        f"(mu_k+1(y_i)/mu_k(y_i) - 1) A_i on fresh y ~ mu_k (geometric-mean ratio, as mipu.surrogate_gain), an "
+        f"inference-side estimate of J(mu_k+1) - J(mu_k): ours, not the paper's; its probes draw from generators "
+        f"of their own. share >= 0: what a rule 'statistic >= 0' would keep.\n\n"
+        f"{mipu.markdown_table(selectivity_rows(always, base, window))}\n\n"
+        f"Per window of steps (every seed's candidates of that window pooled; AUC without interval):\n\n"
+        f"{mipu.markdown_table(window_rows(always, base, window))}\n\n"
+        f"**Rules at equal acceptance rates**, all on the TIS update, final exact J(mu) (mean ± SE; collapsed "
+        f"runs). The G^mu rule (ours) keeps a candidate iff G^mu >= 0 on n x {G} fresh samples of mu_k, from a "
+        f"generator of its own; at n = {base['val_prompts']} it costs as many samples as the paper rule. Each "
+        f"rule's rejection rate (over all its candidates) sets two controls: random-rollback-tis at that rate "
+        f"(capped at {RATE_CAP}), and tis with its LR scaled by the acceptance rate, 1 - rate (at least "
+        f"{1 - RATE_CAP:g}): the step-size control. Paired by seed (same task and warm start): mean difference, "
+        f"95% bootstrap CI, two-sided sign-flip permutation p "
+        f"({demo.SELECT_RESAMPLES} resamples, fixed generator).\n\n"
+        f"{mipu.markdown_table(equal_rate_rows(res, rates, lrs))}\n")
+    path.write_text(text)
+    print(text)
+
+
+def study(preset: str, n_seeds: int, steps: int, first_seed: int, window: int, workers: int, out: Path,
+          command: str) -> Path:
+    """Every arm on n_seeds seeds of the preset, then each rule's controls at its rate; the tables into out."""
+    t0 = time.time()
+    base = {**demo.preset_base(mipu.Config(), preset), "steps": steps}
+    seeds = list(range(first_seed, first_seed + n_seeds))
+    first = {**BASE_ARMS, **RULES}
+    check_configs(first, base, seeds)
+    pool = demo.make_pool(workers)
+    res = run_arms(first, base, seeds, pool)
+    rates = {label: round(reject_rate(res[label]), 3) for label in RULES}
+    second = controls(rates, base["toy_lr"])
+    check_configs(second, base, seeds)
+    res.update(run_arms(second, base, seeds, pool))
+    if pool:
+        pool.close()
+    lrs = {label: second[("step", label)][0]["toy_lr"] for label in RULES}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"study_{preset}.md"
+    write_study(path, command, preset, base, seeds, window, res, rates, lrs)
+    print(f"toy study: {time.time() - t0:.1f} s wall; wrote {path}")
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m toy.study", description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="collapse", choices=list(STUDY_PRESETS), help="mipu.TOY_PRESETS entry")
+    ap.add_argument("--seeds", type=int, default=20, help="seeds per arm (>= 2)")
+    ap.add_argument("--first-seed", type=int, default=FIRST_SEED, help="seeds --first-seed, --first-seed + 1, ...")
+    ap.add_argument("--steps", type=int, default=0, help="steps per run (0 = the preset's: "
+                    + ", ".join(f"{p} {s}" for p, s in STUDY_PRESETS.items()) + ")")
+    ap.add_argument("--window", type=int, default=WINDOW, help="steps per window of the within-window AUC")
+    ap.add_argument("--workers", type=int, default=MAX_WORKERS, help=f"processes, 1..{MAX_WORKERS} (results do not "
+                    "depend on it)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent), help="folder for study_<preset>.md")
+    args = ap.parse_args()
+    return mipu.report_errors(check_and_run, args)
+
+
+def check_and_run(args) -> None:
+    if args.seeds < 2 or args.steps < 0 or args.window < 1 or not 1 <= args.workers <= MAX_WORKERS:
+        raise mipu.MIPUError(f"--seeds must be >= 2, --steps >= 0, --window >= 1, --workers in 1..{MAX_WORKERS}")
+    if not 0 <= args.first_seed <= mipu.SEED_LIMIT - args.seeds:
+        raise mipu.MIPUError(f"--first-seed must be in [0, {mipu.SEED_LIMIT - args.seeds}] (numpy's seed range)")
+    extra = {"first-seed": (args.first_seed, FIRST_SEED), "steps": (args.steps, 0), "window": (args.window, WINDOW)}
+    command = f"python -m toy.study --preset {args.preset} --seeds {args.seeds}" + "".join(
+        f" --{flag} {value}" for flag, (value, default) in extra.items() if value != default)
+    study(args.preset, args.seeds, args.steps or STUDY_PRESETS[args.preset], args.first_seed, args.window,
+          args.workers, Path(args.out), command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
