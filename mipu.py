@@ -71,6 +71,7 @@ COMMANDS (the README has the rest)
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import faulthandler
@@ -1879,6 +1880,9 @@ def _verify_worker(parent: int, memory_bytes: int) -> None:
         print(json.dumps(ok), flush=True)
 
 
+VERIFY_WORKER_CODE = inspect.getsource(_verify_worker)   # read at import: a later edit of this file changes nothing
+
+
 @functools.cache
 def _lasting_thread():
     """A thread that lives as long as this process (idle between tasks): the reward worker's parent thread, so its
@@ -1935,7 +1939,7 @@ class RewardWorker:
     def _start(self, memory_mb: int) -> None:
         """The worker, in a session of its own (a Ctrl-C at a terminal reaches this process only), once its imports
         are done: the time budget times the verification only. One that dies in its imports is started again."""
-        code = inspect.getsource(_verify_worker) + f"_verify_worker({os.getpid()}, {memory_mb * 2**20})"
+        code = VERIFY_WORKER_CODE + f"_verify_worker({os.getpid()}, {memory_mb * 2**20})"
         popen = functools.partial(subprocess.Popen, [sys.executable, "-c", code], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, start_new_session=True)
         for tries in range(1, REWARD_START_TRIES + 1):
@@ -2770,9 +2774,12 @@ def exit_bounded(main_fn) -> None:
 
     signal.signal(signal.SIGINT, on_sigint)
     sys.unraisablehook = unraisable
-    code = main_fn()
+    try:
+        code = main_fn()
+    except KeyboardInterrupt:            # one outside report_errors (parsing the flags)
+        tell_interrupted()
+        code = 130
     if hasattr(on_sigint, "timer"):
-        import atexit
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
