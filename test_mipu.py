@@ -2233,7 +2233,7 @@ def _three_layers(weights):
     # values in range, before the engines (each of these failed after they started, or trained on nonsense)
     (lambda c: _edit_state(c, lambda s: {**s, "order": [10**9] + list(range(1, 512))}),
      "trainer_state.pt: refused: order = .* is not a permutation of the 512 training rows' indices"),
-    (lambda c: _edit_state(c, lambda s: {**s, "pending": ({"prompt_ids": [[1]]}, torch.zeros(1))}),
+    (lambda c: _edit_state(c, lambda s: {**s, "pending": {"prompt_ids": [[1]]}}),
      "trainer_state.pt: refused: pending = .* is not None or a batch of 16 responses of token ids below 64"),
     (lambda c: _edit_state(c, lambda s: {**s, "probe": ([1, 2], [999999])}),
      r"trainer_state.pt: refused: probe = \(\[1, 2\], \[999999\]\) is not \(prompt, response\) token ids below"),
