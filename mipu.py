@@ -1968,7 +1968,7 @@ REWARD_WORKER = RewardWorker()
 
 def worker_score(cfg: TrainConfig):
     """sample_reward's score under the harness: math_reward, whose math_verify calls run in REWARD_WORKER."""
-    return functools.partial(math_reward, timeout=cfg.reward_timeout)
+    return functools.partial(math_reward, timeout=cfg.reward_timeout, memory_mb=cfg.reward_memory)
 
 
 def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout: float = 5.0,
@@ -2437,7 +2437,7 @@ def check_memory_plan(cfg: TrainConfig) -> float:
 # flags a --resume may change: length, evaluation, output, memory knobs (micro_batch_size: rounding only); no other
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_data", "eval_samples", "eval_temperature", "save_every", "output_dir",
                      "resume", "overwrite", "micro_batch_size", "gpu_memory_utilization", "reward_timeout",
-                     "report_to", "logprob_chunk", "grad_checkpointing", "vllm_sleep", "vllm_compile")
+                     "reward_memory", "report_to", "logprob_chunk", "grad_checkpointing", "vllm_sleep", "vllm_compile")
 _auto = functools.partial(_arg, "auto", choices=("auto", "on", "off"))    # "auto": AUTO_DEFAULTS' value for the device
 
 
@@ -2466,6 +2466,8 @@ class TrainConfig(Config):
     drop_long_prompts: bool = _llm(False, "drop (and count) prompts too long for the context, not refuse them")
     reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default); a "
                                  "gold answer that cannot be compared with 0 within it scores 0 from then on, uncalled")
+    reward_memory: int = _llm(REWARD_MEMORY_MB, "MB of address space of the math_verify reward worker (RLIMIT_AS); "
+                              "past it a comparison fails and scores 0 (1024: math_verify loaded takes under 1/4)")
     report_to: str = _train("", "metrics also to tensorboard (<output-dir>/tensorboard) and/or wandb, comma-separated")
 
     def validate(self, command: str = "") -> "TrainConfig":
@@ -2485,6 +2487,7 @@ class TrainConfig(Config):
             (self.eval_samples >= 1 and self.save_every >= 1, "--eval-samples and --save-every must be >= 1"),
             (self.eval_every >= 0 and self.eval_temperature >= 0, "--eval-every and --eval-temperature must be >= 0"),
             (0 < self.reward_timeout <= POLL_LIMIT_S, f"--reward-timeout must be in (0, {POLL_LIMIT_S:g}] seconds"),
+            (self.reward_memory >= 1, "--reward-memory must be >= 1 (MB)"),
             (not (self.resume and self.overwrite), "--resume and --overwrite exclude each other"),
             (self.output_dir != "", "--output-dir must not be empty (a run would claim the current directory; "
                                     "name it: --output-dir .)"),

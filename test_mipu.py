@@ -1834,6 +1834,13 @@ def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monke
     assert run.reward_timeouts == 2 * run.cfg.num_generations and ro.rewards.eq(0).all()
 
 
+def test_reward_memory_flag_reaches_the_worker():
+    cfg = mipu.TrainConfig(reward_memory=300, reward_timeout=2.0).validate()
+    assert mipu.worker_score(cfg).keywords == {"timeout": 2.0, "memory_mb": 300}       # train's rollouts and eval's
+    with pytest.raises(mipu.MIPUError, match=r"--reward-memory must be >= 1 \(MB\)"):
+        mipu.TrainConfig(reward_memory=0).validate()
+
+
 # ---------------------------------------------------------------- HARNESS: checkpoints, resume, the run directory, metrics
 
 def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
