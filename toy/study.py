@@ -40,6 +40,7 @@ MAX_WORKERS = 2                   # the machines this runs on have 2 cores
 ALWAYS = "mipu, always accept (c = 1e9): the probed runs"
 # label -> (Config overrides, kind); kind: plain, probe (Ĝ^μ probes on their own generators), gmu (the Ĝ^μ rule)
 BASE_ARMS = {"grpo (no correction)": ({"method": "grpo"}, "plain"),
+             "grpo without mismatch (alpha = 0: mu = pi)": ({"method": "grpo", "toy_mismatch": 0.0}, "plain"),
              "tis (Step 1 only)": ({"method": "tis"}, "plain"),
              ALWAYS: ({"method": "mipu", "c": demo.SELECT_ALWAYS_C}, "probe")}
 # the Ĝ^μ rule draws val_prompts × G fresh samples of μ_k: at 32 (the default) the paper rule's sample cost
@@ -126,7 +127,8 @@ def study_run(job: tuple) -> dict:
 
 def run_arms(arms: dict, base: dict, seeds: list[int], pool) -> dict:
     """label -> the runs of that arm (Config overrides, kind), one per seed."""
-    jobs = [({**base, **over, "seed": s}, base["toy_mismatch"], kind) for over, kind in arms.values() for s in seeds]
+    jobs = [({**base, **over, "seed": s}, {**base, **over}["toy_mismatch"], kind) for over, kind in arms.values()
+            for s in seeds]
     runs = pool.map(study_run, jobs, chunksize=1) if pool else [study_run(j) for j in jobs]
     return {label: runs[i * len(seeds):(i + 1) * len(seeds)] for i, label in enumerate(arms)}
 
