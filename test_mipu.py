@@ -1829,7 +1829,7 @@ def test_load_eval_sets_of_no_source_is_one_error(model_dir):
 
 def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monkeypatch):
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", score_truncated=True), llm=llm)
-    monkeypatch.setattr(mipu, "math_reward", lambda completion, answer, boxed_only, timeout, memory_mb: None)  # all timed out
+    monkeypatch.setattr(mipu, "math_reward", lambda completion, answer, boxed_only, timeout, memory_mb: None)  # timed out
     ro = run.sample(run.train_rows[:2], seed=0)
     assert run.reward_timeouts == 2 * run.cfg.num_generations and ro.rewards.eq(0).all()
 
