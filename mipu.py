@@ -70,42 +70,22 @@ COMMANDS (the README has the rest)
 """
 from __future__ import annotations
 
-import argparse
-import atexit
 import contextlib
 import dataclasses
-import faulthandler
-import fcntl
 import functools
-import inspect
-import json
 import logging
 import math
 import numbers
 import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
-import threading
 import time
-import weakref
 from collections.abc import Iterator
 from decimal import Decimal
 from fractions import Fraction
-from multiprocessing.connection import wait as wait_readable  # poll(2): no select(2) limit of 1024 descriptors
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor
 
 
 class MIPUError(ValueError):
@@ -136,26 +116,6 @@ SEED_LIMIT = 2**32                # --seed + rank seeds each rank's vLLM engine,
 # Step k's random streams on the LLM are seeded seed * M + k, one prime M per stream: distinct (seed, k) pairs give
 # distinct seeds within a stream (for k < M), and the streams of one seed differ. Rollouts use 2k and 2k + 1 (Step 2).
 SEED_MUL = {"rollout": 1_000_003, "minibatch": 7919, "reject": 31}
-# Upper bounds of the flags, each with the reason (the numbers: python -m toy.limits)
-INT_FLAG_MAX = 2**62      # torch's sizes, indices and seeds are int64: 2**62 keeps a sum of two sizes, and Step 2's
-#                           rollout seed seed * 1_000_003 + 2k + 1, inside 2**63
-MIN_TEMPERATURE = 1e-2    # vLLM raises a smaller temperature to 0.01 (its _MAX_TEMP, against inf/NaN in logits / T):
-#                           the trainer, dividing by the flag's value, would score another policy than vLLM samples
-TOY_MISMATCH_MAX = 100.0  # the warm start's largest |log pi - log mu| grows with alpha: 35-73 nats at 100, 75-153 at
-#                           200 (seeds 0-19); float32's exp overflows at 88.7, so w = pi/mu and rho turn inf beyond it
-TOY_LR_MAX = 1.0          # Adam moves each weight by ~lr a step and the toy's weights are O(0.5): one step at lr 0.3
-#                           takes J(mu) to ~0; from ~1e20 the logits overflow float32, at 1e38 Adam itself does
-FP8_SUBNORMAL_MIN = 2**-9     # float8_e4m3fn's smallest positive value (torch.finfo gives the normal one, 2**-6)
-# --toy-fp8-headroom h: the warm start's largest logit lands at fp8_max / h on the FP8 grid; above 448 / 2**-9 it is
-# below FP8's smallest positive value, so every logit of μ rounds to 0 (μ uniform)
-TOY_FP8_HEADROOM_MAX = torch.finfo(torch.float8_e4m3fn).max / FP8_SUBNORMAL_MIN
-# Host RAM a toy run's sizes need, bytes per element (fitted to the peak RSS toy.limits measures): its tables
-# [P, H, V+1, V] (float32 logits and log-probs of both engines, the float64 DP over both), its hidden layer
-# [P, H, V+1, d] (pre- and post-tanh), its weights (with gradient, Adam's moments, the snapshot), a rollout token
-TOY_TABLE_BYTES, TOY_HIDDEN_BYTES, TOY_WEIGHT_BYTES, TOY_TOKEN_BYTES = 64, 28, 24, 72
-# An LLM rollout's host RAM per response token, at least (counted, not measured): its four float32 [B, T] tensors
-# (log mu, mask, log pi_k, Step 2's log pi) 16, vLLM's token id (an int: 8 + 32) and log-prob (a float: 8 + 24) lists
-ROLLOUT_TOKEN_BYTES = 88
 
 
 def _arg(default, help: str, group: str = "algo", choices=None):
@@ -169,20 +129,6 @@ FIELD_KINDS = {bool: (lambda v: isinstance(v, bool), "True or False"),
                int: (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
                float: (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
                str: (lambda v: isinstance(v, str), "text")}
-
-
-def host_ram_bytes() -> int:
-    """This machine's physical memory."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def toy_bytes(cfg: "Config") -> int:
-    """Host RAM of a toy run (estimated): its tables, hidden layer and weights, and its two rollouts per step."""
-    P, H, V, d = cfg.toy_prompts, cfg.toy_horizon, cfg.toy_vocab, cfg.toy_dim
-    weights = (P + H + V + 1 + d + V) * d                              # embeddings, W1 [d, d], W2 [d, V]
-    tokens = (cfg.prompts_per_step + cfg.val_prompts) * cfg.num_generations * H
-    return (P * H * (V + 1) * (TOY_TABLE_BYTES * V + TOY_HIDDEN_BYTES * d) + TOY_WEIGHT_BYTES * weights
-            + TOY_TOKEN_BYTES * tokens)
 
 
 @dataclasses.dataclass
@@ -327,38 +273,8 @@ class Config:
              and 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be auto or a number in (0, 1]"),
             (command != "train" or (self.accept_rule != "oracle" and not self.c_se),
              "--accept-rule oracle and --c-se are toy only (they need the exact J / T_post's SE)"),
-        ] + self.limit_checks(command)
-
-    def limit_checks(self, command: str) -> list[tuple[bool, str]]:
-        """(ok, message) of the upper bounds (the constants above Config say why) and of the host RAM the sizes need:
-        the toy's (toy_bytes) unless `command` is an LLM one, one LLM step's rollouts in `train`."""
-        ints = [f.name for f in dataclasses.fields(self) if type(f.default) is int]
-        flag, ram = {n: "--" + n.replace("_", "-") for n in ints}, host_ram_bytes()
-        sane = all(abs(getattr(self, n)) <= INT_FLAG_MAX for n in ints)     # else the sizes below overflow floats
-        toy, llm = sane and command not in ("train", "eval"), sane and command == "train"
-        length = min(self.max_new_tokens, self.max_model_len or self.max_new_tokens)     # a response's longest
-        rollout = (self.prompts_per_step + self.val_prompts) * self.num_generations * length
-        return [(getattr(self, n) <= INT_FLAG_MAX, f"{flag[n]} must be <= 2**62 (torch's sizes, indices and seeds "
-                                                   "are int64)") for n in ints] + [
-            (self.max_model_len >= 0, "--max-model-len must be >= 0 (0: the model's own maximum)"),
-            (self.target_holdout >= 0, "--target-holdout must be >= 0"),
-            (not 0 < self.temperature < MIN_TEMPERATURE, f"--temperature must be >= {MIN_TEMPERATURE:g}: vLLM raises "
-             "a smaller one to it (against inf/NaN in logits / T), while the trainer divides by the flag's value"),
-            (self.toy_mismatch <= TOY_MISMATCH_MAX, f"--toy-mismatch must be <= {TOY_MISMATCH_MAX:g}: beyond it "
-             "log pi - log mu passes float32's exp range (88.7 nats) and w = pi/mu overflows"),
-            (self.toy_lr <= TOY_LR_MAX, f"--toy-lr must be <= {TOY_LR_MAX:g}: an Adam step moves every toy weight "
-             "by ~lr and they are O(0.5); one step at lr 0.3 takes J(mu) to ~0"),
-            (self.toy_fp8_headroom <= TOY_FP8_HEADROOM_MAX, f"--toy-fp8-headroom must be <= {TOY_FP8_HEADROOM_MAX:g} "
-             "(448 / 2**-9): beyond it every logit rounds to FP8's zero"),
-            (not toy or toy_bytes(self) <= ram, "--toy-prompts P, --toy-horizon H, --toy-vocab V, --toy-dim d, "
-             "--prompts-per-step, --val-prompts, --num-generations: the toy's tables [P, H, V+1, V], hidden layer "
-             f"[P, H, V+1, d], weights and rollouts need ~{toy_bytes(self) / 2**30:.3g} GiB (estimated), more than "
-             f"this machine's {ram / 2**30:.0f} GiB" if toy else ""),
-            (not llm or rollout * ROLLOUT_TOKEN_BYTES <= ram, f"(--prompts-per-step + --val-prompts) x "
-             f"--num-generations x --max-new-tokens (or --max-model-len) = {rollout:.3g} rollout tokens a step: at "
-             f"full length at least ~{rollout * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, more than this "
-             f"machine's {ram / 2**30:.0f} GiB" if llm else ""),
         ]
+
 # ==== MIPU MATH =====================================================================================================
 # Pure functions. logp*, mask [B, T]: each sampled token's log-prob, 1 on response tokens (B responses of T); adv [B]
 
@@ -1513,6 +1429,29 @@ class LLMEngine(Engine):
 # several GPUs (torchrun + FSDP2) and vLLM's sleep mode, data readers and the sandboxed reward, checkpoints and
 # metrics, the memory plan, the harness's flags and their validation, the command line.
 
+# the harness's own imports: the reference above needs none of them
+import argparse
+import atexit
+import faulthandler
+import fcntl
+import inspect
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import weakref
+from multiprocessing.connection import wait as wait_readable  # poll(2): no select(2) limit of 1024 descriptors
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
 # ---- SEVERAL GPUS, SLEEP MODE ---------------------------------------------------------------------------------------
 # Under torchrun (env WORLD_SIZE, RANK, LOCAL_RANK) FSDP2 shards the trainer, each rank's vLLM engine samples an equal
 # share of whole prompt groups, decisions use global means. Else all are no-ops.
@@ -2434,6 +2373,75 @@ def check_memory_plan(cfg: TrainConfig) -> float:
 
 # ---- THE HARNESS'S FLAGS, VALIDATION THAT TOUCHES FILES OR RANKS ---------------------------------------------------
 
+# ---- the flags' upper bounds and the host RAM their sizes need: against hostile input, not the method ----
+# Upper bounds of the flags, each with the reason (the numbers: python -m toy.limits)
+INT_FLAG_MAX = 2**62      # torch's sizes, indices and seeds are int64: 2**62 keeps a sum of two sizes, and Step 2's
+#                           rollout seed seed * 1_000_003 + 2k + 1, inside 2**63
+MIN_TEMPERATURE = 1e-2    # vLLM raises a smaller temperature to 0.01 (its _MAX_TEMP, against inf/NaN in logits / T):
+#                           the trainer, dividing by the flag's value, would score another policy than vLLM samples
+TOY_MISMATCH_MAX = 100.0  # the warm start's largest |log pi - log mu| grows with alpha: 35-73 nats at 100, 75-153 at
+#                           200 (seeds 0-19); float32's exp overflows at 88.7, so w = pi/mu and rho turn inf beyond it
+TOY_LR_MAX = 1.0          # Adam moves each weight by ~lr a step and the toy's weights are O(0.5): one step at lr 0.3
+#                           takes J(mu) to ~0; from ~1e20 the logits overflow float32, at 1e38 Adam itself does
+FP8_SUBNORMAL_MIN = 2**-9     # float8_e4m3fn's smallest positive value (torch.finfo gives the normal one, 2**-6)
+# --toy-fp8-headroom h: the warm start's largest logit lands at fp8_max / h on the FP8 grid; above 448 / 2**-9 it is
+# below FP8's smallest positive value, so every logit of μ rounds to 0 (μ uniform)
+TOY_FP8_HEADROOM_MAX = torch.finfo(torch.float8_e4m3fn).max / FP8_SUBNORMAL_MIN
+# Host RAM a toy run's sizes need, bytes per element (fitted to the peak RSS toy.limits measures): its tables
+# [P, H, V+1, V] (float32 logits and log-probs of both engines, the float64 DP over both), its hidden layer
+# [P, H, V+1, d] (pre- and post-tanh), its weights (with gradient, Adam's moments, the snapshot), a rollout token
+TOY_TABLE_BYTES, TOY_HIDDEN_BYTES, TOY_WEIGHT_BYTES, TOY_TOKEN_BYTES = 64, 28, 24, 72
+# An LLM rollout's host RAM per response token, at least (counted, not measured): its four float32 [B, T] tensors
+# (log mu, mask, log pi_k, Step 2's log pi) 16, vLLM's token id (an int: 8 + 32) and log-prob (a float: 8 + 24) lists
+ROLLOUT_TOKEN_BYTES = 88
+
+
+def host_ram_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def toy_bytes(cfg: Config) -> int:
+    """Host RAM of a toy run (estimated): its tables, hidden layer and weights, and its two rollouts per step."""
+    P, H, V, d = cfg.toy_prompts, cfg.toy_horizon, cfg.toy_vocab, cfg.toy_dim
+    weights = (P + H + V + 1 + d + V) * d                              # embeddings, W1 [d, d], W2 [d, V]
+    tokens = (cfg.prompts_per_step + cfg.val_prompts) * cfg.num_generations * H
+    return (P * H * (V + 1) * (TOY_TABLE_BYTES * V + TOY_HIDDEN_BYTES * d) + TOY_WEIGHT_BYTES * weights
+            + TOY_TOKEN_BYTES * tokens)
+
+
+def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
+    """(ok, message) of the upper bounds (the constants above say why) and of the host RAM the sizes need:
+    the toy's (toy_bytes) unless `command` is an LLM one, one LLM step's rollouts in `train`."""
+    ints = [f.name for f in dataclasses.fields(cfg) if type(f.default) is int]
+    flag, ram = {n: "--" + n.replace("_", "-") for n in ints}, host_ram_bytes()
+    sane = all(abs(getattr(cfg, n)) <= INT_FLAG_MAX for n in ints)     # else the sizes below overflow floats
+    toy, llm = sane and command not in ("train", "eval"), sane and command == "train"
+    length = min(cfg.max_new_tokens, cfg.max_model_len or cfg.max_new_tokens)     # a response's longest
+    rollout = (cfg.prompts_per_step + cfg.val_prompts) * cfg.num_generations * length
+    return [(getattr(cfg, n) <= INT_FLAG_MAX, f"{flag[n]} must be <= 2**62 (torch's sizes, indices and seeds "
+                                               "are int64)") for n in ints] + [
+        (cfg.max_model_len >= 0, "--max-model-len must be >= 0 (0: the model's own maximum)"),
+        (cfg.target_holdout >= 0, "--target-holdout must be >= 0"),
+        (not 0 < cfg.temperature < MIN_TEMPERATURE, f"--temperature must be >= {MIN_TEMPERATURE:g}: vLLM raises "
+         "a smaller one to it (against inf/NaN in logits / T), while the trainer divides by the flag's value"),
+        (cfg.toy_mismatch <= TOY_MISMATCH_MAX, f"--toy-mismatch must be <= {TOY_MISMATCH_MAX:g}: beyond it "
+         "log pi - log mu passes float32's exp range (88.7 nats) and w = pi/mu overflows"),
+        (cfg.toy_lr <= TOY_LR_MAX, f"--toy-lr must be <= {TOY_LR_MAX:g}: an Adam step moves every toy weight "
+         "by ~lr and they are O(0.5); one step at lr 0.3 takes J(mu) to ~0"),
+        (cfg.toy_fp8_headroom <= TOY_FP8_HEADROOM_MAX, f"--toy-fp8-headroom must be <= {TOY_FP8_HEADROOM_MAX:g} "
+         "(448 / 2**-9): beyond it every logit rounds to FP8's zero"),
+        (not toy or toy_bytes(cfg) <= ram, "--toy-prompts P, --toy-horizon H, --toy-vocab V, --toy-dim d, "
+         "--prompts-per-step, --val-prompts, --num-generations: the toy's tables [P, H, V+1, V], hidden layer "
+         f"[P, H, V+1, d], weights and rollouts need ~{toy_bytes(cfg) / 2**30:.3g} GiB (estimated), more than "
+         f"this machine's {ram / 2**30:.0f} GiB" if toy else ""),
+        (not llm or rollout * ROLLOUT_TOKEN_BYTES <= ram, f"(--prompts-per-step + --val-prompts) x "
+         f"--num-generations x --max-new-tokens (or --max-model-len) = {rollout:.3g} rollout tokens a step: at "
+         f"full length at least ~{rollout * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, more than this "
+         f"machine's {ram / 2**30:.0f} GiB" if llm else ""),
+    ]
+
+
 # flags a --resume may change: length, evaluation, output, memory knobs (micro_batch_size: rounding only); no other
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_data", "eval_samples", "eval_temperature", "save_every", "output_dir",
                      "resume", "overwrite", "micro_batch_size", "gpu_memory_utilization", "reward_timeout",
@@ -2483,7 +2491,7 @@ class TrainConfig(Config):
         world = rank_world()[1]
         gpu, step2 = torch.cuda.is_available(), METHOD_SPEC.get(self.method, ("", ""))[1]
         train, llm = command == "train", command in ("train", "eval")
-        return super().checks(command, world) + [
+        return super().checks(command, world) + limit_checks(self, command) + [
             (self.eval_samples >= 1 and self.save_every >= 1, "--eval-samples and --save-every must be >= 1"),
             (self.eval_every >= 0 and self.eval_temperature >= 0, "--eval-every and --eval-temperature must be >= 0"),
             (0 < self.reward_timeout <= POLL_LIMIT_S, f"--reward-timeout must be in (0, {POLL_LIMIT_S:g}] seconds"),
@@ -2723,11 +2731,10 @@ def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: st
                             help=f.metadata["help"] + ("" if "action" in kind else " (default: %(default)s)"))
 
 
-def config_from(args: dict, command: str = "") -> Config:
-    """The config of parsed flags (train, eval: a TrainConfig), validated for `command` (other keys are ignored)."""
-    cls = TrainConfig if command in ("train", "eval") or "model" in args else Config   # the LLM's flags: a train run
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in args.items() if k in names}).validate(command)
+def config_from(args: dict, command: str = "") -> TrainConfig:
+    """The config of parsed flags, validated for `command` with the harness's checks (other keys are ignored)."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in args.items() if k in names}).validate(command)
 
 
 INTERRUPTED = "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"

@@ -1,5 +1,5 @@
-"""The numbers behind mipu.py's flag bounds (the constants above Config): where the toy breaks, and the host RAM its
-sizes take against mipu.toy_bytes' estimate.
+"""The numbers behind mipu.py's flag bounds (the constants above limit_checks): where the toy breaks, and the host
+RAM its sizes take against mipu.toy_bytes' estimate.
 
     python -m toy.limits                 # all tables, ~5 min on 2 cores
     python -m toy.limits --only memory   # one of: mismatch, lr, headroom, memory
