@@ -54,11 +54,12 @@ FILE MAP, in reading order. THE REFERENCE (runs by itself; a first read stops at
   THE ITERATION     mipu_step (phases 0-4) and what it calls: step1_update, step2_estimates, decide
   ENGINES           Engine (the interface mipu_step uses), clone_state / restore_state, fp8_roundtrip
   TOY ENGINE        ToyPolicy, toy_sample, toy_exact_J, ToyEngine (exact J, the oracle rule, c_se), toy_run
-  LLM ENGINE        make_sampler, generate, sync_weights, load_trainer, token_logprobs, probe_gap, digest_gap,
-                    reference_reward, LLMEngine (vLLM + transformers on one device)
-THE HARNESS (extends LLMEngine as TrainEngine): several GPUs (torchrun + FSDP2) and vLLM's sleep mode / data and
-  the sandboxed reward worker / checkpoints, metrics, evaluation / the memory plan / TrainConfig (the harness's
-  flags, validation that touches files or ranks) / the command line (toy, train, eval)
+  LLM ENGINE        make_sampler, generate, sync_weights, load_trainer, token_logprobs, probe_gap, reference_reward,
+                    LLMEngine (vLLM + transformers on one device)
+THE HARNESS (extends LLMEngine as TrainEngine): several GPUs (torchrun + FSDP2) and vLLM's sleep mode / the sync
+  check's digests / data and the sandboxed reward worker / checkpoints, metrics, evaluation / the memory plan /
+  TrainConfig (the harness's flags, the flags' upper bounds, validation that touches files or ranks) / the command
+  line (toy, train, eval)
 
 COMMANDS (the README has the rest)
   python -m toy.demo                  # the toy demo: every method x 5 seeds, Step 2 selectivity
@@ -1018,61 +1019,6 @@ def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_qua
             piece, first = [], False
 
 
-# ---- the sync check's digest: vLLM's weights are θ's, bit for bit, at any learning rate ----
-# A multiset hash: Σ over a tensor's 16-bit words (bytes for 1-byte dtypes) of a fixed random table's entry. Integer
-# sums are exact and order-free, so the digest of vLLM's fused qkv_proj is the sum of q's, k's and v's, whatever the
-# layout; any changed word changes it (entries < 2^31: a chunk's sum, 2^22 × 2^31, fits int64, as any tensor's up to
-# 2^32 elements). Table entry 0 is 0: +0.0, vLLM's zero padding of vocabulary rows, counts for nothing.
-DIGEST_CHUNK = 2**22          # words per gather-and-sum: 32 MiB of int64 indices, the same of table entries
-DIGEST_SEED = 20260101
-
-
-@functools.cache
-def _digest_table(device: torch.device) -> torch.Tensor:     # [65536] int64 in [1, 2^31), entry 0 is 0
-    table = torch.randint(1, 2**31, (2**16,), generator=torch.Generator().manual_seed(DIGEST_SEED))
-    table[0] = 0
-    return table.to(device)
-
-
-def tensor_digest(t: torch.Tensor) -> int:
-    """The multiset hash of t's words; one sync with the device."""
-    flat = t.detach().contiguous().view(-1)
-    words = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
-    table, total = _digest_table(t.device), torch.zeros((), dtype=torch.int64, device=t.device)
-    for chunk in words.split(DIGEST_CHUNK):
-        total += table.index_select(0, chunk.long() & 0xFFFF).sum()   # not table[...]: 7 ms of overhead on CPU
-    return int(total)
-
-
-def weight_digests(named_tensors) -> dict[str, tuple[int, torch.dtype]]:
-    """{vLLM parameter name: (digest, dtype)} of HF-named tensors: q/k/v and gate/up summed as vLLM fuses them."""
-    out = {}
-    for name, t in named_tensors:
-        d = out.get(_fused_name(name), (0, t.dtype))[0]
-        out[_fused_name(name)] = (d + tensor_digest(t), t.dtype)
-    return out
-
-
-def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:    # runs inside the vLLM worker
-    return {name: (tensor_digest(p), p.dtype) for name, p in model.named_parameters() if p.numel()}
-
-
-def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str,
-               gather=lambda t: t) -> tuple[int, float]:
-    """(vLLM tensors whose digest is not θ's as sync_weights sends it, the fraction of θ's elements so compared).
-    Compared: the engine's non-empty parameters of θ's dtype and name (vLLM 0.32 by the public llm.apply_model, one
-    worker). Not compared, left to the probe: fp8 layers (vLLM re-quantizes them) and, in vLLM's CPU build, linear
-    layers (it packs their weights outside the parameters, which it empties)."""
-    sizes = {}                                     # elements per vLLM tensor (a DTensor's numel is the global one)
-    for n, t in named_tensors:
-        sizes[_fused_name(n)] = sizes.get(_fused_name(n), 0) + t.numel()
-    [engine] = llm.apply_model(_digests_in_worker)
-    pushed = weight_digests(pushed_tensors(named_tensors, rollout_quant, llm.llm_engine.vllm_config.model_config.dtype,
-                                           gather))
-    same = [n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt]
-    return sum(engine[n][0] != pushed[n][0] for n in same), sum(sizes[n] for n in same) / sum(sizes.values())
-
-
 def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool = False, load=None):
     """HF AutoModelForCausalLM on `device` in `dtype` (bf16-mixed: fp32 weights), sdpa attention, eval mode, by
     `load` (default transformers' from_pretrained; the harness's checks the folder first); `checkpointing` acts in
@@ -1309,7 +1255,7 @@ class LLMEngine(Engine):
         self.order, self.data_pos, self.val_pos = [], 0, 0     # shuffled training-row order of this pass, next rows
         self.pending_rows = self.pending = None     # --gap-batch next: step k+1's prompts; if accepted, its Rollout
         self.probe, self.probe_gap0 = (), 0.0       # (prompt, completion ids) scored after every sync; its start gap
-        self.digest_coverage, self.rolling_back = 0.0, False    # θ's elements the digests compare; in a rollback?
+        self.rolling_back = False                   # in a rollback? (the sync check's error names it)
 
     @property
     def base_lr(self) -> float:
@@ -1391,32 +1337,26 @@ class LLMEngine(Engine):
     def sync(self) -> dict:
         self.push_weights()
         gap = self.check_sync(self.cfg.sync_tol * max(self.probe_gap0, SYNC_GAP_FLOOR))
-        return {"sync/probe_mean_abs_dlogp": gap, "sync/digest_coverage": self.digest_coverage}
+        return {"sync/probe_mean_abs_dlogp": gap}
 
     def push_weights(self) -> None:
         sync_weights(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
 
     def check_sync(self, tol: float) -> float:
-        """Two checks that μ is θ's; MIPUError on every rank if one fails (none waits in a collective). The probe's
-        gap (returned: the largest over ranks) must be <= tol: a gross error (a layout, a dtype, a stale kernel);
-        then the digests: vLLM holds θ's bf16 values exactly (a missed sync at any learning rate)."""
+        """The sync check: the probe's gap (returned: the largest over ranks) must be <= tol, else MIPUError on every
+        rank (none waits in a collective): a gross error (a layout, a dtype, a stale kernel, a sync that did not take
+        effect at a large learning rate). The harness adds the digests (a missed sync at any learning rate)."""
         with torch.no_grad():
             gap = probe_gap(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), *self.probe)
-            bad, self.digest_coverage = digest_gap(self.llm, list(self.model.named_parameters()),
-                                                   self.cfg.rollout_quant, self.gather)
-        gap, bad = self.max(gap if math.isfinite(gap) else math.inf), self.max(bad)     # NaN counts as inf
-        where = f"step {self.step}" + "'s rollback" * self.rolling_back
+        gap = self.max(gap if math.isfinite(gap) else math.inf)     # NaN counts as inf
         if gap > tol or gap == math.inf:
             raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights" if gap == math.inf
-                            else f"weight sync did not take effect at {where}: mean |vLLM - trainer| log-prob "
-                                 f"{gap:.4g} > tol {tol:.4g}")
-        if bad:
-            raise MIPUError(f"weight sync did not take effect at {where}: {bad:.0f} of vLLM's weight tensors differ "
-                            f"from the trainer's (their digests)")
-        if not self.digest_coverage:
-            raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM's engine (names or "
-                            "dtypes differ): a missed sync would go unseen")
+                            else f"weight sync did not take effect at {self.sync_name()}: mean |vLLM - trainer| "
+                                 f"log-prob {gap:.4g} > tol {tol:.4g}")
         return gap
+
+    def sync_name(self) -> str:                    # the sync an error names
+        return f"step {self.step}" + "'s rollback" * self.rolling_back
 
     def rollback(self, synced: bool) -> None:
         self.rolling_back = True                   # the sync check's error names the re-sync
@@ -1595,15 +1535,71 @@ def warn_once(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+# ---- THE SYNC CHECK'S DIGESTS: vLLM's weights are θ's, bit for bit, at any learning rate -----------------------
+# A multiset hash: Σ over a tensor's 16-bit words (bytes for 1-byte dtypes) of a fixed random table's entry. Integer
+# sums are exact and order-free, so the digest of vLLM's fused qkv_proj is the sum of q's, k's and v's, whatever the
+# layout; any changed word changes it (entries < 2^31: a chunk's sum, 2^22 × 2^31, fits int64, as any tensor's up to
+# 2^32 elements). Table entry 0 is 0: +0.0, vLLM's zero padding of vocabulary rows, counts for nothing.
+DIGEST_CHUNK = 2**22          # words per gather-and-sum: 32 MiB of int64 indices, the same of table entries
+DIGEST_SEED = 20260101
+
+
+@functools.cache
+def _digest_table(device: torch.device) -> torch.Tensor:     # [65536] int64 in [1, 2^31), entry 0 is 0
+    table = torch.randint(1, 2**31, (2**16,), generator=torch.Generator().manual_seed(DIGEST_SEED))
+    table[0] = 0
+    return table.to(device)
+
+
+def tensor_digest(t: torch.Tensor) -> int:
+    """The multiset hash of t's words; one sync with the device."""
+    flat = t.detach().contiguous().view(-1)
+    words = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
+    table, total = _digest_table(t.device), torch.zeros((), dtype=torch.int64, device=t.device)
+    for chunk in words.split(DIGEST_CHUNK):
+        total += table.index_select(0, chunk.long() & 0xFFFF).sum()   # not table[...]: 7 ms of overhead on CPU
+    return int(total)
+
+
+def weight_digests(named_tensors) -> dict[str, tuple[int, torch.dtype]]:
+    """{vLLM parameter name: (digest, dtype)} of HF-named tensors: q/k/v and gate/up summed as vLLM fuses them."""
+    out = {}
+    for name, t in named_tensors:
+        d = out.get(_fused_name(name), (0, t.dtype))[0]
+        out[_fused_name(name)] = (d + tensor_digest(t), t.dtype)
+    return out
+
+
+def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:    # runs inside the vLLM worker
+    return {name: (tensor_digest(p), p.dtype) for name, p in model.named_parameters() if p.numel()}
+
+
+def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str,
+               gather=lambda t: t) -> tuple[int, float]:
+    """(vLLM tensors whose digest is not θ's as sync_weights sends it, the fraction of θ's elements so compared).
+    Compared: the engine's non-empty parameters of θ's dtype and name (vLLM 0.32 by the public llm.apply_model, one
+    worker). Not compared, left to the probe: fp8 layers (vLLM re-quantizes them) and, in vLLM's CPU build, linear
+    layers (it packs their weights outside the parameters, which it empties)."""
+    sizes = {}                                     # elements per vLLM tensor (a DTensor's numel is the global one)
+    for n, t in named_tensors:
+        sizes[_fused_name(n)] = sizes.get(_fused_name(n), 0) + t.numel()
+    [engine] = llm.apply_model(_digests_in_worker)
+    pushed = weight_digests(pushed_tensors(named_tensors, rollout_quant, llm.llm_engine.vllm_config.model_config.dtype,
+                                           gather))
+    same = [n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt]
+    return sum(engine[n][0] != pushed[n][0] for n in same), sum(sizes[n] for n in same) / sum(sizes.values())
+
+
 class TrainEngine(LLMEngine):
     """LLMEngine as `train` runs it: under torchrun FSDP2's shards and one vLLM engine per rank, each sampling an equal
     share of whole prompt groups (means, verdicts, metrics over all ranks); vLLM's sleep mode during Step 1; the
-    sandboxed reward with its time budget; a pinned rollback snapshot for a GPU model."""
+    sandboxed reward with its time budget; a pinned rollback snapshot for a GPU model; the digests' sync check."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.rank, self.world = rank_world()
         self.reward_timeouts = 0                  # reward calls past --reward-timeout, scored 0
+        self.digest_coverage = 0.0                # θ's elements the digests compare
 
     def sample(self, rows: list, seed: int) -> Rollout:
         first = self.rank * len(rows) // self.world   # seeded as one process seeds these prompts: the ranks' differ
@@ -1630,6 +1626,23 @@ class TrainEngine(LLMEngine):
         if self.cfg.vllm_sleep == "on":     # the weights only: the sync loads θ into them, then the KV cache wakes
             self.llm.wake_up(tags=["weights"])
         return finite
+
+    def sync(self) -> dict:
+        return {**super().sync(), "sync/digest_coverage": self.digest_coverage}
+
+    def check_sync(self, tol: float) -> float:
+        """LLMEngine's probe, then the digests: vLLM holds θ's bf16 values exactly (a missed sync at any LR)."""
+        gap = super().check_sync(tol)
+        with torch.no_grad():
+            bad, self.digest_coverage = digest_gap(self.llm, list(self.model.named_parameters()),
+                                                   self.cfg.rollout_quant, self.gather)
+        if bad := self.max(bad):
+            raise MIPUError(f"weight sync did not take effect at {self.sync_name()}: {bad:.0f} of vLLM's weight "
+                            "tensors differ from the trainer's (their digests)")
+        if not self.digest_coverage:
+            raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM's engine (names or "
+                            "dtypes differ): a missed sync would go unseen")
+        return gap
 
     def push_weights(self) -> None:
         super().push_weights()
