@@ -61,13 +61,8 @@ THE HARNESS (extends LLMEngine as TrainEngine): several GPUs (torchrun + FSDP2) 
   TrainConfig (the harness's flags, the flags' upper bounds, validation that touches files or ranks) / the command
   line (toy, train, eval)
 
-COMMANDS (the README has the rest)
-  python -m toy.demo                  # the toy demo: every method x 5 seeds, Step 2 selectivity
-  python mipu.py toy                  # one toy run (preset collapse)
-  python -m toy.make_tiny && python mipu.py train --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl \
-      --val-data toy/arith_val.jsonl --answer-format last-number --steps 3 --prompts-per-step 8 --val-prompts 8 \
-      --mini-batch-size 32 --max-new-tokens 8 --rollout-quant fp8-sim --output-dir runs/smoke    # CPU LLM smoke run
-  python -m pytest -q test_mipu.py    # the tests
+COMMANDS: python -m toy.demo (the toy demo), python mipu.py toy | train | eval, python -m pytest -q test_mipu.py;
+  the README's "Train an LLM" has the CPU smoke run of `train` on a tiny model.
 """
 from __future__ import annotations
 
@@ -851,13 +846,6 @@ class ToyEngine(Engine):
         if self.cfg.accept_rule == "oracle":
             g_k, t_post = self.J[0] - self.prev[1][1], self.J[1] - self.J[0]
         return t_post, g_k, self.cfg.c + self.cfg.c_se * gap_se(val.logp_train, val.logp_sampler, val.adv, val.mask)
-
-    def gap_check(self, n_prompts: int, gen: torch.Generator) -> tuple[float, float]:
-        """T̂_post and its standard error on n_prompts × G fresh samples of the synced μ (probes of toy.demo)."""
-        val = self.sample(torch.randint(self.cfg.toy_prompts, (n_prompts,), generator=gen), gen)
-        logp_new = self.logp(val)
-        return gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item(), gap_se(logp_new, val.logp_sampler,
-                                                                                        val.adv, val.mask)
 
     def generator(self, stream: str) -> torch.Generator:
         return self.gen

@@ -385,8 +385,8 @@ def test_c_se_rejects_only_when_significantly_below():
     lenient = mipu.toy_run(small_cfg(method="mipu", steps=8, c_se=1e9), 8.0)
     assert all(m["step2/accepted"] == 1.0 for m in lenient[1:])
     run = mipu.ToyEngine(small_cfg(), 8.0)
-    t, se = run.gap_check(8, torch.Generator().manual_seed(0))
-    assert 0 < se < 1 and t == run.gap_check(8, torch.Generator().manual_seed(0))[0]
+    t, se = demo.t_post_probe(run, 8, torch.Generator().manual_seed(0))
+    assert 0 < se < 1 and t == demo.t_post_probe(run, 8, torch.Generator().manual_seed(0))[0]
 
 
 def test_random_rollback_tis_uses_the_tis_update():

@@ -70,11 +70,19 @@ def demo_run(job: tuple) -> list[dict]:
         m = mipu.mipu_step(run)
         gen = torch.Generator().manual_seed(cfg.seed * mipu.SEED_MUL["rollout"] + k)
         if probe and k % every == 0:
-            m.update({f"probe/t_post_{n}": run.gap_check(n, gen)[0] for n in probe})
+            m.update({f"probe/t_post_{n}": t_post_probe(run, n, gen)[0] for n in probe})
         if probe_g:
             m["probe/g_k"] = g_k_probe(run, lp_mu_k, gen)
         history.append(m)
     return history
+
+
+def t_post_probe(run: mipu.ToyEngine, n_prompts: int, gen: torch.Generator) -> tuple[float, float]:
+    """T̂_post and its standard error on n_prompts × G fresh samples of the synced μ, drawn from `gen`."""
+    val = run.sample(torch.randint(run.cfg.toy_prompts, (n_prompts,), generator=gen), gen)
+    logp_new = run.logp(val)
+    return (mipu.gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item(),
+            mipu.gap_se(logp_new, val.logp_sampler, val.adv, val.mask))
 
 
 def g_k_probe(run: mipu.ToyEngine, lp_mu_k: torch.Tensor, gen: torch.Generator) -> float:
@@ -161,8 +169,9 @@ def gap_study_rows(histories: list[list[dict]], preset: str, group_size: int) ->
 
 def preset_base(cfg: mipu.Config, p: str) -> dict:
     """The demo's Config of preset p: like `python mipu.py toy --toy-preset p`, the preset (mipu.TOY_PRESETS)
-    fills in the toy flags left at their defaults; STEP_MULTIPLIER x --steps."""
-    base = dataclasses.asdict(cfg)
+    fills in the toy flags left at their defaults; STEP_MULTIPLIER x --steps. The method's fields only (a
+    TrainConfig's harness fields are not the toy's)."""
+    base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(mipu.Config)}
     base.update({k: v for k, v in mipu.TOY_PRESETS[p].items() if base[k] == getattr(mipu.Config, k)})
     return {**base, "steps": cfg.steps * STEP_MULTIPLIER.get(p, 1)}
 
