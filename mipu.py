@@ -2432,6 +2432,8 @@ def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
          "by ~lr and they are O(0.5); one step at lr 0.3 takes J(mu) to ~0"),
         (cfg.toy_fp8_headroom <= TOY_FP8_HEADROOM_MAX, f"--toy-fp8-headroom must be <= {TOY_FP8_HEADROOM_MAX:g} "
          "(448 / 2**-9): beyond it every logit rounds to FP8's zero"),
+        (not toy or cfg.prompts_per_step <= cfg.toy_prompts, f"--prompts-per-step must be <= --toy-prompts "
+         f"({cfg.toy_prompts}): a toy step samples that many distinct prompts of the task"),
         (not toy or toy_bytes(cfg) <= ram, "--toy-prompts P, --toy-horizon H, --toy-vocab V, --toy-dim d, "
          "--prompts-per-step, --val-prompts, --num-generations: the toy's tables [P, H, V+1, V], hidden layer "
          f"[P, H, V+1, d], weights and rollouts need ~{toy_bytes(cfg) / 2**30:.3g} GiB (estimated), more than "
@@ -2495,6 +2497,8 @@ class TrainConfig(Config):
         return super().checks(command, world) + limit_checks(self, command) + [
             (self.eval_samples >= 1 and self.save_every >= 1, "--eval-samples and --save-every must be >= 1"),
             (self.eval_every >= 0 and self.eval_temperature >= 0, "--eval-every and --eval-temperature must be >= 0"),
+            (not 0 < self.eval_temperature < MIN_TEMPERATURE, f"--eval-temperature must be 0 (greedy) or >= "
+             f"{MIN_TEMPERATURE:g}: vLLM raises a smaller one to it"),
             (0 < self.reward_timeout <= POLL_LIMIT_S, f"--reward-timeout must be in (0, {POLL_LIMIT_S:g}] seconds"),
             (self.reward_memory >= 1, "--reward-memory must be >= 1 (MB)"),
             (not (self.resume and self.overwrite), "--resume and --overwrite exclude each other"),

@@ -2591,6 +2591,8 @@ def test_cli_bad_input_one_clear_error(args, message):
     (["toy", "--val-prompts", "1000000000"], "error: --toy-prompts P, --toy-horizon H, --toy-vocab V"),
     (["toy", "--steps", str(10**20)], "error: --steps must be <= 2**62"),
     (["toy", "--prompts-per-step", str(10**20)], "error: --prompts-per-step must be <= 2**62"),
+    (["toy", "--prompts-per-step", "40"], "error: --prompts-per-step must be <= --toy-prompts (32): a toy step"),
+    (["eval", "--eval-temperature", "0.001"], "error: --eval-temperature must be 0 (greedy) or >= 0.01"),
     (["train", "--micro-batch-size", str(10**20)], "error: --micro-batch-size must be <= 2**62"),
     (["train", "--mini-batch-size", str(10**20)], "error: --mini-batch-size must be <= 2**62"),
     (["train", "--max-new-tokens", str(2**40)], "rollout tokens a step: at full length at least"),
