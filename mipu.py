@@ -242,7 +242,8 @@ class Config:
             (getattr(self, n) >= 1, f"{flag[n]} must be >= 1") for n in ("prompts_per_step", "val_prompts", "epochs",
              "mini_batch_size", "micro_batch_size", "logprob_chunk", "max_new_tokens", "toy_prompts", "toy_horizon",
              "toy_dim")] + [
-            (getattr(self, n) >= 0, f"{flag[n]} must be >= 0") for n in ("steps", "weight_decay", "c_se")] + [
+            (getattr(self, n) >= 0, f"{flag[n]} must be >= 0") for n in ("steps", "weight_decay", "c_se",
+                                                                            "target_holdout", "max_model_len")] + [
             (getattr(self, n) > 0, f"{flag[n]} must be > 0") for n in ("learning_rate", "toy_lr", "sync_tol",
                                                                          "max_grad_norm", "toy_fp8_headroom")] + [
             (self.num_generations >= 2, "--num-generations must be >= 2 (group advantages need a group)"),
@@ -2422,8 +2423,6 @@ def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
     rollout = (cfg.prompts_per_step + cfg.val_prompts) * cfg.num_generations * length
     return [(getattr(cfg, n) <= INT_FLAG_MAX, f"{flag[n]} must be <= 2**62 (torch's sizes, indices and seeds "
                                                "are int64)") for n in ints] + [
-        (cfg.max_model_len >= 0, "--max-model-len must be >= 0 (0: the model's own maximum)"),
-        (cfg.target_holdout >= 0, "--target-holdout must be >= 0"),
         (not 0 < cfg.temperature < MIN_TEMPERATURE, f"--temperature must be >= {MIN_TEMPERATURE:g}: vLLM raises "
          "a smaller one to it (against inf/NaN in logits / T), while the trainer divides by the flag's value"),
         (cfg.toy_mismatch <= TOY_MISMATCH_MAX, f"--toy-mismatch must be <= {TOY_MISMATCH_MAX:g}: beyond it "
