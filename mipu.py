@@ -2489,7 +2489,8 @@ class TrainConfig(Config):
         return self
 
     def checks(self, command: str, world: int = 0) -> list[tuple[bool, str]]:
-        """Config's checks at the torchrun world size, the harness's flags, and what `command` needs."""
+        """Config's checks at the torchrun world size, the upper bounds (limit_checks), the harness's flags, and what
+        `command` needs."""
         world = rank_world()[1]
         gpu, step2 = torch.cuda.is_available(), METHOD_SPEC.get(self.method, ("", ""))[1]
         train, llm = command == "train", command in ("train", "eval")
