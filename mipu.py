@@ -1706,6 +1706,9 @@ def trainer_from_config(model_path: str, **kwargs):
 # ---- DATA & REWARD -------------------------------------------------------------------------------------------------
 # Prompts/answers from JSONL, parquet or HF datasets; a 1/0 math reward (plain numbers exact, the rest math-verify).
 
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")   # a code point no UTF-8 text holds: undecodable input
+
+
 def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dict:
     if not isinstance(row, dict):
         raise MIPUError(f"{where}: row is a {type(row).__name__}, expected a JSON object")
@@ -1720,7 +1723,7 @@ def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dic
     if not (isinstance(answer, str) or number) or not str(answer).strip():
         raise MIPUError(f"{where}: answer key {answer_key!r} is empty or not a string or number (finite, "
                         f"at most {NUMBER_MAX_CHARS} digits): {str(answer)[:60]}")
-    if re.search("[\ud800-\udfff]", prompt + str(answer)):      # JSON's "\ud800" escape: no UTF-8 text
+    if LONE_SURROGATE.search(prompt + str(answer)):      # JSON's "\ud800" escape: no UTF-8 text
         raise MIPUError(f"{where}: the prompt or answer holds a lone surrogate (\\ud800-\\udfff): no text")
     plain = f"{answer:f}" if isinstance(answer, Decimal) else str(answer)   # JSONL's 1e3: 1000, as the reward reads
     return {"prompt": prompt, "answer": plain.strip()}
@@ -1794,11 +1797,12 @@ REWARD_START_TRIES = 3    # a worker that dies during its start-up imports (the 
 
 
 def _verify_worker(parent: int, memory_bytes: int) -> None:
-    """RewardWorker's process, a fresh interpreter given this function's source (it uses nothing else of this file):
-    answers each JSON line [pred, answer] on stdin with true/false per math_verify, or null where it cannot parse
+    """RewardWorker's process, a fresh interpreter given this function's and math_verify_equal's source (it uses
+    nothing else of this file): answers each JSON line [pred, answer] on stdin with math_verify_equal's verdict,
+    true/false, or null where it cannot parse
     (past its address-space limit: a MemoryError, which math_verify reports as not equal or not parsed). It ends with
     its parent process, even a SIGKILLed one."""
-    import ctypes, json, logging, os, resource, signal, sys
+    import ctypes, importlib, json, logging, os, resource, signal, sys
     if sys.platform == "linux":   # PR_SET_PDEATHSIG (1): the kernel kills this process when its parent thread ends
         ctypes.CDLL(None).prctl(1, ctypes.c_ulong(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent:    # the parent died before that line (this one was re-parented)
@@ -1806,22 +1810,18 @@ def _verify_worker(parent: int, memory_bytes: int) -> None:
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]      # a MemoryError past the limit, never 128 GB
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes if hard == resource.RLIM_INFINITY else
                                             min(memory_bytes, hard), hard))
-    try:
-        from math_verify import parse, verify
+    try:                                     # before "ready": the time budget times the verification only
+        importlib.import_module("math_verify")
     except BaseException as e:               # RewardWorker reports it as one error line
         return print(json.dumps(f"{type(e).__name__}: {e}"), flush=True)
     logging.disable(logging.CRITICAL)        # math_verify logs whole inputs; RewardWorker times the calls instead
     print('"ready"', flush=True)
     for pred, answer in map(json.loads, sys.stdin):
-        try:
-            gold, guess = parse(f"${answer}$", parsing_timeout=None), parse(f"${pred}$", parsing_timeout=None)
-            ok = bool(verify(gold, guess, timeout_seconds=None)) if gold and guess else None
-        except Exception:  # math_verify/sympy raise arbitrary errors on weird text
-            ok = None
-        print(json.dumps(ok), flush=True)
+        print(json.dumps(math_verify_equal(pred, answer)), flush=True)
 
 
-VERIFY_WORKER_CODE = inspect.getsource(_verify_worker)   # read at import: a later edit of this file changes nothing
+# read at import: a later edit of this file changes nothing
+VERIFY_WORKER_CODE = inspect.getsource(math_verify_equal) + "\n\n" + inspect.getsource(_verify_worker)
 
 
 @functools.cache
@@ -2561,7 +2561,7 @@ def context_length(cfg: TrainConfig) -> int:
 def check_prompt_frame(cfg: TrainConfig, tokenizer, context: int, max_chars: int) -> None:
     """--prompt-suffix and the chat template, once, before every row: text, and room for a prompt in the context
     (a 100 KB suffix or a template that writes 100,000 characters fails here, not after templating every row)."""
-    if re.search("[\ud800-\udfff]", cfg.prompt_suffix):
+    if LONE_SURROGATE.search(cfg.prompt_suffix):
         raise MIPUError("--prompt-suffix is not UTF-8 text (a lone surrogate: a byte the command line could not "
                         "decode)")
     if len(cfg.prompt_suffix) > max_chars:
