@@ -60,6 +60,38 @@ def test_reference_refers_to_nothing_below_the_harness_banner():
     assert "toy_step" not in below | set().union(*[_top_level_names(n) for n in above])   # one step, mipu_step
 
 
+def _harness_words(tree, banner: int) -> set:
+    """What names the harness: its top-level names and TrainConfig's flags (--gap-batch) that the reference does
+    not define too, written with an underscore or in CamelCase (no plain word: "train" is also a command's name)."""
+    def members(n):
+        if not isinstance(n, ast.ClassDef):
+            return _top_level_names(n)
+        return {n.name} | {s.target.id for s in n.body if isinstance(s, ast.AnnAssign)}
+    above = set().union(*[members(n) for n in tree.body if n.lineno < banner])
+    below = set().union(*[members(n) for n in tree.body if n.lineno > banner]) - above
+    return {w for w in below if "_" in w.strip("_") or re.search("[a-z][A-Z]", w)}
+
+
+def test_reference_strings_name_nothing_of_the_harness():
+    """The reference's docstrings, help texts and messages name no harness function, class, constant or flag."""
+    source = (HERE / "mipu.py").read_text()
+    banner = [i for i, line in enumerate(source.splitlines(), 1) if line.startswith("# ==== HARNESS")][0]
+    tree = ast.parse(source)
+    harness = _harness_words(tree, banner)
+    assert {"TrainEngine", "lean_token_logprobs", "gap_batch", "clone_state"} <= harness   # the test can fail
+    said = {w.lstrip("-").replace("-", "_") for n in tree.body if n.lineno < banner for x in ast.walk(n)
+            if isinstance(x, ast.Constant) and isinstance(x.value, str)
+            for w in re.findall(r"-*[A-Za-z_][A-Za-z0-9_-]{3,}", x.value)}
+    assert not said & harness, sorted(said & harness)
+
+
+def test_reference_lines_fit_100_characters():
+    lines = (HERE / "mipu.py").read_text().splitlines()
+    banner = [i for i, line in enumerate(lines) if line.startswith("# ==== HARNESS")][0]
+    assert [i + 1 for i, line in enumerate(lines[:banner]) if len(line) > 100] == []
+    assert [i + 1 for i, line in enumerate(lines) if len(line) > 120] == []
+
+
 # ---------------------------------------------------------------- MIPU MATH: against hand-computed values
 
 def test_group_advantages_hand_values():
@@ -376,7 +408,7 @@ def test_oracle_rule_keeps_J_mu_monotone_and_is_toy_only():
         small_cfg(method="grpo", accept_rule="oracle")
     for kw in (dict(accept_rule="oracle"), dict(c_se=2.0), dict(accept_rule="oracle", prompts_per_step=2)):
         with pytest.raises(mipu.MIPUError, match="toy only"):
-            small_cfg(method="mipu", **kw).validate("train")
+            mipu.TrainConfig(method="mipu", **kw).validate("train")    # the harness refuses them
 
 
 def test_c_se_rejects_only_when_significantly_below():
@@ -619,8 +651,7 @@ def _mismatch(samples: list[dict], model) -> tuple[float, float]:
     """(max, mean) |sampler logprob - trainer logprob| over all sampled tokens."""
     with torch.no_grad():
         logp, mask = mipu.token_logprobs(model, [s["prompt_ids"] for s in samples],
-                                      [s["completion_ids"] for s in samples],
-                                      TEMPERATURE, micro_batch=64)  # [B, T]
+                                         [s["completion_ids"] for s in samples], TEMPERATURE)  # [B, T]
     sampler = torch.zeros_like(logp)
     for i, s in enumerate(samples):
         sampler[i, :len(s["sampler_logprobs"])] = torch.tensor(s["sampler_logprobs"])
@@ -733,8 +764,8 @@ def test_bf16_mixed_keeps_fp32_master_and_computes_in_bf16(model_dir, trainer, p
     assert all(p.dtype == torch.float32 for p in model.parameters())
     prompts, completions = [prompt_ids[0], prompt_ids[1]], [[7, 8, 9], [10, 11]]
     with mipu.train_autocast(mipu.TrainConfig(train_dtype="bf16-mixed")):
-        mixed, mask = mipu.token_logprobs(model, prompts, completions, 1.0, micro_batch=2)
-    exact, _ = mipu.token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
+        mixed, mask = mipu.lean_token_logprobs(model, prompts, completions, 1.0, micro_batch=2)
+    exact, _ = mipu.lean_token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
     assert mixed.dtype == torch.float32
     diff = ((mixed - exact).abs() * mask).max().item()
     assert 0 < diff < 0.1                                       # bf16 rounding: close, not equal
@@ -751,7 +782,7 @@ def test_gradient_checkpointing_recomputes_with_equal_results(model_dir, prompt_
         calls = []
         model.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(1))  # pre: the
         # recompute may stop early, once it has what backward needs, before a post-forward hook
-        logp, _ = mipu.token_logprobs(model, prompts, completions, 0.7, micro_batch=2)
+        logp, _ = mipu.lean_token_logprobs(model, prompts, completions, 0.7, micro_batch=2)
         logp.sum().backward()
         results[on] = (len(calls), logp.detach(), [p.grad for p in model.parameters()])
     assert results[False][0] == 1 and results[True][0] == 2     # the layer ran again in backward
@@ -787,14 +818,14 @@ def test_autocast_caches_weight_casts_under_no_grad(trainer):
     assert torch.is_autocast_cache_enabled()
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), _CastCounter(params) as counter:
         for _ in range(2):                                             # two recomputes in one autocast context
-            mipu.token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
+            mipu.lean_token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
     linear = [k for k, p in params.items() if p.dim() == 2 and k != head]
     assert linear and all(counter.casts.get(k) == 1 for k in linear)   # cached: once for both forwards
     assert counter.casts[head] == 1 + 2                                # lm_head's cached cast + one .to per call
     with torch.no_grad(), _CastCounter(params) as counter:
         for _ in range(2):                                             # a context per recompute: cast again
             with torch.autocast("cpu", torch.bfloat16):
-                mipu.token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
+                mipu.lean_token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
     assert all(counter.casts.get(k) == 2 for k in linear)             # the cache cleared at each exit
 
 
@@ -835,15 +866,18 @@ def test_first_forward_pass_of_4_tokens(model_dir):
     assert p.returncode == 0 and p.stdout.split()[-1:] == ["1"], f"exit code {p.returncode}: {p.stderr[-2000:]}"
 
 
-def test_token_logprobs_padding_and_grad(trainer, prompt_ids):
+@pytest.mark.parametrize("logprobs", ["token_logprobs", "lean_token_logprobs"])   # the reference's, the harness's
+def test_token_logprobs_padding_and_grad(trainer, prompt_ids, logprobs):
     prompts = [prompt_ids[0], prompt_ids[1] + [5, 6], prompt_ids[2][:2]]  # ragged prompts
     completions = [[7, 8, 9], [10], [11, 12, 13, 14, 15]]  # ragged completions
-    batched, mask = mipu.token_logprobs(trainer, prompts, completions, 0.7, micro_batch=3)
+    fn = getattr(mipu, logprobs) if logprobs == "token_logprobs" else functools.partial(mipu.lean_token_logprobs,
+                                                                                         micro_batch=3)
+    batched, mask = fn(trainer, prompts, completions, 0.7)
     assert batched.shape == mask.shape == (3, 5)
     assert mask.sum(1).tolist() == [3, 1, 5]
     assert (batched[mask == 0] == 0).all()
     for i in range(3):
-        alone, _ = mipu.token_logprobs(trainer, [prompts[i]], [completions[i]], 0.7, 1)
+        alone, _ = fn(trainer, [prompts[i]], [completions[i]], 0.7)
         n = len(completions[i])
         torch.testing.assert_close(batched[i, :n], alone[0, :n], atol=1e-5, rtol=0)
     batched.sum().backward()
@@ -868,7 +902,7 @@ def test_chunked_logprobs_equal_naive_values_and_grads(trainer, prompt_ids, chun
     completions = [[7, 8, 9], [10], [11, 12, 13, 14, 15]]
     calls = []
     hook = trainer.register_forward_pre_hook(lambda mod, args: calls.append(1))   # the ROOT module's forward
-    logp, mask = mipu.token_logprobs(trainer, prompts, completions, 0.7, micro_batch=2, chunk=chunk)
+    logp, mask = mipu.lean_token_logprobs(trainer, prompts, completions, 0.7, micro_batch=2, chunk=chunk)
     hook.remove()
     assert len(calls) == 2                                                        # one per micro-batch
     (logp * torch.arange(1.0, 6.0)).sum().backward()                             # position-dependent weights
@@ -954,12 +988,12 @@ def test_sync_in_pieces_equals_whole_sync(llm, trainer, prompt_ids, restore, qua
     """1-byte pieces: every tensor its own load_weights call (q, k, v of one fused qkv_proj in three), one reload."""
     _perturb(trainer, seed=3)
     seq = prompt_ids[0] + [5, 6, 7, 8, 9, 10]
-    mipu.sync_weights(llm, list(trainer.named_parameters()), quant)                  # the tiny model: one piece
+    mipu.sync_in_pieces(llm, list(trainer.named_parameters()), quant)                # the tiny model: one piece
     whole = mipu.vllm_prompt_logprobs(llm, seq)
     mipu.sync_weights(llm, restore, "none")
     assert mipu.vllm_prompt_logprobs(llm, seq) != whole
     monkeypatch.setattr(mipu, "SYNC_PIECE_BYTES", 1)
-    mipu.sync_weights(llm, list(trainer.named_parameters()), quant)
+    mipu.sync_in_pieces(llm, list(trainer.named_parameters()), quant)
     assert mipu.vllm_prompt_logprobs(llm, seq) == whole                              # bit for bit
 
 
@@ -973,9 +1007,9 @@ def test_sync_drops_only_the_expected_reload_warnings(llm, trainer, restore, mon
     try:
         with monkeypatch.context() as m:
             m.setattr(mipu, "_quiet_reload", lambda model_config: contextlib.nullcontext())
-            mipu.sync_weights(llm, list(trainer.named_parameters()), "none")
+            mipu.sync_in_pieces(llm, list(trainer.named_parameters()), "none")
         unfiltered, seen[:] = list(seen), []
-        mipu.sync_weights(llm, list(trainer.named_parameters()), "none")
+        mipu.sync_in_pieces(llm, list(trainer.named_parameters()), "none")
         filtered = list(seen)
         with mipu._quiet_reload(llm.llm_engine.vllm_config.model_config):
             for layer in ("RotaryEmbedding", "ParallelLMHead", "Qwen3DecoderLayer"):
@@ -1009,10 +1043,10 @@ def llm_cfg(model_dir, tmp_path, **kw) -> mipu.Config:
 
 
 def _check_sync(llm, model, probe_prompt, probe_completion, tol):
-    """The engine's sync check on a given probe (LLMEngine.check_sync, one process)."""
-    eng = mipu.LLMEngine(mipu.Config(), llm, model, None, None, [], [])
+    """The harness's sync probe on a given probe (TrainEngine.check_probe, one process)."""
+    eng = mipu.TrainEngine(mipu.TrainConfig(), llm, model, None, None, [], [])
     eng.probe = (probe_prompt, probe_completion)
-    return eng.check_sync(tol)
+    return eng.check_probe(tol)
 
 
 def _probe_logprobs(run):
@@ -1072,11 +1106,48 @@ def test_reference_llm_engine_runs_by_itself(llm, model_dir, tokenizer, restore)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     rows = make_arith_rows(8, seed=1)
     eng = mipu.LLMEngine(cfg, llm, model, tokenizer, opt, rows, rows).start()
-    before = _probe_logprobs(eng)
+    probe = (mipu.build_prompt_ids(tokenizer, rows[0]["prompt"]), [5, 6, 7, 8, 9, 10])
+    before = mipu.vllm_prompt_logprobs(llm, probe[0] + probe[1])
     ms = [mipu.mipu_step(eng) for _ in range(2)]
     assert [m["step"] for m in ms] == [0, 1] and all(m["step2/accepted"] == 1.0 for m in ms)
-    assert _probe_logprobs(eng) != before and eng.check_sync(MAX_TOL) < MAX_TOL     # vLLM holds the trained θ
-    assert "rollout/reward_timeouts" not in ms[0]                      # the harness's metric: not here
+    assert mipu.vllm_prompt_logprobs(llm, probe[0] + probe[1]) != before            # vLLM holds the trained θ:
+    assert _check_sync(llm, model, *probe, tol=MAX_TOL) < MAX_TOL                   # the trainer's, within bf16
+    assert not {"rollout/reward_timeouts", "sync/probe_mean_abs_dlogp"} & set(ms[0])   # the harness's metrics
+
+
+# the fixed answer set the two rewards agree on (plain numbers, LaTeX, a sign, a wrong answer, no answer)
+AGREEMENT_ANSWERS = [("so \\boxed{12}", "12", True), ("\\boxed{0.5}", "\\frac{1}{2}", True),
+                     ("\\boxed{\\frac{1}{2}}", "0.5", True), ("\\boxed{13}", "12", True),
+                     ("the answer is 7", "7", False), ("7-3 gives 4", "4", False),
+                     ("\\boxed{x+1}", "1+x", True), ("no answer", "3", False),
+                     ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True), ("\\boxed{1,000}", "1000", True),
+                     ("\\boxed{3/4}", "0.75", True), ("\\boxed{-2}", "-2", True), ("\\boxed{10}", "10.0", True),
+                     ("\\boxed{\\pi}", "3.14159", True)]
+
+
+def test_reference_and_harness_engines_agree(llm, model_dir, tokenizer, trainer, prompt_ids, restore):
+    """The version a reader reads is the version that runs: the reference LLMEngine and train's TrainEngine give
+    the same trainer log-probs (plain vs lean, to 1e-5), leave vLLM holding the same weights after a sync (one call
+    vs pieces: bit-identical prompt log-probs and samples), and the same rewards on a fixed answer set
+    (reference_reward in-process vs math_reward's exact numbers and worker)."""
+    cfg = mipu.TrainConfig(model=model_dir, micro_batch_size=2, logprob_chunk=3)
+    ref, run = (cls(cfg, llm, trainer, tokenizer, None, [], []) for cls in (mipu.LLMEngine, mipu.TrainEngine))
+    prompts, completions = [prompt_ids[0], prompt_ids[1] + [5], prompt_ids[2]], [[7, 8, 9], [10, 11, 12, 13], [14]]
+    with torch.no_grad():
+        plain, lean = (eng.trainer_logp(prompts, completions, 0.7) for eng in (ref, run))
+    assert plain.shape == lean.shape == (3, 4)
+    torch.testing.assert_close(plain, lean, atol=1e-5, rtol=0)
+    seq, outputs = prompt_ids[0] + [5, 6, 7, 8], []
+    before = mipu.vllm_prompt_logprobs(llm, seq)
+    _perturb(trainer, seed=4)
+    for eng in (ref, run):
+        mipu.sync_weights(llm, restore, "none")                          # start both from the step-0 engine
+        eng.push_weights()
+        outputs.append((mipu.vllm_prompt_logprobs(llm, seq), mipu.generate(llm, prompt_ids[:4], 2, MAX_NEW, 1.0, 0)))
+    assert outputs[0] == outputs[1] and outputs[0][0] != before          # both synced the perturbed θ
+    rewards = [(mipu.reference_reward(c, a, boxed), mipu.math_reward(c, a, boxed)) for c, a, boxed in AGREEMENT_ANSWERS]
+    assert [r for r, _ in rewards] == [h for _, h in rewards]
+    assert 0 < sum(r for r, _ in rewards) < len(rewards)                 # both verdicts occur
 
 
 # ---------------------------------------------------------------- HARNESS: train's step (TrainEngine), rollback, --gap-batch next
@@ -1162,10 +1233,10 @@ def test_gap_batch_next_reuses_accepted_batch_once(llm, model_dir, tmp_path, res
     assert m1["mismatch/k3"] == pytest.approx(m0["mismatch_post/k3"])
     assert run.pending is not None and run.pending is not ro         # a new batch, never the same one twice
     run.cfg.c = -1e9                                                   # now reject
-    host_buffer = run.snap[0]
+    host_buffer = run.snap[2]
     m2 = mipu.mipu_step(run)
     assert m2["step2/accepted"] == 0.0 and run.pending is None and run.pending_rows is not None
-    assert run.snap[0] is host_buffer                              # reused, across a rollback too
+    assert run.snap[2] is host_buffer                              # reused, across a rollback too
     rejected_rows = run.pending_rows
     m3 = mipu.mipu_step(run)                                           # same prompts, sampled afresh from μ_k
     assert m3["time/rollout"] > 0 and run.pending_rows is not rejected_rows
@@ -1178,20 +1249,21 @@ def test_probe_is_engine_sampled_and_a_sync_that_did_not_take_is_caught(llm, mod
     assert run.probe[1] == again[0]["completion_ids"]          # vLLM's own sample, not the reference answer
     assert 0 <= run.probe_gap0 < MAX_TOL
     _perturb(run.model, seed=1)
-    monkeypatch.setattr(mipu, "sync_weights", lambda *args: None)     # the sync silently does nothing
+    monkeypatch.setattr(mipu, "sync_in_pieces", lambda *args: None)   # the sync silently does nothing
     with pytest.raises(mipu.MIPUError, match="weight sync did not take effect"):
         run.sync()
 
 
 def _syncs_after(n: int, monkeypatch) -> list:
-    """sync_weights as it is for its first n calls, then a no-op (a sync that silently stops); returns the calls."""
-    real, calls = mipu.sync_weights, []
+    """The harness's sync as it is for its first n calls, then a no-op (a sync that silently stops); returns the
+    calls."""
+    real, calls = mipu.sync_in_pieces, []
 
     def sync(*args, **kwargs):
         calls.append(len(calls) < n)
         if calls[-1]:
             real(*args, **kwargs)
-    monkeypatch.setattr(mipu, "sync_weights", sync)
+    monkeypatch.setattr(mipu, "sync_in_pieces", sync)
     return calls
 
 
@@ -1318,7 +1390,7 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
               "snapshot_on_host": bool(host) and all(host), "in_place": _state_ptrs(run) == ptrs, "loads": loads}
     # 3. a sync that reaches rank 0's engine only (rank 1's keeps its weights): the check fails on rank 1
     if rank == 1:
-        mipu._reload_in_worker = lambda *args, **kwargs: None
+        mipu._reload_piece_in_worker = lambda *args, **kwargs: None
     with torch.no_grad():
         for p in run.model.parameters():
             p.mul_(1.5)
@@ -2398,7 +2470,7 @@ def test_clone_state_checks_cuda_host_register(monkeypatch, capsys, rc):
     alloc = functools.partial(mipu.host_buffer, pin=True)              # TrainEngine.snapshot's, for a GPU model
     snaps = [mipu.clone_state(model, opt, alloc=alloc) for _ in range(2)]   # two fresh buffers: two registrations
     assert [c[0] for c in calls] == ["reg", "reg"] and calls[0][1] == (6 + 2) * 4
-    assert torch.equal(snaps[1][1][0], model.weight.detach())
+    assert torch.equal(snaps[1][0][0], model.weight.detach())
     err = capsys.readouterr().err
     if rc:
         assert err.count("warning: cudaHostRegister") == 1 and "(out of memory)" in err and "pageable" in err

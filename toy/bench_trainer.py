@@ -85,7 +85,7 @@ def one_update(model, opt, batch: tuple, cfg: mipu.Config) -> None:
     prompts, completions, logp_old, adv = batch
     model.train()
     with mipu.train_autocast(cfg):
-        logp, mask = mipu.token_logprobs(model, prompts, completions, 1.0, len(prompts), cfg.logprob_chunk)
+        logp, mask = mipu.lean_token_logprobs(model, prompts, completions, 1.0, len(prompts), cfg.logprob_chunk)
     loss, _ = mipu.policy_loss(logp.float(), logp_old, logp_old, adv, mask, "tis")
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -96,7 +96,8 @@ def one_update(model, opt, batch: tuple, cfg: mipu.Config) -> None:
 
 def recompute(model, prompts, completions, cfg: mipu.Config) -> torch.Tensor:
     with torch.no_grad(), mipu.train_autocast(cfg):
-        return mipu.token_logprobs(model, prompts, completions, 1.0, len(prompts), cfg.logprob_chunk)[0].float()
+        return mipu.lean_token_logprobs(model, prompts, completions, 1.0, len(prompts),
+                                        cfg.logprob_chunk)[0].float()
 
 
 def timed(fn, device: str, *args) -> tuple[float, tuple, object]:
@@ -134,7 +135,7 @@ def bench(args: argparse.Namespace) -> str:
     snapshot = times["snapshot"][2]
     times["update"] = timed(one_update, cfg.device, model, opt, batch, cfg)
     times["rollback"] = timed(mipu.restore_state, cfg.device, model, opt, snapshot)
-    exact = all(torch.equal(t.cpu(), snapshot[1][k]) for k, t in mipu.state_tensors(model, opt).items())
+    exact = all(torch.equal(t.cpu(), snapshot[0][k]) for k, t in mipu.state_tensors(model, opt).items())
     return report(args, cfg, times, exact)
 
 
@@ -201,7 +202,7 @@ def logprob_memory_child(kind: str, n_tokens: int, hidden: int, vocab: int) -> N
     if kind == "naive":     # what _micro_batch_logprobs did before: [N, V] fp32 logits, log_softmax, gather
         lp = torch.log_softmax((h @ w.T).float(), -1).gather(1, targets[:, None])[:, 0]
     else:
-        lp = mipu.selective_logprobs(h, w, targets, 1.0, mipu.Config.logprob_chunk)
+        lp = mipu.selective_logprobs(h, w, targets, 1.0, mipu.TrainConfig.logprob_chunk)
     lp.sum().backward()
     seconds = time.perf_counter() - t0
     print(f"{(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**10:.1f} {seconds:.3f}")
@@ -234,7 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--train-dtype", default="auto", help="as mipu.py's --train-dtype")
     p.add_argument("--grad-checkpointing", default="auto", help="as mipu.py's --grad-checkpointing")
-    p.add_argument("--logprob-chunk", type=int, default=mipu.Config.logprob_chunk)
+    p.add_argument("--logprob-chunk", type=int, default=mipu.TrainConfig.logprob_chunk)
     p.add_argument("--gpu-memory-utilization", default="auto", help="as mipu.py's (vLLM's share in the plan)")
     p.add_argument("--rollout-quant", default="fp8", help="--plan-gpu-gib: as mipu.py's (vLLM's weights)")
     p.add_argument("--seed", type=int, default=0)

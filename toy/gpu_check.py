@@ -95,9 +95,9 @@ def measure(shape: str, device: str, size: dict) -> dict:
     phases["recompute"] = phase(device, bench_trainer.recompute, model, prompts, completions, cfg)
     phases["snapshot"] = phase(device, clone, model, opt, snapshot)              # refill in place
     phases["update"] = phase(device, bench_trainer.one_update, model, opt, batch, cfg)
-    changed = any(not torch.equal(t.cpu(), snapshot[1][k]) for k, t in mipu.state_tensors(model, opt).items())
+    changed = any(not torch.equal(t.cpu(), snapshot[0][k]) for k, t in mipu.state_tensors(model, opt).items())
     phases["rollback"] = phase(device, mipu.restore_state, model, opt, snapshot)
-    exact = all(torch.equal(t.cpu(), snapshot[1][k]) for k, t in mipu.state_tensors(model, opt).items())
+    exact = all(torch.equal(t.cpu(), snapshot[0][k]) for k, t in mipu.state_tensors(model, opt).items())
     c = bench_trainer.qwen3_config(shape)
     flops = dict(zip(("recompute", "update"), bench_trainer.step_flops(
         c, size["micro_batch"], size["prompt_len"], size["response_len"], cfg.grad_checkpointing == "on")))
@@ -106,7 +106,7 @@ def measure(shape: str, device: str, size: dict) -> dict:
     awake, step1 = mipu.trainer_phases(plan, cfg)
     return {"shape": shape, "seconds": {k: t[0] for k, t in phases.items()},
             "peaks": {k: t[1] for k, t in phases.items()}, "at_rest": at_rest, "flops": flops,
-            "snapshot_bytes": snapshot[0].nbytes, "pinned": device == "cuda" and snapshot[0].is_pinned(),
+            "snapshot_bytes": snapshot[2].nbytes, "pinned": device == "cuda" and snapshot[2].is_pinned(),
             "changed": changed, "exact": exact, "dtype": cfg.train_dtype, "checkpointing": cfg.grad_checkpointing,
             "precision": torch.get_float32_matmul_precision(),
             "plan": {"at_rest": plan["weights"] + plan["optimizer"], "recompute": awake["recompute"], "update": step1,

@@ -39,7 +39,8 @@ def sft_warm_start(cfg: mipu.Config, steps: int, lr: float, batch_size: int, out
     gen = torch.Generator().manual_seed(cfg.seed)
     for it in range(steps):
         idx = torch.randint(len(rows), (batch_size,), generator=gen).tolist()
-        logp, mask = mipu.token_logprobs(model, [prompts[i] for i in idx], [answers[i] for i in idx], 1.0, batch_size)
+        logp, mask = mipu.lean_token_logprobs(model, [prompts[i] for i in idx], [answers[i] for i in idx], 1.0,
+                                              batch_size)
         loss = -mipu.masked_mean(logp, mask)
         opt.zero_grad()
         loss.backward()
