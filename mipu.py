@@ -858,6 +858,8 @@ class ToyEngine(Engine):
 def toy_steps(cfg: Config, alpha: float) -> Iterator[dict]:
     """A toy training run, one record at a time: the initial one (step -1), then each step's metrics."""
     torch.set_num_threads(1)          # bit-for-bit: results must not depend on thread count
+    if bad := [message for ok, message in Config.checks(cfg, "toy") if not ok]:   # the method's own checks (not
+        raise MIPUError(bad[0])                                                     # a subclass's extra bounds)
     eng = ToyEngine(cfg, alpha)
     yield {"step": -1, "exact/J_pi": eng.J[0], "exact/J_mu": eng.J[1]}
     for _ in range(cfg.steps):
@@ -1390,6 +1392,7 @@ def torchrun() -> bool:      # the environment decides: vLLM may have made a pro
 
 
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")   # what torchrun sets beside WORLD_SIZE
+TCP_PORT_MAX = 2**16 - 1     # MASTER_PORT is a TCP port: 16 bits
 
 
 def rank_world() -> tuple[int, int]:
@@ -1404,6 +1407,9 @@ def rank_world() -> tuple[int, int]:
     if torchrun() and not all(digits.fullmatch(os.environ[k]) for k in ("LOCAL_RANK", "MASTER_PORT")):
         raise MIPUError(f"LOCAL_RANK={os.environ['LOCAL_RANK']!r}, MASTER_PORT={os.environ['MASTER_PORT']!r} in the "
                         "environment: torchrun's whole numbers expected")
+    if torchrun() and int(os.environ["MASTER_PORT"]) > TCP_PORT_MAX:
+        raise MIPUError(f"MASTER_PORT={os.environ['MASTER_PORT']!r} in the environment: a TCP port in "
+                        f"[0, {TCP_PORT_MAX}] expected")
     return int(rank), int(world)
 
 
@@ -1919,6 +1925,8 @@ def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout:
     Plain numbers compare in-process (exact, ~1 ms faster than sympy); the rest in REWARD_WORKER."""
     if not (FIELD_KINDS[float][0](timeout) and 0 < timeout <= POLL_LIMIT_S):      # inf, NaN: poll() cannot wait them
         raise MIPUError(f"math_reward: timeout must be in (0, {POLL_LIMIT_S:g}] seconds, not {timeout!r}")
+    if not (FIELD_KINDS[int][0](memory_mb) and memory_mb >= 1):               # RLIMIT_AS takes a whole byte count
+        raise MIPUError(f"math_reward: memory_mb must be a whole number >= 1 (MB), not {memory_mb!r}")
     pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
@@ -2381,6 +2389,11 @@ INT_FLAG_MAX = 2**62      # torch's sizes, indices and seeds are int64: 2**62 ke
 #                           rollout seed seed * 1_000_003 + 2k + 1, inside 2**63
 MIN_TEMPERATURE = 1e-2    # vLLM raises a smaller temperature to 0.01 (its _MAX_TEMP, against inf/NaN in logits / T):
 #                           the trainer, dividing by the flag's value, would score another policy than vLLM samples
+MAX_TEMPERATURE = 1e3     # an LLM's logits span well under 100 nats: at T > 1000 every token's probability is within
+#                           e^0.1 of uniform (noise, no policy to learn or evaluate); 1e308 is inf in float32
+SYNC_TOL_MIN = 1.0        # --sync-tol x the start-up gap: a correct sync's gap is the start-up's up to rounding, so
+#                           below 1x a correct sync fails (5e-324: every one)
+REWARD_TIMEOUT_MIN = 1e-3  # poll() waits whole milliseconds: a shorter budget is 0 ms, every reward call times out
 TOY_MISMATCH_MAX = 100.0  # the warm start's largest |log pi - log mu| grows with alpha: 35-73 nats at 100, 75-153 at
 #                           200 (seeds 0-19); float32's exp overflows at 88.7, so w = pi/mu and rho turn inf beyond it
 TOY_LR_MAX = 1.0          # Adam moves each weight by ~lr a step and the toy's weights are O(0.5): one step at lr 0.3
@@ -2389,6 +2402,9 @@ FP8_SUBNORMAL_MIN = 2**-9     # float8_e4m3fn's smallest positive value (torch.f
 # --toy-fp8-headroom h: the warm start's largest logit lands at fp8_max / h on the FP8 grid; above 448 / 2**-9 it is
 # below FP8's smallest positive value, so every logit of μ rounds to 0 (μ uniform)
 TOY_FP8_HEADROOM_MAX = torch.finfo(torch.float8_e4m3fn).max / FP8_SUBNORMAL_MIN
+# below 2**-9 / 448 the saturation level h x max|logit| lies under the smallest logit h = 1's FP8 grid resolves:
+# every logit saturates at +-h x max|logit| (1e-30: mu uniform)
+TOY_FP8_HEADROOM_MIN = 1 / TOY_FP8_HEADROOM_MAX
 # Host RAM a toy run's sizes need, bytes per element (fitted to the peak RSS toy.limits measures): its tables
 # [P, H, V+1, V] (float32 logits and log-probs of both engines, the float64 DP over both), its hidden layer
 # [P, H, V+1, d] (pre- and post-tanh), its weights (with gradient, Adam's moments, the snapshot), a rollout token
@@ -2421,6 +2437,7 @@ def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
     toy, llm = sane and command not in ("train", "eval"), sane and command == "train"
     length = min(cfg.max_new_tokens, cfg.max_model_len or cfg.max_new_tokens)     # a response's longest
     rollout = (cfg.prompts_per_step + cfg.val_prompts) * cfg.num_generations * length
+    per_problem = getattr(cfg, "eval_samples", 1) * length                 # eval's tokens of one problem, at least
     return [(getattr(cfg, n) <= INT_FLAG_MAX, f"{flag[n]} must be <= 2**62 (torch's sizes, indices and seeds "
                                                "are int64)") for n in ints] + [
         (not 0 < cfg.temperature < MIN_TEMPERATURE, f"--temperature must be >= {MIN_TEMPERATURE:g}: vLLM raises "
@@ -2431,6 +2448,8 @@ def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
          "by ~lr and they are O(0.5); one step at lr 0.3 takes J(mu) to ~0"),
         (cfg.toy_fp8_headroom <= TOY_FP8_HEADROOM_MAX, f"--toy-fp8-headroom must be <= {TOY_FP8_HEADROOM_MAX:g} "
          "(448 / 2**-9): beyond it every logit rounds to FP8's zero"),
+        (cfg.toy_fp8_headroom >= TOY_FP8_HEADROOM_MIN, f"--toy-fp8-headroom must be >= {TOY_FP8_HEADROOM_MIN:g} "
+         "(2**-9 / 448): below it every logit saturates (mu uniform)"),
         (not toy or cfg.prompts_per_step <= cfg.toy_prompts, f"--prompts-per-step must be <= --toy-prompts "
          f"({cfg.toy_prompts}): a toy step samples that many distinct prompts of the task"),
         (not toy or toy_bytes(cfg) <= ram, "--toy-prompts P, --toy-horizon H, --toy-vocab V, --toy-dim d, "
@@ -2441,6 +2460,10 @@ def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
          f"--num-generations x --max-new-tokens (or --max-model-len) = {rollout:.3g} rollout tokens a step: at "
          f"full length at least ~{rollout * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, more than this "
          f"machine's {ram / 2**30:.0f} GiB" if llm else ""),
+        (not sane or per_problem * ROLLOUT_TOKEN_BYTES <= ram, f"--eval-samples x --max-new-tokens (or "
+         f"--max-model-len) = {per_problem:.3g} response tokens of one eval problem: at full length at least "
+         f"~{per_problem * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, more than this machine's "
+         f"{ram / 2**30:.0f} GiB" if sane else ""),
     ]
 
 
@@ -2499,12 +2522,21 @@ class TrainConfig(Config):
             (self.eval_every >= 0 and self.eval_temperature >= 0, "--eval-every and --eval-temperature must be >= 0"),
             (not 0 < self.eval_temperature < MIN_TEMPERATURE, f"--eval-temperature must be 0 (greedy) or >= "
              f"{MIN_TEMPERATURE:g}: vLLM raises a smaller one to it"),
-            (0 < self.reward_timeout <= POLL_LIMIT_S, f"--reward-timeout must be in (0, {POLL_LIMIT_S:g}] seconds"),
+            *[(t <= MAX_TEMPERATURE, f"--{name} must be <= {MAX_TEMPERATURE:g}: above it every token is within "
+               "e^0.1 of uniform (an LLM's logits span well under 100 nats)")
+              for name, t in (("temperature", self.temperature), ("eval-temperature", self.eval_temperature))],
+            (self.sync_tol >= SYNC_TOL_MIN, f"--sync-tol must be >= {SYNC_TOL_MIN:g}: a correct sync's probe gap is "
+             "the start-up's up to rounding, a smaller multiple fails it"),
+            (REWARD_TIMEOUT_MIN <= self.reward_timeout <= POLL_LIMIT_S, f"--reward-timeout must be in "
+             f"[{REWARD_TIMEOUT_MIN:g}, {POLL_LIMIT_S:g}] seconds (poll() waits whole milliseconds, up to a C int)"),
+            (self.prompt_key != self.answer_key, "--prompt-key and --answer-key must differ (the answer would be the "
+             "prompt)"),
             (self.reward_memory >= 1, "--reward-memory must be >= 1 (MB)"),
             (not (self.resume and self.overwrite), "--resume and --overwrite exclude each other"),
             (self.output_dir != "", "--output-dir must not be empty (a run would claim the current directory; "
                                     "name it: --output-dir .)"),
-            (set(self.report_to.split(",")) <= {"", "tensorboard", "wandb"}, "--report-to takes tensorboard, wandb"),
+            (self.report_to == "" or set(self.report_to.split(",")) <= {"tensorboard", "wandb"},
+             "--report-to takes tensorboard, wandb, comma-separated (no empty name)"),
             (not any(n % world for n in (self.prompts_per_step, self.val_prompts, self.mini_batch_size,
                                          self.target_holdout * (self.accept_rule == "target"))),
              f"--prompts-per-step, --val-prompts, --mini-batch-size, --target-holdout: each must divide by the "
@@ -2743,13 +2775,15 @@ def config_from(args: dict, command: str = "") -> TrainConfig:
 
 
 INTERRUPTED = "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"
+INTERRUPTED_NO_RUN = "error: interrupted (Ctrl-C)"     # eval and toy: they write no checkpoint
+_interrupt_line = [INTERRUPTED]          # main sets the command's line
 INTERRUPT_EXIT_S = 30.0    # after a Ctrl-C the command line's process is gone within this, whatever it was doing
 _interrupt_told = threading.Lock()     # held once INTERRUPTED is printed: it is printed once
 
 
 def tell_interrupted() -> None:
     if _interrupt_told.acquire(blocking=False):
-        print(INTERRUPTED, file=sys.stderr, flush=True)
+        print(_interrupt_line[0], file=sys.stderr, flush=True)
 
 
 def report_errors(fn, *args) -> int:
@@ -2808,6 +2842,7 @@ def main(argv: list[str] | None = None) -> int:
         add_config_flags(sub.add_parser(name, help=help_text, description=help_text), groups, name)
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
+    _interrupt_line[0] = INTERRUPTED if command == "train" else INTERRUPTED_NO_RUN
     return report_errors(lambda: SUBCOMMANDS[command][2](config_from(args, command)))
 
 

@@ -174,6 +174,15 @@ def test_toy_command_runs_mipu_step_once_per_step(monkeypatch, capsys):
     assert calls == [mipu.ToyEngine] * 2 and len(capsys.readouterr().out.splitlines()) == 3
 
 
+@pytest.mark.parametrize("kw, message", [(dict(num_generations=1), "--num-generations must be >= 2"),
+                                         (dict(mini_batch_size=0), "--mini-batch-size must be >= 1")])
+def test_toy_run_applies_the_methods_checks(kw, message):
+    """The Python API validates as the command line does (the method's checks; resource bounds are the harness's)."""
+    cfg = mipu.Config(steps=1, prompts_per_step=8, val_prompts=8, toy_prompts=16, **kw)
+    with pytest.raises(mipu.MIPUError, match=re.escape(message)):
+        mipu.toy_run(cfg, 1.0)
+
+
 def small_cfg(**kw) -> mipu.Config:
     base = dict(steps=4, prompts_per_step=8, val_prompts=8, mini_batch_size=32, toy_prompts=16)
     return mipu.Config(**{**base, **kw}).validate()
@@ -1841,6 +1850,12 @@ def test_reward_memory_flag_reaches_the_worker():
         mipu.TrainConfig(reward_memory=0).validate()
 
 
+@pytest.mark.parametrize("memory_mb", ["300", 0, 2.5, True])
+def test_math_reward_bad_memory_one_error(memory_mb):
+    with pytest.raises(mipu.MIPUError, match=re.escape("math_reward: memory_mb must be a whole number >= 1 (MB)")):
+        mipu.math_reward(r"\boxed{x+1}", "1+x", memory_mb=memory_mb)
+
+
 # ---------------------------------------------------------------- HARNESS: checkpoints, resume, the run directory, metrics
 
 def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
@@ -2481,11 +2496,21 @@ def test_gpu_check_dry_run(tmp_path):
     (dict(method="random-rollback-tis", reject_rate=1.0), r"--reject-rate must be in \(0, 1\)"),
     (dict(seed=-1), r"--seed must be in \[0, 4294967295\]"),            # vLLM seeds numpy with it
     (dict(seed=2**32), r"--seed must be in \[0, 4294967295\]"),
-    (dict(reward_timeout=1e10), r"--reward-timeout must be in \(0, 2.14748e\+06\] seconds"),   # poll()'s limit
-    (dict(reward_timeout=0.0), r"--reward-timeout must be in \(0, "),
+    (dict(reward_timeout=1e10), r"--reward-timeout must be in \[0.001, 2.14748e\+06\] seconds"),   # poll()'s limit
+    (dict(reward_timeout=0.0), r"--reward-timeout must be in \[0.001, "),
     (dict(method="ppo"), r"--method must be one of"),                         # the Python API: no KeyError
     (dict(toy_mismatch=-0.5), r"--toy-mismatch must be >= 0 \(or -1"),         # not an alpha of -0.5
     (dict(toy_dim=0), "--toy-dim must be >= 1"),
+    # issue 31: bounds that were missing (each value was accepted silently)
+    (dict(eval_samples=2**62), "--eval-samples x --max-new-tokens"),
+    (dict(temperature=1e308), "--temperature must be <= 1000"),
+    (dict(eval_temperature=1e308), "--eval-temperature must be <= 1000"),
+    (dict(sync_tol=5e-324), "--sync-tol must be >= 1"),
+    (dict(reward_timeout=5e-324), r"--reward-timeout must be in \[0.001, 2.14748e\+06\] seconds"),
+    (dict(report_to=","), "--report-to takes tensorboard, wandb"),
+    (dict(report_to="tensorboard,"), "--report-to takes tensorboard, wandb"),
+    (dict(prompt_key="q", answer_key="q"), "--prompt-key and --answer-key must differ"),
+    (dict(toy_fp8_headroom=1e-30), "--toy-fp8-headroom must be >= 4.35965e-06"),
 ])
 def test_bad_config(kw, message):
     with pytest.raises(mipu.MIPUError, match=message):
@@ -2616,6 +2641,8 @@ TORCHRUN_REST = {"LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "
                                                         "expected, 0 <= RANK < WORLD_SIZE"),
     ({"WORLD_SIZE": "1"}, "error: WORLD_SIZE is set but not RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: launch"),
     ({"WORLD_SIZE": "1", "RANK": "0", **TORCHRUN_REST, "MASTER_PORT": "x"}, "MASTER_PORT='x' in the environment"),
+    ({"WORLD_SIZE": "1", "RANK": "0", **TORCHRUN_REST, "MASTER_PORT": "70000"},
+     "error: MASTER_PORT='70000' in the environment: a TCP port in [0, 65535] expected"),
 ])
 def test_cli_bad_torchrun_environment_one_clear_error(monkeypatch, env, message):
     """WORLD_SIZE without the rest of torchrun's variables, RANK past WORLD_SIZE, a full-width digit: one line."""
@@ -2712,6 +2739,20 @@ def test_cli_ctrl_c_is_one_line(model_dir, tmp_path):
     assert proc.returncode == 130 and "Traceback" not in text, text[-3000:]
     assert [line for line in text.splitlines() if line.startswith("error:")] == [
         "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"]
+
+
+@pytest.mark.parametrize("command", ["eval", "toy"])
+def test_ctrl_c_outside_train_names_no_resume(model_dir, monkeypatch, capsys, command):
+    """eval and toy write no checkpoint: their Ctrl-C line points to no `train --resume`."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mipu, "_interrupt_told", threading.Lock())      # the line is printed once per process
+    monkeypatch.setattr(mipu, "load_eval_sets", interrupted)
+    monkeypatch.setattr(mipu, "toy_steps", interrupted)
+    args = ["--model", model_dir, "--data", str(ARITH_VAL)] if command == "eval" else []
+    assert mipu.main([command, *args]) == 130
+    assert capsys.readouterr().err == "error: interrupted (Ctrl-C)\n"
 
 
 def test_ctrl_c_that_python_drops_still_ends_the_process(tmp_path):
