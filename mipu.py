@@ -1735,6 +1735,17 @@ def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dic
     return {"prompt": prompt, "answer": plain.strip()}
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:      # json.loads' object_pairs_hook: a key given twice is refused, not the last
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        raise _DuplicateKey(next(k for k in keys if keys.count(k) > 1))
+    return dict(pairs)
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
     """Parse a .jsonl file (UTF-8, a BOM allowed) into (location, row) pairs; blank lines are skipped. Lines end at
     "\n" only: JSON strings may hold U+2028 or U+0085, where str.splitlines splits. Numbers become Decimal: exact
@@ -1746,7 +1757,10 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
     for n, line in enumerate(text.split("\n"), start=1):
         try:
             if line.strip():
-                yield f"{path}:{n}", json.loads(line, parse_int=Decimal, parse_float=Decimal, parse_constant=Decimal)
+                yield f"{path}:{n}", json.loads(line, parse_int=Decimal, parse_float=Decimal, parse_constant=Decimal,
+                                                object_pairs_hook=_unique_keys)
+        except _DuplicateKey as e:
+            raise MIPUError(f"{path}:{n}: the key {str(e)[:60]!r} appears twice in one object (which one counts?)")
         except (json.JSONDecodeError, RecursionError) as e:          # RecursionError: nested too deeply
             raise MIPUError(f"{path}:{n}: malformed JSON ({getattr(e, 'msg', 'nested too deeply')})") from e
 
@@ -1765,7 +1779,8 @@ def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
         else:   # a hub-layout folder, or a hub id's from the local HF cache only, as models (offline: no retries)
             src = name if Path(name).is_dir() else snapshot_download(name, repo_type="dataset", local_files_only=True)
             ds = datasets.load_dataset(src, split=split)
-    except (OSError, ValueError, IndexError, datasets.exceptions.DatasetsError) as e:  # IndexError: 0-row save_to_disk
+    # IndexError: a 0-row save_to_disk; RuntimeError: a folder with a loading script (datasets 4 runs none)
+    except (OSError, ValueError, IndexError, RuntimeError, datasets.exceptions.DatasetsError) as e:
         why = ("no such local folder, nor a hub id in the local HF cache (download it first: `hf download --repo-type "
                f"dataset {name}`)") if isinstance(e, errors.LocalEntryNotFoundError) else e
         raise MIPUError(f"could not load dataset {name!r} (split {split!r}): {why}") from e
@@ -1913,6 +1928,16 @@ class RewardWorker:
 REWARD_WORKER = RewardWorker()
 
 
+def start_reward_worker(cfg: TrainConfig) -> None:
+    """REWARD_WORKER started before the engines: a --reward-memory it cannot start in fails here, not at the first
+    answer that is no plain number (minutes into a run)."""
+    with REWARD_WORKER.lock:
+        if REWARD_WORKER.proc is not None and REWARD_WORKER.memory_mb != cfg.reward_memory:
+            REWARD_WORKER._stop()
+        if REWARD_WORKER.proc is None:
+            REWARD_WORKER._start(cfg.reward_memory)
+
+
 def worker_score(cfg: TrainConfig):
     """sample_reward's score under the harness: math_reward, whose math_verify calls run in REWARD_WORKER."""
     return functools.partial(math_reward, timeout=cfg.reward_timeout, memory_mb=cfg.reward_memory)
@@ -1933,6 +1958,36 @@ def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout:
     plain = _to_number(pred) is not None and _to_number(answer) is not None
     equal = _simple_equal(pred, answer) if plain else REWARD_WORKER(pred, answer, timeout, memory_mb)
     return None if equal is None else float(equal)
+
+
+CHAT_TEMPLATE_S = 5.0   # a chat template renders a prompt in milliseconds: one that takes 5 s (1000x, on a loaded
+#                         machine too) loops for ever (nested loops), and would stall the start with no output
+
+
+class _Expired(BaseException):      # time_bound's alarm: no `except Exception` of the code it interrupts catches it
+    pass
+
+
+@contextlib.contextmanager
+def time_bound(seconds: float, message: str):
+    """MIPUError(message) if the block runs past `seconds` (SIGALRM: Python code, in the main thread; elsewhere the
+    block runs unbounded, as signals reach the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _Expired
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except _Expired:
+        raise MIPUError(message) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def prompt_text(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> str:
@@ -2023,12 +2078,12 @@ def claim_output_dir(cfg: TrainConfig):
     lock), without temp folders of a killed save, holding no other run unless --resume or --overwrite; the lock.
     The names the run writes (RUN_FILES) must be its own kind: no symlink is followed, no user's file truncated."""
     out = Path(cfg.output_dir)
-    for name, kind in RUN_FILES.items():
-        path = out / name
-        if path.is_symlink() or path.exists() and not (path.is_dir() if kind == "folder" else path.is_file()):
-            raise MIPUError(f"{path} is a symlink or not a {kind}: the run writes its own {name} there and follows "
-                            "no link (move it)")
-    try:
+    try:                                      # OSError: a name too long, a folder not searchable
+        for name, kind in RUN_FILES.items():
+            path = out / name
+            if path.is_symlink() or path.exists() and not (path.is_dir() if kind == "folder" else path.is_file()):
+                raise MIPUError(f"{path} is a symlink or not a {kind}: the run writes its own {name} there and "
+                                "follows no link (move it)")
         out.mkdir(parents=True, exist_ok=True)
         fd = os.open(out / ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
         lock = os.fdopen(fd, "w")             # no O_TRUNC: the lock's content does not matter
@@ -2050,13 +2105,24 @@ def claim_output_dir(cfg: TrainConfig):
             raise MIPUError(f"--overwrite would delete {src}, an input of this run (copy it elsewhere first)")
     for path in runs if cfg.overwrite else []:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if cfg.resume:                            # keep_metrics_before cuts it after the engines start: read it now
+        metrics_lines(out / "metrics.jsonl")
     return lock
+
+
+def metrics_lines(path: Path) -> list[str]:
+    """metrics.jsonl's whole lines (a torn last line dropped), [] if none; a file not UTF-8 is refused."""
+    try:
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+    except UnicodeDecodeError as e:
+        raise MIPUError(f"{path}: not UTF-8 text (byte {e.start}): not the run's metrics (move it)") from e
+    return [x for x in text.splitlines(keepends=True) if x.endswith("\n")]
 
 
 def keep_metrics_before(path: Path, step: int) -> None:
     """Cut metrics.jsonl's records of steps >= step (a user's line stays) and a torn last line, atomically."""
     if path.exists():
-        lines = [x for x in path.read_text().splitlines(keepends=True) if x.endswith("\n")]
+        lines = metrics_lines(path)
         keep = [x for x in lines if not (r := re.match(r'\{"step": (\d+)[,}]', x)) or int(r[1]) < step]
         tmp = path.with_name(f".tmp-metrics-{os.getpid()}")   # RUN_TEMP: a kill's leftover goes at the next start
         try:
@@ -2069,7 +2135,15 @@ def keep_metrics_before(path: Path, step: int) -> None:
 
 
 def check_resume(cfg: TrainConfig, state: dict, n_train: int) -> None:
-    """Refuse to continue a run under other flags (but RESUME_MAY_CHANGE) or other training data."""
+    """Refuse to continue a run under other flags (but RESUME_MAY_CHANGE) or other training data, a saved config
+    that lacks a flag (its check would be skipped), or a run already past --steps (it would end having done nothing)."""
+    if missing := [f.name for f in dataclasses.fields(cfg) if f.name not in state["config"]
+                   and f.name not in RESUME_MAY_CHANGE]:
+        raise MIPUError(f"--resume: the run's saved config has no {missing[0]} (an edited trainer_state.pt?): "
+                        f"--{missing[0].replace('_', '-')} could not be checked")
+    if state["step"] > cfg.steps:
+        raise MIPUError(f"--resume: the run is at step {state['step']}, past --steps {cfg.steps} (nothing to do: "
+                        "raise --steps to continue it)")
     for name, saved in state["config"].items():     # a path compares resolved: a/b/, ./a/b and /abs/a/b are one
         now, saved = (os.path.realpath(v) if isinstance(v, str) and os.path.exists(v) else v
                       for v in (getattr(cfg, name, saved), saved))
@@ -2081,6 +2155,11 @@ def check_resume(cfg: TrainConfig, state: dict, n_train: int) -> None:
 
 
 TRAIN_DTYPE_SAVED = {"float32": "F32", "bf16-mixed": "F32", "bfloat16": "BF16", "float16": "F16"}   # safetensors'
+# AdamW's hyperparameters in optimizer.pt's param_groups: the run's own (its flags, torch's defaults), never an edit's
+# (betas 1.5, eps NaN); lr is set anew at every step (set_lr)
+ADAMW_GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
+PROBE_GAP0_MAX = 1.0   # the start-up's mean |log pi - log mu| per probe token is rounding or quantization (FP8: ~0.01,
+#                        toy/RESULTS.md): a nat per token is engines that disagree, and sync_tol x 1e308 checks nothing
 
 
 def _token_ids(x, vocab: int) -> bool:
@@ -2106,7 +2185,9 @@ def check_trainer_state(cfg: Config, state: dict, ckpt: Path, n_train: int, n_va
     state finite (a NaN start never trains) and non-negative where a variance is, the weights in the run's dtype: one
     error naming the file and the field, before the engines (an edited checkpoint fails there, not later)."""
     vocab, s = load_pretrained("AutoConfig", str(ckpt)).vocab_size, state
-    rules = {"step": (s["step"] >= 0, ">= 0"), "rejections": (0 <= s["rejections"] <= s["step"], "in [0, step]"),
+    context, folder_step = context_length(cfg), int(CHECKPOINT.fullmatch(ckpt.name)[1])
+    rules = {"step": (s["step"] == folder_step, f"{folder_step}, the step of its folder's name"),
+             "rejections": (0 <= s["rejections"] <= s["step"], "in [0, step]"),
              "reward_timeouts": (s["reward_timeouts"] >= 0, ">= 0"),
              "order": (s["order"] == [] or all(type(i) is int for i in s["order"]) and sorted(s["order"]) == list(
                  range(n_train)), f"a permutation of the {n_train} training rows' indices"),
@@ -2118,11 +2199,24 @@ def check_trainer_state(cfg: Config, state: dict, ckpt: Path, n_train: int, n_va
              "pending": (s["pending"] is None or _pending_fits(s["pending"], cfg.batch_size, vocab),
                          f"None or a batch of {cfg.batch_size} responses of token ids below {vocab}"),
              "probe": (len(s["probe"]) == 2 and _token_ids(s["probe"][0], vocab) and _token_ids(s["probe"][1], vocab)
-                       and len(s["probe"][1]) > 0, f"(prompt, response) token ids below the vocabulary's {vocab}"),
-             "probe_gap0": (math.isfinite(s["probe_gap0"]) and s["probe_gap0"] >= 0, "finite, >= 0")}
+                       and len(s["probe"][0]) > 0 and len(s["probe"][1]) > 0
+                       and len(s["probe"][0]) + len(s["probe"][1]) <= context,
+                       f"(prompt, response) token ids below the vocabulary's {vocab}, neither empty, at most the "
+                       f"{context}-token context in all"),
+             "probe_gap0": (0 <= s["probe_gap0"] <= PROBE_GAP0_MAX, f"in [0, {PROBE_GAP0_MAX:g}] (a start-up gap "
+                            "beyond it is no rounding, and turns the sync check off)")}
     if bad := [(k, rule) for k, (ok, rule) in rules.items() if not ok]:
         raise MIPUError(f"{ckpt / 'trainer_state.pt'}: refused: {bad[0][0]} = {str(s[bad[0][0]])[:60]} is not "
                         f"{bad[0][1]}")
+    fresh = torch.optim.AdamW([torch.zeros(1)], lr=cfg.learning_rate, weight_decay=cfg.weight_decay).param_groups[0]
+    groups = state["optimizer"].get("param_groups", []) if isinstance(state["optimizer"], dict) else []
+    for g in groups if isinstance(groups, list) else [groups]:
+        same = isinstance(g, dict) and all(isinstance(g.get(k), (list, tuple)) and tuple(g[k]) == fresh[k] if
+                                           k == "betas" else g.get(k) == fresh[k] for k in ADAMW_GROUP_KEYS)
+        if not same:
+            shown = {k: g.get(k) for k in ADAMW_GROUP_KEYS} if isinstance(g, dict) else g
+            raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused: param_groups' {str(shown)[:120]} are not the run's "
+                            f"AdamW {({k: fresh[k] for k in ADAMW_GROUP_KEYS})}")
     for k, st in state["optimizer"].get("state", {}).items() if isinstance(state["optimizer"], dict) else ():
         values = st.items() if isinstance(st, dict) else ()
         if bad := [n for n, v in values if torch.is_tensor(v) and v.is_floating_point() and not (
@@ -2156,6 +2250,59 @@ def check_weight_files(folder: Path) -> None:
             safe_open(path, "pt").keys()
         except Exception as e:                              # SafetensorError, OSError: a truncated or edited file
             raise MIPUError(f"{path}: refused or damaged ({type(e).__name__}: {e})") from e
+
+
+MODEL_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")    # safetensors' float dtypes: any other is a quantized format,
+#   which only config.json's quantization_config describes (else transformers casts its integers to floats)
+CONFIG_DTYPES = ("float64", "float32", "float16", "bfloat16")   # config.json's dtype (torch_dtype): torch's names
+
+
+def _finite(value) -> bool:
+    """Every number in a JSON value finite (json.loads reads NaN and Infinity)."""
+    if isinstance(value, dict):
+        return all(map(_finite, value.values()))
+    if isinstance(value, list):
+        return all(map(_finite, value))
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def check_model_folder(folder: Path) -> None:
+    """The model folder vLLM and a fresh trainer load, before either starts: config.json's numbers finite (a NaN
+    rms_norm_eps makes every logit NaN) and its dtype torch's, the weights in safetensors (vLLM refuses a pickled
+    pytorch_model.bin, as a traceback after its start), whole (check_weight_files) and floats unless config.json has
+    a quantization_config; else one error. A config.json that does not parse is left to transformers' message."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(config, dict):
+        for key, value in config.items():
+            if not _finite(value):
+                raise MIPUError(f"{folder}: config.json's {key} holds NaN or inf: {str(value)[:60]}")
+        for key in ("dtype", "torch_dtype"):
+            if config.get(key) is not None and config[key] not in CONFIG_DTYPES:
+                raise MIPUError(f"{folder}: config.json's {key} {str(config[key])[:60]!r} is none of "
+                                f"{', '.join(CONFIG_DTYPES)}")
+    if not any(folder.glob("*.safetensors")):
+        raise MIPUError(f"{folder}: no *.safetensors weights (vLLM loads those; a pickled pytorch_model.bin is "
+                        "refused)")
+    check_weight_files(folder)
+    if isinstance(config, dict) and "quantization_config" in config:
+        return
+    from safetensors import safe_open
+    for path in sorted(folder.glob("*.safetensors")):
+        f = safe_open(path, "pt")
+        if bad := [k for k in f.keys() if f.get_slice(k).get_dtype() not in MODEL_FLOAT_DTYPES]:
+            raise MIPUError(f"{path}: refused: {bad[0]} is {f.get_slice(bad[0]).get_dtype()}: without a "
+                            "quantization_config in config.json a model's weights are floats "
+                            f"({', '.join(MODEL_FLOAT_DTYPES)}); transformers would cast these")
+
+
+def check_finite_weights(model: torch.nn.Module, weights: str) -> None:
+    """The trainer's weights finite (every rank's shards), before the engines: NaN or inf never trains."""
+    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(local(p).detach()).all()), None)
+    if not all_true(bad is None):
+        raise MIPUError(f"{weights}: its weights hold NaN or inf" + (f" ({bad})" if bad else " (another rank's)"))
 
 
 def read_trainer_state(ckpt: Path) -> dict:
@@ -2611,8 +2758,12 @@ def check_prompt_frame(cfg: TrainConfig, tokenizer, context: int, max_chars: int
 def _ids_within(tokenizer, prompt: str, cfg: TrainConfig, max_chars: int) -> list[int] | None:
     """build_prompt_ids with --prompt-suffix; None, untokenized, if the text (raw or templated) has more than
     max_chars characters: too long for the context."""
-    if len(prompt) > max_chars or len(text := prompt_text(tokenizer, prompt, cfg.prompt_suffix,
-                                                          cfg.enable_thinking)) > max_chars:
+    if len(prompt) > max_chars:
+        return None
+    with time_bound(CHAT_TEMPLATE_S, f"{tokenizer.name_or_path}: its chat template did not render a prompt within "
+                                     f"{CHAT_TEMPLATE_S:g} s (a loop that runs for ever?)"):
+        text = prompt_text(tokenizer, prompt, cfg.prompt_suffix, cfg.enable_thinking)
+    if len(text) > max_chars:
         return None
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -2628,14 +2779,23 @@ def load_prompts(cfg: TrainConfig, tokenizer, source: str) -> list[dict]:
     if [] in ids:
         raise MIPUError(f"{source}: row {ids.index([])}: the prompt is no tokens (through the chat template): "
                         "vLLM needs a token")
-    fits = [x is not None and len(x) < context for x in ids]
-    if all(fits):
+    room = [x is not None and len(x) < context for x in ids]                      # for one new token
+    whole = [ok and len(x) + cfg.max_new_tokens <= context for ok, x in zip(room, ids)]   # for a whole response
+    if all(whole):
         return rows
+    if all(room) and not cfg.drop_long_prompts:     # vLLM would cut the responses at the context, silently
+        longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+        raise MIPUError(f"{source}: --max-new-tokens {cfg.max_new_tokens} + the longest prompt's {len(ids[longest])} "
+                        f"tokens (row {longest}) exceed the {context}-token context (vLLM would cut responses short "
+                        "there); lower --max-new-tokens, raise --max-model-len or use --drop-long-prompts")
+    fits = whole if cfg.drop_long_prompts else room
     if not cfg.drop_long_prompts or not any(fits):
         raise MIPUError(f"{source}: {fits.count(False)} of {len(rows)} prompts (the first: row {fits.index(False)}) "
-                        f"leave no room for a new token in the {context}-token context; use --drop-long-prompts "
-                        "or a larger --max-model-len")
-    print(f"{source}: dropped {fits.count(False)} prompts too long for the {context}-token context")
+                        f"leave no room for " + (f"--max-new-tokens {cfg.max_new_tokens}" if cfg.drop_long_prompts
+                                                 else "a new token") + f" in the {context}-token context; use "
+                        "--drop-long-prompts or a larger --max-model-len")
+    print(f"{source}: dropped {fits.count(False)} prompts too long for the {context}-token context (with "
+          f"--max-new-tokens {cfg.max_new_tokens})")
     return [r for r, ok in zip(rows, fits) if ok]
 
 
@@ -2655,6 +2815,7 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
     state = read_trainer_state(ckpt) if ckpt else None          # everything is checked before the engines start
     weights = str(ckpt) if ckpt else cfg.model
+    check_model_folder(model_folder(cfg.model))        # vLLM's weights (and a fresh trainer's)
     tokenizer = load_pretrained("AutoTokenizer", weights)
     train_rows = load_prompts(cfg, tokenizer, cfg.train_data)
     val_rows = load_prompts(cfg, tokenizer, cfg.val_data) if cfg.val_data else []
@@ -2666,6 +2827,7 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
         cfg = dataclasses.replace(cfg, gpu_memory_utilization=check_memory_plan(cfg))   # auto: a number now
     model = load_sharded_trainer(weights, cfg) if torchrun() else load_trainer(     # before the optimizer: it holds
         weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on", load_checked_trainer)    # the shards
+    check_finite_weights(model, weights)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
     try:                              # before the engines start: an edited optimizer.pt is one error line
@@ -2673,6 +2835,8 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
         if state and any(torch.is_tensor(v) and v.dim() and v.shape != shapes.get(k, v.shape)
                          for k, st in state["optimizer"].get("state", {}).items() for v in st.values()):
             raise ValueError("its tensors' shapes are not the weights'")   # AdamW takes them, fails at its first step
+        if state and (unknown := sorted(map(str, set(state["optimizer"].get("state", {})) - set(shapes)))):
+            raise ValueError(f"state for {unknown[0][:60]!r}, no weight of the model")   # else kept, never used
         if state:                     # rank 0 sends the shards
             set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)
@@ -2713,6 +2877,7 @@ def train(cfg: TrainConfig) -> None:
     lock = claim_output_dir(cfg) if rank0 else None   # held (flock) until this process ends
     writer = open_reporter(cfg) if cfg.report_to and rank0 else None   # before the engines: fails at once
     eval_sets = load_eval_sets(cfg) if cfg.eval_every else {}
+    start_reward_worker(cfg)
     run = setup_llm_run(cfg)
     metrics = Path(cfg.output_dir) / "metrics.jsonl"
     if rank0:
@@ -2744,8 +2909,9 @@ def train(cfg: TrainConfig) -> None:
 
 def eval_command(cfg: TrainConfig) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
-    eval_sets = load_eval_sets(cfg)                   # before the engine starts: bad data or weights fail fast
-    check_weight_files(model_folder(cfg.model))
+    check_model_folder(model_folder(cfg.model))        # before the engine starts: bad weights or data fail fast
+    eval_sets = load_eval_sets(cfg)
+    start_reward_worker(cfg)
     llm = make_sampler(cfg, **vllm_args(cfg))
     print(markdown_table(evaluate(llm, load_pretrained("AutoTokenizer", cfg.model), eval_sets, cfg)))
 
