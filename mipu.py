@@ -2643,7 +2643,8 @@ class TrainConfig(Config):
     resume: bool = _train(False, "continue from the newest checkpoint in --output-dir; only these flags may differ "
                           "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE))
     overwrite: bool = _train(False, "start afresh in an --output-dir that holds a run, deleting that run")
-    drop_long_prompts: bool = _llm(False, "drop (and count) prompts too long for the context, not refuse them")
+    drop_long_prompts: bool = _llm(False, "drop (and count) prompts that leave no room for --max-new-tokens in the "
+                                   "context, not refuse them")
     reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default); a "
                                  "gold answer that cannot be compared with 0 within it scores 0 from then on, uncalled")
     reward_memory: int = _llm(REWARD_MEMORY_MB, "MB of address space of the math_verify reward worker (RLIMIT_AS); "
