@@ -2911,6 +2911,7 @@ def train(cfg: TrainConfig) -> None:
 def eval_command(cfg: TrainConfig) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
     check_model_folder(model_folder(cfg.model))        # before the engine starts: bad weights or data fail fast
+    # NaN/inf weights are not looked for here: only vLLM loads them (a scan would read the whole model once more)
     eval_sets = load_eval_sets(cfg)
     start_reward_worker(cfg)
     llm = make_sampler(cfg, **vllm_args(cfg))
