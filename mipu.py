@@ -2268,9 +2268,10 @@ def _finite(value) -> bool:
 
 def check_model_folder(folder: Path) -> None:
     """The model folder vLLM and a fresh trainer load, before either starts: config.json's numbers finite (a NaN
-    rms_norm_eps makes every logit NaN) and its dtype torch's, the weights in safetensors (vLLM refuses a pickled
-    pytorch_model.bin, as a traceback after its start), whole (check_weight_files) and floats unless config.json has
-    a quantization_config; else one error. A config.json that does not parse is left to transformers' message."""
+    rms_norm_eps makes every logit NaN) and its dtype torch's, the weights whole (check_weight_files; without
+    safetensors, each pytorch_model*.bin plain tensors: vLLM refuses another pickle, as a traceback after its start)
+    and floats unless config.json has a quantization_config; else one error. A config.json that does not parse is
+    left to transformers' message."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
@@ -2283,9 +2284,12 @@ def check_model_folder(folder: Path) -> None:
             if config.get(key) is not None and config[key] not in CONFIG_DTYPES:
                 raise MIPUError(f"{folder}: config.json's {key} {str(config[key])[:60]!r} is none of "
                                 f"{', '.join(CONFIG_DTYPES)}")
-    if not any(folder.glob("*.safetensors")):
-        raise MIPUError(f"{folder}: no *.safetensors weights (vLLM loads those; a pickled pytorch_model.bin is "
-                        "refused)")
+    for path in [] if any(folder.glob("*.safetensors")) else sorted(folder.glob("pytorch_model*.bin")):
+        try:                                              # mmap: the header and pickle only, no tensor data read
+            torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        except Exception as e:                            # UnpicklingError: a pickle of more than tensors
+            raise MIPUError(f"{path}: refused or damaged ({type(e).__name__}): a weight file holds only tensors "
+                            "(a planted pickle is never run)") from e
     check_weight_files(folder)
     if isinstance(config, dict) and "quantization_config" in config:
         return

@@ -2323,7 +2323,7 @@ def _three_layers(weights):
     # issue 31: edits that were accepted (re-ran from another step, turned a check off, or trained on nonsense)
     (lambda c: _edit_state(c, lambda s: {**s, "step": 0}), "refused: step = 0 is not 1, the step of its folder's name"),
     (lambda c: _edit_state(c, lambda s: {**s, "probe": ([], s["probe"][1])}), r"refused: probe = .* is not \(prompt, "
-                                                                              "response\) token ids .* neither empty"),
+                                                                              r"response\) token ids .* neither empty"),
     (lambda c: _edit_state(c, lambda s: {**s, "probe": ([1] * 300, s["probe"][1])}),
      "refused: probe = .* at most the 256-token context in all"),
     (lambda c: _edit_state(c, lambda s: {**s, "probe_gap0": 1e308}),
@@ -2761,6 +2761,13 @@ def test_cli_bad_model_folder_one_clear_error(model_dir, tmp_path, edit, message
     assert not (tmp_path / "ran").exists()
 
 
+def _planted_bin(folder, marker):
+    """Only a pytorch_model.bin, whose pickle would open(marker, "w") if it were unpickled in full."""
+    _only_bin(folder)
+    weights = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    torch.save({**weights, "payload": _Payload(str(marker))}, folder / "pytorch_model.bin")
+
+
 ENDLESS_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
                     "{{ messages[0]['content'] }}")      # 10^10 iterations: renders for ever, writes nothing
 
@@ -2783,8 +2790,8 @@ ENDLESS_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(100000) %}{% 
     ("eval", _edit_config(rms_norm_eps=math.nan), "config.json's rms_norm_eps holds NaN or inf: nan"),
     ("train", lambda folder: _edit_weights(folder, lambda w: w["model.norm.weight"].fill_(math.nan)),
      "its weights hold NaN or inf (model.norm.weight)"),
-    ("train", _only_bin, "no *.safetensors weights (vLLM loads those; a pickled pytorch_model.bin is refused)"),
-    ("eval", _only_bin, "no *.safetensors weights (vLLM loads those; a pickled pytorch_model.bin is refused)"),
+    ("eval", lambda folder: _planted_bin(folder, folder.parent / "ran"),
+     "pytorch_model.bin: refused or damaged (UnpicklingError): a weight file holds only tensors"),
 ])
 def test_cli_bad_model_folder_before_the_engines(model_dir, tmp_path, command, edit, message):
     """A model folder that would fail after the engines started (a traceback, minutes on a GPU), hang, or train on
@@ -2798,6 +2805,15 @@ def test_cli_bad_model_folder_before_the_engines(model_dir, tmp_path, command, e
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {folder}") and message in errors[0], p.stderr[-2000:]
+    assert not (tmp_path / "ran").exists()
+
+
+def test_check_model_folder_takes_a_plain_pytorch_model_bin(model_dir, tmp_path):
+    """vLLM and transformers load a pytorch_model.bin of plain tensors (weights_only): it stays allowed."""
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    _only_bin(folder)
+    mipu.check_model_folder(folder)
 
 
 def test_cli_reward_memory_too_small_fails_before_the_engines(model_dir, tmp_path):
