@@ -981,6 +981,9 @@ def toy_steps(cfg: Config, alpha: float) -> Iterator[dict]:
     """A toy training run, one record at a time: the initial one (step -1), then each step's
     metrics."""
     torch.set_num_threads(1)          # bit-for-bit: results must not depend on thread count
+    # the method's own checks, as the command line applies them (not a subclass's extra bounds)
+    if bad := [message for ok, message in Config.checks(cfg, "toy") if not ok]:
+        raise MIPUError(bad[0])
     eng = ToyEngine(cfg, alpha)
     yield {"step": -1, "exact/J_pi": eng.J[0], "exact/J_mu": eng.J[1]}
     for _ in range(cfg.steps):
@@ -1391,6 +1394,7 @@ def torchrun() -> bool:      # the environment decides: vLLM may have made a pro
 
 
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")   # what torchrun sets beside WORLD_SIZE
+TCP_PORT_MAX = 2**16 - 1     # MASTER_PORT is a TCP port: 16 bits
 
 
 def rank_world() -> tuple[int, int]:
@@ -1405,6 +1409,9 @@ def rank_world() -> tuple[int, int]:
     if torchrun() and not all(digits.fullmatch(os.environ[k]) for k in ("LOCAL_RANK", "MASTER_PORT")):
         raise MIPUError(f"LOCAL_RANK={os.environ['LOCAL_RANK']!r}, MASTER_PORT={os.environ['MASTER_PORT']!r} in the "
                         "environment: torchrun's whole numbers expected")
+    if torchrun() and int(os.environ["MASTER_PORT"]) > TCP_PORT_MAX:
+        raise MIPUError(f"MASTER_PORT={os.environ['MASTER_PORT']!r} in the environment: a TCP port in "
+                        f"[0, {TCP_PORT_MAX}] expected")
     return int(rank), int(world)
 
 
@@ -1950,6 +1957,17 @@ def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dic
     return {"prompt": prompt, "answer": plain.strip()}
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:      # json.loads' object_pairs_hook: a key given twice is refused, not the last
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        raise _DuplicateKey(next(k for k in keys if keys.count(k) > 1))
+    return dict(pairs)
+
+
 # JSONL by hand, not by `datasets` (used for the other formats): its JSON reader rounds decimals (1.10 -> 1.1), cannot
 # hold a 5,000-digit integer, sees no duplicate key and names no line of a bad row
 def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
@@ -1963,7 +1981,10 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
     for n, line in enumerate(text.split("\n"), start=1):
         try:
             if line.strip():
-                yield f"{path}:{n}", json.loads(line, parse_int=Decimal, parse_float=Decimal, parse_constant=Decimal)
+                yield f"{path}:{n}", json.loads(line, parse_int=Decimal, parse_float=Decimal, parse_constant=Decimal,
+                                                object_pairs_hook=_unique_keys)
+        except _DuplicateKey as e:
+            raise MIPUError(f"{path}:{n}: the key {str(e)[:60]!r} appears twice in one object (which one counts?)")
         except (json.JSONDecodeError, RecursionError) as e:          # RecursionError: nested too deeply
             raise MIPUError(f"{path}:{n}: malformed JSON ({getattr(e, 'msg', 'nested too deeply')})") from e
 
@@ -1982,7 +2003,8 @@ def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
         else:   # a hub-layout folder, or a hub id's from the local HF cache only, as models (offline: no retries)
             src = name if Path(name).is_dir() else snapshot_download(name, repo_type="dataset", local_files_only=True)
             ds = datasets.load_dataset(src, split=split)
-    except (OSError, ValueError, IndexError, datasets.exceptions.DatasetsError) as e:  # IndexError: 0-row save_to_disk
+    # IndexError: a 0-row save_to_disk; RuntimeError: a folder with a loading script (datasets 4 runs none)
+    except (OSError, ValueError, IndexError, RuntimeError, datasets.exceptions.DatasetsError) as e:
         why = ("no such local folder, nor a hub id in the local HF cache (download it first: `hf download --repo-type "
                f"dataset {name}`)") if isinstance(e, errors.LocalEntryNotFoundError) else e
         raise MIPUError(f"could not load dataset {name!r} (split {split!r}): {why}") from e
@@ -2159,6 +2181,16 @@ class RewardWorker:
 REWARD_WORKER = RewardWorker()
 
 
+def start_reward_worker(cfg: TrainConfig) -> None:
+    """REWARD_WORKER started before the engines: a --reward-memory it cannot start in fails here, not at the first
+    answer that is no plain number (minutes into a run)."""
+    with REWARD_WORKER.lock:
+        if REWARD_WORKER.proc is not None and REWARD_WORKER.memory_mb != cfg.reward_memory:
+            REWARD_WORKER._stop()
+        if REWARD_WORKER.proc is None:
+            REWARD_WORKER._start(cfg.reward_memory)
+
+
 def worker_score(cfg: TrainConfig):
     """sample_reward's score under the harness: math_reward, whose math_verify calls run in REWARD_WORKER."""
     return functools.partial(math_reward, timeout=cfg.reward_timeout, memory_mb=cfg.reward_memory)
@@ -2171,12 +2203,44 @@ def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout:
     Plain numbers compare in-process (exact, ~1 ms faster than sympy); the rest in REWARD_WORKER."""
     if not (FIELD_KINDS[float][0](timeout) and 0 < timeout <= POLL_LIMIT_S):      # inf, NaN: poll() cannot wait them
         raise MIPUError(f"math_reward: timeout must be in (0, {POLL_LIMIT_S:g}] seconds, not {timeout!r}")
+    if not (FIELD_KINDS[int][0](memory_mb) and memory_mb >= 1):               # RLIMIT_AS takes a whole byte count
+        raise MIPUError(f"math_reward: memory_mb must be a whole number >= 1 (MB), not {memory_mb!r}")
     pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
     plain = _to_number(pred) is not None and _to_number(answer) is not None
     equal = _simple_equal(pred, answer) if plain else REWARD_WORKER(pred, answer, timeout, memory_mb)
     return None if equal is None else float(equal)
+
+
+CHAT_TEMPLATE_S = 5.0   # a chat template renders a prompt in milliseconds: one that takes 5 s (1000x, on a loaded
+#                         machine too) loops for ever (nested loops), and would stall the start with no output
+
+
+class _Expired(BaseException):      # time_bound's alarm: no `except Exception` of the code it interrupts catches it
+    pass
+
+
+@contextlib.contextmanager
+def time_bound(seconds: float, message: str):
+    """MIPUError(message) if the block runs past `seconds` (SIGALRM: Python code, in the main thread; elsewhere the
+    block runs unbounded, as signals reach the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _Expired
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except _Expired:
+        raise MIPUError(message) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def prompt_text(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> str:
@@ -2263,12 +2327,12 @@ def claim_output_dir(cfg: TrainConfig):
     lock), without temp folders of a killed save, holding no other run unless --resume or --overwrite; the lock.
     The names the run writes (RUN_FILES) must be its own kind: no symlink is followed, no user's file truncated."""
     out = Path(cfg.output_dir)
-    for name, kind in RUN_FILES.items():
-        path = out / name
-        if path.is_symlink() or path.exists() and not (path.is_dir() if kind == "folder" else path.is_file()):
-            raise MIPUError(f"{path} is a symlink or not a {kind}: the run writes its own {name} there and follows "
-                            "no link (move it)")
-    try:
+    try:                                      # OSError: a name too long, a folder not searchable
+        for name, kind in RUN_FILES.items():
+            path = out / name
+            if path.is_symlink() or path.exists() and not (path.is_dir() if kind == "folder" else path.is_file()):
+                raise MIPUError(f"{path} is a symlink or not a {kind}: the run writes its own {name} there and "
+                                "follows no link (move it)")
         out.mkdir(parents=True, exist_ok=True)
         fd = os.open(out / ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
         lock = os.fdopen(fd, "w")             # no O_TRUNC: the lock's content does not matter
@@ -2290,13 +2354,24 @@ def claim_output_dir(cfg: TrainConfig):
             raise MIPUError(f"--overwrite would delete {src}, an input of this run (copy it elsewhere first)")
     for path in runs if cfg.overwrite else []:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if cfg.resume:                            # keep_metrics_before cuts it after the engines start: read it now
+        metrics_lines(out / "metrics.jsonl")
     return lock
+
+
+def metrics_lines(path: Path) -> list[str]:
+    """metrics.jsonl's whole lines (a torn last line dropped), [] if none; a file not UTF-8 is refused."""
+    try:
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+    except UnicodeDecodeError as e:
+        raise MIPUError(f"{path}: not UTF-8 text (byte {e.start}): not the run's metrics (move it)") from e
+    return [x for x in text.splitlines(keepends=True) if x.endswith("\n")]
 
 
 def keep_metrics_before(path: Path, step: int) -> None:
     """Cut metrics.jsonl's records of steps >= step (a user's line stays) and a torn last line, atomically."""
     if path.exists():
-        lines = [x for x in path.read_text().splitlines(keepends=True) if x.endswith("\n")]
+        lines = metrics_lines(path)
         keep = [x for x in lines if not (r := re.match(r'\{"step": (\d+)[,}]', x)) or int(r[1]) < step]
         tmp = path.with_name(f".tmp-metrics-{os.getpid()}")   # RUN_TEMP: a kill's leftover goes at the next start
         try:
@@ -2309,7 +2384,15 @@ def keep_metrics_before(path: Path, step: int) -> None:
 
 
 def check_resume(cfg: TrainConfig, state: dict, n_train: int) -> None:
-    """Refuse to continue a run under other flags (but RESUME_MAY_CHANGE) or other training data."""
+    """Refuse to continue a run under other flags (but RESUME_MAY_CHANGE) or other training data, a saved config
+    that lacks a flag (its check would be skipped), or a run already past --steps (it would end having done nothing)."""
+    if missing := [f.name for f in dataclasses.fields(cfg) if f.name not in state["config"]
+                   and f.name not in RESUME_MAY_CHANGE]:
+        raise MIPUError(f"--resume: the run's saved config has no {missing[0]} (an edited trainer_state.pt?): "
+                        f"--{missing[0].replace('_', '-')} could not be checked")
+    if state["step"] > cfg.steps:
+        raise MIPUError(f"--resume: the run is at step {state['step']}, past --steps {cfg.steps} (nothing to do: "
+                        "raise --steps to continue it)")
     for name, saved in state["config"].items():     # a path compares resolved: a/b/, ./a/b and /abs/a/b are one
         now, saved = (os.path.realpath(v) if isinstance(v, str) and os.path.exists(v) else v
                       for v in (getattr(cfg, name, saved), saved))
@@ -2321,6 +2404,11 @@ def check_resume(cfg: TrainConfig, state: dict, n_train: int) -> None:
 
 
 TRAIN_DTYPE_SAVED = {"float32": "F32", "bf16-mixed": "F32", "bfloat16": "BF16", "float16": "F16"}   # safetensors'
+# AdamW's hyperparameters in optimizer.pt's param_groups: the run's own (its flags, torch's defaults), never an edit's
+# (betas 1.5, eps NaN); lr is set anew at every step (set_lr)
+ADAMW_GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
+PROBE_GAP0_MAX = 1.0   # the start-up's mean |log pi - log mu| per probe token is rounding or quantization (FP8: ~0.01,
+#                        toy/RESULTS.md): a nat per token is engines that disagree, and sync_tol x 1e308 checks nothing
 
 
 def _token_ids(x, vocab: int) -> bool:
@@ -2346,7 +2434,9 @@ def check_trainer_state(cfg: Config, state: dict, ckpt: Path, n_train: int, n_va
     state finite (a NaN start never trains) and non-negative where a variance is, the weights in the run's dtype: one
     error naming the file and the field, before the engines (an edited checkpoint fails there, not later)."""
     vocab, s = load_pretrained("AutoConfig", str(ckpt)).vocab_size, state
-    rules = {"step": (s["step"] >= 0, ">= 0"), "rejections": (0 <= s["rejections"] <= s["step"], "in [0, step]"),
+    context, folder_step = context_length(cfg), int(CHECKPOINT.fullmatch(ckpt.name)[1])
+    rules = {"step": (s["step"] == folder_step, f"{folder_step}, the step of its folder's name"),
+             "rejections": (0 <= s["rejections"] <= s["step"], "in [0, step]"),
              "reward_timeouts": (s["reward_timeouts"] >= 0, ">= 0"),
              "order": (s["order"] == [] or all(type(i) is int for i in s["order"]) and sorted(s["order"]) == list(
                  range(n_train)), f"a permutation of the {n_train} training rows' indices"),
@@ -2358,11 +2448,24 @@ def check_trainer_state(cfg: Config, state: dict, ckpt: Path, n_train: int, n_va
              "pending": (s["pending"] is None or _pending_fits(s["pending"], cfg.batch_size, vocab),
                          f"None or a batch of {cfg.batch_size} responses of token ids below {vocab}"),
              "probe": (len(s["probe"]) == 2 and _token_ids(s["probe"][0], vocab) and _token_ids(s["probe"][1], vocab)
-                       and len(s["probe"][1]) > 0, f"(prompt, response) token ids below the vocabulary's {vocab}"),
-             "probe_gap0": (math.isfinite(s["probe_gap0"]) and s["probe_gap0"] >= 0, "finite, >= 0")}
+                       and len(s["probe"][0]) > 0 and len(s["probe"][1]) > 0
+                       and len(s["probe"][0]) + len(s["probe"][1]) <= context,
+                       f"(prompt, response) token ids below the vocabulary's {vocab}, neither empty, at most the "
+                       f"{context}-token context in all"),
+             "probe_gap0": (0 <= s["probe_gap0"] <= PROBE_GAP0_MAX, f"in [0, {PROBE_GAP0_MAX:g}] (a start-up gap "
+                            "beyond it is no rounding, and turns the sync check off)")}
     if bad := [(k, rule) for k, (ok, rule) in rules.items() if not ok]:
         raise MIPUError(f"{ckpt / 'trainer_state.pt'}: refused: {bad[0][0]} = {str(s[bad[0][0]])[:60]} is not "
                         f"{bad[0][1]}")
+    fresh = torch.optim.AdamW([torch.zeros(1)], lr=cfg.learning_rate, weight_decay=cfg.weight_decay).param_groups[0]
+    groups = state["optimizer"].get("param_groups", []) if isinstance(state["optimizer"], dict) else []
+    for g in groups if isinstance(groups, list) else [groups]:
+        same = isinstance(g, dict) and all(isinstance(g.get(k), (list, tuple)) and tuple(g[k]) == fresh[k] if
+                                           k == "betas" else g.get(k) == fresh[k] for k in ADAMW_GROUP_KEYS)
+        if not same:
+            shown = {k: g.get(k) for k in ADAMW_GROUP_KEYS} if isinstance(g, dict) else g
+            raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused: param_groups' {str(shown)[:120]} are not the run's "
+                            f"AdamW {({k: fresh[k] for k in ADAMW_GROUP_KEYS})}")
     for k, st in state["optimizer"].get("state", {}).items() if isinstance(state["optimizer"], dict) else ():
         values = st.items() if isinstance(st, dict) else ()
         if bad := [n for n, v in values if torch.is_tensor(v) and v.is_floating_point() and not (
@@ -2396,6 +2499,63 @@ def check_weight_files(folder: Path) -> None:
             safe_open(path, "pt").keys()
         except Exception as e:                              # SafetensorError, OSError: a truncated or edited file
             raise MIPUError(f"{path}: refused or damaged ({type(e).__name__}: {e})") from e
+
+
+MODEL_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")    # safetensors' float dtypes: any other is a quantized format,
+#   which only config.json's quantization_config describes (else transformers casts its integers to floats)
+CONFIG_DTYPES = ("float64", "float32", "float16", "bfloat16")   # config.json's dtype (torch_dtype): torch's names
+
+
+def _finite(value) -> bool:
+    """Every number in a JSON value finite (json.loads reads NaN and Infinity)."""
+    if isinstance(value, dict):
+        return all(map(_finite, value.values()))
+    if isinstance(value, list):
+        return all(map(_finite, value))
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def check_model_folder(folder: Path) -> None:
+    """The model folder vLLM and a fresh trainer load, before either starts: config.json's numbers finite (a NaN
+    rms_norm_eps makes every logit NaN) and its dtype torch's, the weights whole (check_weight_files; without
+    safetensors, each pytorch_model*.bin plain tensors: vLLM refuses another pickle, as a traceback after its start)
+    and floats unless config.json has a quantization_config; else one error. A config.json that does not parse is
+    left to transformers' message."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(config, dict):
+        for key, value in config.items():
+            if not _finite(value):
+                raise MIPUError(f"{folder}: config.json's {key} holds NaN or inf: {str(value)[:60]}")
+        for key in ("dtype", "torch_dtype"):
+            if config.get(key) is not None and config[key] not in CONFIG_DTYPES:
+                raise MIPUError(f"{folder}: config.json's {key} {str(config[key])[:60]!r} is none of "
+                                f"{', '.join(CONFIG_DTYPES)}")
+    for path in [] if any(folder.glob("*.safetensors")) else sorted(folder.glob("pytorch_model*.bin")):
+        try:                                              # mmap: the header and pickle only, no tensor data read
+            torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        except Exception as e:                            # UnpicklingError: a pickle of more than tensors
+            raise MIPUError(f"{path}: refused or damaged ({type(e).__name__}): a weight file holds only tensors "
+                            "(a planted pickle is never run)") from e
+    check_weight_files(folder)
+    if isinstance(config, dict) and "quantization_config" in config:
+        return
+    from safetensors import safe_open
+    for path in sorted(folder.glob("*.safetensors")):
+        f = safe_open(path, "pt")
+        if bad := [k for k in f.keys() if f.get_slice(k).get_dtype() not in MODEL_FLOAT_DTYPES]:
+            raise MIPUError(f"{path}: refused: {bad[0]} is {f.get_slice(bad[0]).get_dtype()}: without a "
+                            "quantization_config in config.json a model's weights are floats "
+                            f"({', '.join(MODEL_FLOAT_DTYPES)}); transformers would cast these")
+
+
+def check_finite_weights(model: torch.nn.Module, weights: str) -> None:
+    """The trainer's weights finite (every rank's shards), before the engines: NaN or inf never trains."""
+    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(local(p).detach()).all()), None)
+    if not all_true(bad is None):
+        raise MIPUError(f"{weights}: its weights hold NaN or inf" + (f" ({bad})" if bad else " (another rank's)"))
 
 
 def read_trainer_state(ckpt: Path) -> dict:
@@ -2629,6 +2789,11 @@ INT_FLAG_MAX = 2**62      # torch's sizes, indices and seeds are int64: 2**62 ke
 #                           rollout seed seed * 1_000_003 + 2k + 1, inside 2**63
 MIN_TEMPERATURE = 1e-2    # vLLM raises a smaller temperature to 0.01 (its _MAX_TEMP, against inf/NaN in logits / T):
 #                           the trainer, dividing by the flag's value, would score another policy than vLLM samples
+MAX_TEMPERATURE = 1e3     # an LLM's logits span well under 100 nats: at T > 1000 every token's probability is within
+#                           e^0.1 of uniform (noise, no policy to learn or evaluate); 1e308 is inf in float32
+SYNC_TOL_MIN = 1.0        # --sync-tol x the start-up gap: a correct sync's gap is the start-up's up to rounding, so
+#                           below 1x a correct sync fails (5e-324: every one)
+REWARD_TIMEOUT_MIN = 1e-3  # poll() waits whole milliseconds: a shorter budget is 0 ms, every reward call times out
 TOY_MISMATCH_MAX = 100.0  # the warm start's largest |log pi - log mu| grows with alpha: 35-73 nats at 100, 75-153 at
 #                           200 (seeds 0-19); float32's exp overflows at 88.7, so w = pi/mu and rho turn inf beyond it
 TOY_LR_MAX = 1.0          # Adam moves each weight by ~lr a step and the toy's weights are O(0.5): one step at lr 0.3
@@ -2637,6 +2802,9 @@ FP8_SUBNORMAL_MIN = 2**-9     # float8_e4m3fn's smallest positive value (torch.f
 # --toy-fp8-headroom h: the warm start's largest logit lands at fp8_max / h on the FP8 grid; above 448 / 2**-9 it is
 # below FP8's smallest positive value, so every logit of μ rounds to 0 (μ uniform)
 TOY_FP8_HEADROOM_MAX = torch.finfo(torch.float8_e4m3fn).max / FP8_SUBNORMAL_MIN
+# below 2**-9 / 448 the saturation level h x max|logit| lies under the smallest logit h = 1's FP8 grid resolves:
+# every logit saturates at +-h x max|logit| (1e-30: mu uniform)
+TOY_FP8_HEADROOM_MIN = 1 / TOY_FP8_HEADROOM_MAX
 # Host RAM a toy run's sizes need, bytes per element (fitted to the peak RSS toy.limits measures): its tables
 # [P, H, V+1, V] (float32 logits and log-probs of both engines, the float64 DP over both), its hidden layer
 # [P, H, V+1, d] (pre- and post-tanh), its weights (with gradient, Adam's moments, the snapshot), a rollout token
@@ -2669,6 +2837,7 @@ def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
     toy, llm = sane and command not in ("train", "eval"), sane and command == "train"
     length = min(cfg.max_new_tokens, cfg.max_model_len or cfg.max_new_tokens)     # a response's longest
     rollout = (cfg.prompts_per_step + cfg.val_prompts) * cfg.num_generations * length
+    per_problem = getattr(cfg, "eval_samples", 1) * length                 # eval's tokens of one problem, at least
     return [(getattr(cfg, n) <= INT_FLAG_MAX, f"{flag[n]} must be <= 2**62 (torch's sizes, indices and seeds "
                                                "are int64)") for n in ints] + [
         (not 0 < cfg.temperature < MIN_TEMPERATURE, f"--temperature must be >= {MIN_TEMPERATURE:g}: vLLM raises "
@@ -2679,6 +2848,8 @@ def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
          "by ~lr and they are O(0.5); one step at lr 0.3 takes J(mu) to ~0"),
         (cfg.toy_fp8_headroom <= TOY_FP8_HEADROOM_MAX, f"--toy-fp8-headroom must be <= {TOY_FP8_HEADROOM_MAX:g} "
          "(448 / 2**-9): beyond it every logit rounds to FP8's zero"),
+        (cfg.toy_fp8_headroom >= TOY_FP8_HEADROOM_MIN, f"--toy-fp8-headroom must be >= {TOY_FP8_HEADROOM_MIN:g} "
+         "(2**-9 / 448): below it every logit saturates (mu uniform)"),
         (not toy or cfg.prompts_per_step <= cfg.toy_prompts, f"--prompts-per-step must be <= --toy-prompts "
          f"({cfg.toy_prompts}): a toy step samples that many distinct prompts of the task"),
         (not toy or toy_bytes(cfg) <= ram, "--toy-prompts P, --toy-horizon H, --toy-vocab V, --toy-dim d, "
@@ -2689,6 +2860,10 @@ def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
          f"--num-generations x --max-new-tokens (or --max-model-len) = {rollout:.3g} rollout tokens a step: at "
          f"full length at least ~{rollout * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, more than this "
          f"machine's {ram / 2**30:.0f} GiB" if llm else ""),
+        (not sane or per_problem * ROLLOUT_TOKEN_BYTES <= ram, f"--eval-samples x --max-new-tokens (or "
+         f"--max-model-len) = {per_problem:.3g} response tokens of one eval problem: at full length at least "
+         f"~{per_problem * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, more than this machine's "
+         f"{ram / 2**30:.0f} GiB" if sane else ""),
     ]
 
 
@@ -2726,7 +2901,8 @@ class TrainConfig(Config):
     resume: bool = _train(False, "continue from the newest checkpoint in --output-dir; only these flags may differ "
                           "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE))
     overwrite: bool = _train(False, "start afresh in an --output-dir that holds a run, deleting that run")
-    drop_long_prompts: bool = _llm(False, "drop (and count) prompts too long for the context, not refuse them")
+    drop_long_prompts: bool = _llm(False, "drop (and count) prompts that leave no room for --max-new-tokens in the "
+                                   "context, not refuse them")
     reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default); a "
                                  "gold answer that cannot be compared with 0 within it scores 0 from then on, uncalled")
     reward_memory: int = _llm(REWARD_MEMORY_MB, "MB of address space of the math_verify reward worker (RLIMIT_AS); "
@@ -2804,12 +2980,21 @@ class TrainConfig(Config):
             (self.eval_every >= 0 and self.eval_temperature >= 0, "--eval-every and --eval-temperature must be >= 0"),
             (not 0 < self.eval_temperature < MIN_TEMPERATURE, f"--eval-temperature must be 0 (greedy) or >= "
              f"{MIN_TEMPERATURE:g}: vLLM raises a smaller one to it"),
-            (0 < self.reward_timeout <= POLL_LIMIT_S, f"--reward-timeout must be in (0, {POLL_LIMIT_S:g}] seconds"),
+            *[(t <= MAX_TEMPERATURE, f"--{name} must be <= {MAX_TEMPERATURE:g}: above it every token is within "
+               "e^0.1 of uniform (an LLM's logits span well under 100 nats)")
+              for name, t in (("temperature", self.temperature), ("eval-temperature", self.eval_temperature))],
+            (self.sync_tol >= SYNC_TOL_MIN, f"--sync-tol must be >= {SYNC_TOL_MIN:g}: a correct sync's probe gap is "
+             "the start-up's up to rounding, a smaller multiple fails it"),
+            (REWARD_TIMEOUT_MIN <= self.reward_timeout <= POLL_LIMIT_S, f"--reward-timeout must be in "
+             f"[{REWARD_TIMEOUT_MIN:g}, {POLL_LIMIT_S:g}] seconds (poll() waits whole milliseconds, up to a C int)"),
+            (self.prompt_key != self.answer_key, "--prompt-key and --answer-key must differ (the answer would be the "
+             "prompt)"),
             (self.reward_memory >= 1, "--reward-memory must be >= 1 (MB)"),
             (not (self.resume and self.overwrite), "--resume and --overwrite exclude each other"),
             (self.output_dir != "", "--output-dir must not be empty (a run would claim the current directory; "
                                     "name it: --output-dir .)"),
-            (set(self.report_to.split(",")) <= {"", "tensorboard", "wandb"}, "--report-to takes tensorboard, wandb"),
+            (self.report_to == "" or set(self.report_to.split(",")) <= {"tensorboard", "wandb"},
+             "--report-to takes tensorboard, wandb, comma-separated (no empty name)"),
             (not any(n % world for n in (self.prompts_per_step, self.val_prompts, self.mini_batch_size,
                                          self.target_holdout * (self.accept_rule == "target"))),
              f"--prompts-per-step, --val-prompts, --mini-batch-size, --target-holdout: each must divide by the "
@@ -2891,8 +3076,12 @@ def check_prompt_frame(cfg: TrainConfig, tokenizer, context: int, max_chars: int
 def _ids_within(tokenizer, prompt: str, cfg: TrainConfig, max_chars: int) -> list[int] | None:
     """build_prompt_ids with --prompt-suffix; None, untokenized, if the text (raw or templated) has more than
     max_chars characters: too long for the context."""
-    if len(prompt) > max_chars or len(text := prompt_text(tokenizer, prompt, cfg.prompt_suffix,
-                                                          cfg.enable_thinking)) > max_chars:
+    if len(prompt) > max_chars:
+        return None
+    with time_bound(CHAT_TEMPLATE_S, f"{tokenizer.name_or_path}: its chat template did not render a prompt within "
+                                     f"{CHAT_TEMPLATE_S:g} s (a loop that runs for ever?)"):
+        text = prompt_text(tokenizer, prompt, cfg.prompt_suffix, cfg.enable_thinking)
+    if len(text) > max_chars:
         return None
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -2908,14 +3097,23 @@ def load_prompts(cfg: TrainConfig, tokenizer, source: str) -> list[dict]:
     if [] in ids:
         raise MIPUError(f"{source}: row {ids.index([])}: the prompt is no tokens (through the chat template): "
                         "vLLM needs a token")
-    fits = [x is not None and len(x) < context for x in ids]
-    if all(fits):
+    room = [x is not None and len(x) < context for x in ids]                      # for one new token
+    whole = [ok and len(x) + cfg.max_new_tokens <= context for ok, x in zip(room, ids)]   # for a whole response
+    if all(whole):
         return rows
+    if all(room) and not cfg.drop_long_prompts:     # vLLM would cut the responses at the context, silently
+        longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+        raise MIPUError(f"{source}: --max-new-tokens {cfg.max_new_tokens} + the longest prompt's {len(ids[longest])} "
+                        f"tokens (row {longest}) exceed the {context}-token context (vLLM would cut responses short "
+                        "there); lower --max-new-tokens, raise --max-model-len or use --drop-long-prompts")
+    fits = whole if cfg.drop_long_prompts else room
     if not cfg.drop_long_prompts or not any(fits):
         raise MIPUError(f"{source}: {fits.count(False)} of {len(rows)} prompts (the first: row {fits.index(False)}) "
-                        f"leave no room for a new token in the {context}-token context; use --drop-long-prompts "
-                        "or a larger --max-model-len")
-    print(f"{source}: dropped {fits.count(False)} prompts too long for the {context}-token context")
+                        f"leave no room for " + (f"--max-new-tokens {cfg.max_new_tokens}" if cfg.drop_long_prompts
+                                                 else "a new token") + f" in the {context}-token context; use "
+                        "--drop-long-prompts or a larger --max-model-len")
+    print(f"{source}: dropped {fits.count(False)} prompts too long for the {context}-token context (with "
+          f"--max-new-tokens {cfg.max_new_tokens})")
     return [r for r, ok in zip(rows, fits) if ok]
 
 
@@ -2935,6 +3133,7 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
     state = read_trainer_state(ckpt) if ckpt else None          # everything is checked before the engines start
     weights = str(ckpt) if ckpt else cfg.model
+    check_model_folder(model_folder(cfg.model))        # vLLM's weights (and a fresh trainer's)
     tokenizer = load_pretrained("AutoTokenizer", weights)
     train_rows = load_prompts(cfg, tokenizer, cfg.train_data)
     val_rows = load_prompts(cfg, tokenizer, cfg.val_data) if cfg.val_data else []
@@ -2946,6 +3145,7 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
         cfg = dataclasses.replace(cfg, gpu_memory_utilization=check_memory_plan(cfg))   # auto: a number now
     model = load_sharded_trainer(weights, cfg) if torchrun() else load_trainer(     # before the optimizer: it holds
         weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on", load_checked_trainer)    # the shards
+    check_finite_weights(model, weights)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
     try:                              # before the engines start: an edited optimizer.pt is one error line
@@ -2953,6 +3153,8 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
         if state and any(torch.is_tensor(v) and v.dim() and v.shape != shapes.get(k, v.shape)
                          for k, st in state["optimizer"].get("state", {}).items() for v in st.values()):
             raise ValueError("its tensors' shapes are not the weights'")   # AdamW takes them, fails at its first step
+        if state and (unknown := sorted(map(str, set(state["optimizer"].get("state", {})) - set(shapes)))):
+            raise ValueError(f"state for {unknown[0][:60]!r}, no weight of the model")   # else kept, never used
         if state:                     # rank 0 sends the shards
             set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)
@@ -2993,6 +3195,7 @@ def train(cfg: TrainConfig) -> None:
     lock = claim_output_dir(cfg) if rank0 else None   # held (flock) until this process ends
     writer = open_reporter(cfg) if cfg.report_to and rank0 else None   # before the engines: fails at once
     eval_sets = load_eval_sets(cfg) if cfg.eval_every else {}
+    start_reward_worker(cfg)
     run = setup_llm_run(cfg)
     metrics = Path(cfg.output_dir) / "metrics.jsonl"
     if rank0:
@@ -3034,8 +3237,10 @@ def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
 
 def eval_command(cfg: TrainConfig) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
-    eval_sets = load_eval_sets(cfg)                   # before the engine starts: bad data or weights fail fast
-    check_weight_files(model_folder(cfg.model))
+    check_model_folder(model_folder(cfg.model))        # before the engine starts: bad weights or data fail fast
+    # NaN/inf weights are not looked for here: only vLLM loads them (a scan would read the whole model once more)
+    eval_sets = load_eval_sets(cfg)
+    start_reward_worker(cfg)
     llm = make_sampler(cfg, **vllm_args(cfg))
     if cfg.rollout_quant == "fp8-sim":               # no sync before the first rollouts: FP8 weights now
         sync_in_pieces(llm, _checkpoint_tensors(str(model_folder(cfg.model))), "fp8-sim")
@@ -3069,13 +3274,15 @@ def config_from(args: dict, command: str = "") -> TrainConfig:
 
 
 INTERRUPTED = "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"
+INTERRUPTED_NO_RUN = "error: interrupted (Ctrl-C)"     # eval and toy: they write no checkpoint
+_interrupt_line = [INTERRUPTED]          # main sets the command's line
 INTERRUPT_EXIT_S = 30.0    # after a Ctrl-C the command line's process is gone within this, whatever it was doing
 _interrupt_told = threading.Lock()     # held once INTERRUPTED is printed: it is printed once
 
 
 def tell_interrupted() -> None:
     if _interrupt_told.acquire(blocking=False):
-        print(INTERRUPTED, file=sys.stderr, flush=True)
+        print(_interrupt_line[0], file=sys.stderr, flush=True)
 
 
 def report_errors(fn, *args) -> int:
@@ -3134,6 +3341,7 @@ def main(argv: list[str] | None = None) -> int:
         add_config_flags(sub.add_parser(name, help=help_text, description=help_text), groups, name)
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
+    _interrupt_line[0] = INTERRUPTED if command == "train" else INTERRUPTED_NO_RUN
     return report_errors(lambda: SUBCOMMANDS[command][2](config_from(args, command)))
 
 

@@ -206,6 +206,15 @@ def test_toy_command_runs_mipu_step_once_per_step(monkeypatch, capsys):
     assert calls == [mipu.ToyEngine] * 2 and len(capsys.readouterr().out.splitlines()) == 3
 
 
+@pytest.mark.parametrize("kw, message", [(dict(num_generations=1), "--num-generations must be >= 2"),
+                                         (dict(mini_batch_size=0), "--mini-batch-size must be >= 1")])
+def test_toy_run_applies_the_methods_checks(kw, message):
+    """The Python API validates as the command line does (the method's checks; resource bounds are the harness's)."""
+    cfg = mipu.Config(steps=1, prompts_per_step=8, val_prompts=8, toy_prompts=16, **kw)
+    with pytest.raises(mipu.MIPUError, match=re.escape(message)):
+        mipu.toy_run(cfg, 1.0)
+
+
 def small_cfg(**kw) -> mipu.Config:
     base = dict(steps=4, prompts_per_step=8, val_prompts=8, mini_batch_size=32, toy_prompts=16)
     return mipu.Config(**{**base, **kw}).validate()
@@ -1522,6 +1531,7 @@ def test_load_rows_jsonl_keeps_text_and_numbers_exact(tmp_path):
     ('{"prompt": "a", "answer": NaN}\n', r"b\.jsonl:1: answer key 'answer' is empty or not a string or number \(fin"),
     ('{"prompt": "a", "answer": -Infinity}\n', r"b\.jsonl:1: answer key 'answer' .* \(finite, .*: -Infinity"),
     ('{"prompt": "a", "answer": 1e999999999999}\n', r"b\.jsonl:1: answer key .* at most 20000 digits"),  # no MemoryError
+    ('{"prompt": "a", "answer": "1", "prompt": "b"}\n', r"b\.jsonl:1: the key 'prompt' appears twice in one object"),
 ])
 def test_load_rows_errors(tmp_path, text, match):
     src = _write(tmp_path / "b.jsonl", text)
@@ -1616,6 +1626,16 @@ def test_load_rows_datasets_errors_match_jsonl(tmp_path, offline_datasets, rows,
     src = write_formats(offline_datasets, {"train": rows}, tmp_path)[fmt]
     with pytest.raises(mipu.MIPUError, match=match):
         mipu.load_rows(src, "prompt", "answer")
+
+
+def test_load_rows_dataset_folder_with_a_loading_script(tmp_path, offline_datasets):
+    """A dataset folder holding a loading script: one error (datasets 4 runs no script), the script never run."""
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "ds.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    with pytest.raises(mipu.MIPUError, match="could not load dataset .*Dataset scripts are no longer supported"):
+        mipu.load_rows(str(folder), "prompt", "answer")
+    assert not (tmp_path / "ran").exists()
 
 
 def test_load_rows_datasets_empty(tmp_path, offline_datasets):
@@ -1813,7 +1833,7 @@ def test_hostile_gold_answer_costs_two_budgets(capfd):
 def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_path):
     data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n'
                   + json.dumps({"prompt": "1+" * 100 + "1=", "answer": "101"}) + "\n")
-    cfg = mipu.TrainConfig(model=model_dir, max_model_len=64).validate()
+    cfg = mipu.TrainConfig(model=model_dir, max_model_len=64, max_new_tokens=8).validate()
     with pytest.raises(mipu.MIPUError, match="1 of 2 prompts .the first: row 1. leave no room for a new token in "
                                              "the 64-token context"):
         mipu.load_prompts(cfg, tokenizer, data)
@@ -1821,12 +1841,27 @@ def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_pa
     assert rows == [{"prompt": "1+1=", "answer": "2"}]
     # the check measures the prompt vLLM is given: --prompt-suffix included
     short = _write(tmp_path / "s.jsonl", '{"prompt": "1+1=", "answer": "2"}\n')
-    cfg = mipu.TrainConfig(model=model_dir, max_model_len=len(mipu.build_prompt_ids(tokenizer, "1+1=")) + 1).validate()
+    cfg = mipu.TrainConfig(model=model_dir, max_model_len=len(mipu.build_prompt_ids(tokenizer, "1+1=")) + 1,
+                           max_new_tokens=1).validate()
     assert mipu.load_prompts(cfg, tokenizer, short) == [{"prompt": "1+1=", "answer": "2"}]
     with pytest.raises(mipu.MIPUError, match="1 of 1 prompts"):
         mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix="=1"), tokenizer, short)
     with pytest.raises(mipu.MIPUError, match="with --prompt-suffix makes a 1-character prompt 22 tokens: no room"):
         mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix=" (answer as a number)"), tokenizer, short)
+
+
+def test_load_prompts_refuses_more_new_tokens_than_the_context_holds(model_dir, tokenizer, tmp_path):
+    """--max-new-tokens past the context left by the longest prompt: refused (vLLM would cut the responses there,
+    silently), naming the new tokens, the longest prompt and the context; --drop-long-prompts drops those prompts."""
+    data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "11+11=", "answer": "22"}\n')
+    longest = len(mipu.build_prompt_ids(tokenizer, "11+11="))
+    cfg = mipu.TrainConfig(model=model_dir, max_new_tokens=256 - longest + 1).validate()
+    with pytest.raises(mipu.MIPUError, match=re.escape(f"--max-new-tokens {256 - longest + 1} + the longest prompt's "
+                                                       f"{longest} tokens (row 1) exceed the 256-token context")):
+        mipu.load_prompts(cfg, tokenizer, data)
+    assert mipu.load_prompts(dataclasses.replace(cfg, drop_long_prompts=True), tokenizer, data) == [
+        {"prompt": "1+1=", "answer": "2"}]
+    assert len(mipu.load_prompts(dataclasses.replace(cfg, max_new_tokens=256 - longest), tokenizer, data)) == 2
 
 
 def test_load_prompts_refuses_a_huge_prompt_untokenized(model_dir, tokenizer, tmp_path):
@@ -1889,7 +1924,8 @@ def test_load_eval_sets_names_sets_with_one_stem_apart(model_dir, tmp_path):
         _write(tmp_path / folder / "val.jsonl", json.dumps({"prompt": "1+1=", "answer": answer}) + "\n")
     _write(tmp_path / "test.jsonl", '{"prompt": "2+2=", "answer": "4"}\n')
     sources = [str(tmp_path / "a" / "val.jsonl"), str(tmp_path / "b" / "val.jsonl"), str(tmp_path / "test.jsonl")]
-    sets = mipu.load_eval_sets(mipu.TrainConfig(model=model_dir, eval_data=",".join(sources)).validate())
+    cfg = mipu.TrainConfig(model=model_dir, eval_data=",".join(sources), max_new_tokens=8).validate()
+    sets = mipu.load_eval_sets(cfg)
     assert {name: rows[0]["answer"] for name, rows in sets.items()} == {sources[0]: "2", sources[1]: "3", "test": "4"}
 
 
@@ -1911,6 +1947,12 @@ def test_reward_memory_flag_reaches_the_worker():
     assert mipu.worker_score(cfg).keywords == {"timeout": 2.0, "memory_mb": 300}       # train's rollouts and eval's
     with pytest.raises(mipu.MIPUError, match=r"--reward-memory must be >= 1 \(MB\)"):
         mipu.TrainConfig(reward_memory=0).validate()
+
+
+@pytest.mark.parametrize("memory_mb", ["300", 0, 2.5, True])
+def test_math_reward_bad_memory_one_error(memory_mb):
+    with pytest.raises(mipu.MIPUError, match=re.escape("math_reward: memory_mb must be a whole number >= 1 (MB)")):
+        mipu.math_reward(r"\boxed{x+1}", "1+x", memory_mb=memory_mb)
 
 
 # ---------------------------------------------------------------- HARNESS: checkpoints, resume, the run directory, metrics
@@ -2026,6 +2068,23 @@ def test_output_dir_deletes_only_the_runs_temporary_names(tmp_path):
     assert sorted(p.name for p in mine.iterdir()) == ["data.txt"] and (mine / "data.txt").read_text() == "keep"
 
 
+def test_output_dir_name_too_long_is_one_error(tmp_path):
+    with pytest.raises(mipu.MIPUError, match=r"--output-dir .* is not a writable directory \(File name too long\)"):
+        mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(tmp_path / ("x" * 300))).validate())
+
+
+def test_resume_refuses_metrics_that_are_not_text_at_start(tmp_path):
+    """--resume with a metrics.jsonl that is not UTF-8: refused when the run claims its folder (before the engines),
+    and by keep_metrics_before as one error (no UnicodeDecodeError)."""
+    (tmp_path / "checkpoint-000001").mkdir()
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 0}\n\xff\n')
+    cfg = mipu.TrainConfig(output_dir=str(tmp_path), resume=True)
+    with pytest.raises(mipu.MIPUError, match=r"metrics.jsonl: not UTF-8 text \(byte 12\)"):
+        mipu.claim_output_dir(cfg)
+    with pytest.raises(mipu.MIPUError, match=r"metrics.jsonl: not UTF-8 text \(byte 12\)"):
+        mipu.keep_metrics_before(tmp_path / "metrics.jsonl", 1)
+
+
 @pytest.mark.parametrize("name, make", [
     (".lock", lambda path, target: path.symlink_to(target)),
     ("metrics.jsonl", lambda path, target: path.symlink_to(target)),
@@ -2066,7 +2125,7 @@ def test_checkpoint_name_in_the_way_is_one_error(tmp_path, trainer, tokenizer):
 def _bare_run(cfg, trainer, tokenizer) -> mipu.TrainEngine:
     """A TrainEngine without vLLM, enough for save_checkpoint (the session trainer, left unchanged)."""
 
-    opt = torch.optim.AdamW(trainer.parameters())
+    opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)   # the run's
     run = mipu.TrainEngine(cfg, None, trainer, tokenizer, opt, [], [])
     run.probe = ([1, 2], [3])
     return run
@@ -2167,8 +2226,10 @@ def test_metrics_lines_are_json(tmp_path):
 
 def test_check_resume_names_the_flag():
     cfg = mipu.TrainConfig(seed=0, steps=5).validate()
-    state = {"config": dataclasses.asdict(cfg), "order": list(range(10))}
+    state = {"config": dataclasses.asdict(cfg), "order": list(range(10)), "step": 5}
     mipu.check_resume(dataclasses.replace(cfg, steps=9, eval_every=2), state, 10)   # may change
+    with pytest.raises(mipu.MIPUError, match=r"--resume: the run is at step 5, past --steps 4 \(nothing to do"):
+        mipu.check_resume(dataclasses.replace(cfg, steps=4), state, 10)     # step 2**62: exited 0, having done nothing
     with pytest.raises(mipu.MIPUError, match="--resume: --seed is 1, the run's is 0"):
         mipu.check_resume(dataclasses.replace(cfg, seed=1), state, 10)
     with pytest.raises(mipu.MIPUError, match="--resume: --method is 'grpo', the run's is 'mipu'"):
@@ -2176,8 +2237,8 @@ def test_check_resume_names_the_flag():
     with pytest.raises(mipu.MIPUError, match="--train-data has 5 rows, the run's had 10"):
         mipu.check_resume(cfg, state, 5)
     for spelled in (str(ARITH.parent) + "/", str(ARITH.parent / ".." / "toy")):   # the same folder, spelled otherwise
-        mipu.check_resume(dataclasses.replace(cfg, model=spelled), {**state, "config": {"model": str(ARITH.parent)}},
-                          10)
+        mipu.check_resume(dataclasses.replace(cfg, model=spelled),
+                          {**state, "config": {**state["config"], "model": str(ARITH.parent)}}, 10)
     help_text = next(f.metadata["help"] for f in dataclasses.fields(mipu.TrainConfig) if f.name == "resume")
     assert all("--" + n.replace("_", "-") in help_text for n in mipu.RESUME_MAY_CHANGE)
 
@@ -2287,6 +2348,19 @@ def _optimizer_entry(ckpt, exp_avg_sq):
     torch.save(opt, ckpt / "optimizer.pt")
 
 
+def _edit_groups(ckpt, **kw):
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    opt["param_groups"][0].update(kw)
+    torch.save(opt, ckpt / "optimizer.pt")
+
+
+def _state_of_no_weight(ckpt):
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    opt["state"]["model.nosuch.weight"] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3),
+                                           "exp_avg_sq": torch.zeros(3)}
+    torch.save(opt, ckpt / "optimizer.pt")
+
+
 def _three_layers(weights):
     weights.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in weights.items() if "layers.1." in k})
 
@@ -2316,13 +2390,28 @@ def _three_layers(weights):
      "trainer_state.pt: refused: pending = .* is not None or a batch of 16 responses of token ids below 64"),
     (lambda c: _edit_state(c, lambda s: {**s, "probe": ([1, 2], [999999])}),
      r"trainer_state.pt: refused: probe = \(\[1, 2\], \[999999\]\) is not \(prompt, response\) token ids below"),
-    (lambda c: _edit_state(c, lambda s: {**s, "step": -1}), "trainer_state.pt: refused: step = -1 is not >= 0"),
+    (lambda c: _edit_state(c, lambda s: {**s, "step": -1}), "trainer_state.pt: refused: step = -1 is not 1, the step "
+                                                             "of its folder's name"),
+    # issue 31: edits that were accepted (re-ran from another step, turned a check off, or trained on nonsense)
+    (lambda c: _edit_state(c, lambda s: {**s, "step": 0}), "refused: step = 0 is not 1, the step of its folder's name"),
+    (lambda c: _edit_state(c, lambda s: {**s, "probe": ([], s["probe"][1])}), r"refused: probe = .* is not \(prompt, "
+                                                                              r"response\) token ids .* neither empty"),
+    (lambda c: _edit_state(c, lambda s: {**s, "probe": ([1] * 300, s["probe"][1])}),
+     "refused: probe = .* at most the 256-token context in all"),
+    (lambda c: _edit_state(c, lambda s: {**s, "probe_gap0": 1e308}),
+     r"refused: probe_gap0 = 1e\+308 is not in \[0, 1\]"),
+    (lambda c: _edit_state(c, lambda s: {**s, "config": {k: v for k, v in s["config"].items() if k != "clip_eps"}}),
+     "--resume: the run's saved config has no clip_eps .an edited trainer_state.pt.*--clip-eps could not be checked"),
+    (lambda c: _edit_groups(c, betas=(1.5, 0.999)), r"optimizer.pt: refused: param_groups' \{'betas': \(1.5, 0.999\)"),
+    (lambda c: _edit_groups(c, eps=math.nan), r"optimizer.pt: refused: param_groups' .*'eps': nan"),
+    (lambda c: _edit_groups(c, weight_decay=1e30), r"optimizer.pt: refused: param_groups' .*'weight_decay': 1e\+30"),
+    (_state_of_no_weight, "optimizer.pt: refused or damaged .state for 'model.nosuch.weight', no weight of the model"),
     (lambda c: _edit_state(c, lambda s: {**s, "rejections": 2}), "refused: rejections = 2 is not in \\[0, step\\]"),
     (lambda c: _edit_state(c, lambda s: {**s, "reward_timeouts": -1}), "refused: reward_timeouts = -1 is not >= 0"),
     (lambda c: _edit_state(c, lambda s: {**s, "data_pos": 5}), "refused: data_pos = 5 is not in \\[0, len\\(order"),
     (lambda c: _edit_state(c, lambda s: {**s, "val_pos": -1}), "refused: val_pos = -1 is not in \\[0, 128\\)"),
     (lambda c: _edit_state(c, lambda s: {**s, "pending_rows": [1, 2]}), "refused: pending_rows = \\[1, 2\\] is not"),
-    (lambda c: _edit_state(c, lambda s: {**s, "probe_gap0": float("nan")}), "refused: probe_gap0 = nan is not finite"),
+    (lambda c: _edit_state(c, lambda s: {**s, "probe_gap0": float("nan")}), r"refused: probe_gap0 = nan is not in \["),
     (lambda c: _edit_weights(c, lambda w: w.update({k: v.half() for k, v in w.items()})),
      "model.safetensors: refused: .* is F16, the run's weights are F32 .--train-dtype float32"),
     (lambda c: _edit_weights(c, lambda w: w.update({k: (v * 100).int() for k, v in w.items()})),
@@ -2553,11 +2642,21 @@ def test_gpu_check_dry_run(tmp_path):
     (dict(method="random-rollback-tis", reject_rate=1.0), r"--reject-rate must be in \(0, 1\)"),
     (dict(seed=-1), r"--seed must be in \[0, 4294967295\]"),            # vLLM seeds numpy with it
     (dict(seed=2**32), r"--seed must be in \[0, 4294967295\]"),
-    (dict(reward_timeout=1e10), r"--reward-timeout must be in \(0, 2.14748e\+06\] seconds"),   # poll()'s limit
-    (dict(reward_timeout=0.0), r"--reward-timeout must be in \(0, "),
+    (dict(reward_timeout=1e10), r"--reward-timeout must be in \[0.001, 2.14748e\+06\] seconds"),   # poll()'s limit
+    (dict(reward_timeout=0.0), r"--reward-timeout must be in \[0.001, "),
     (dict(method="ppo"), r"--method must be one of"),                         # the Python API: no KeyError
     (dict(toy_mismatch=-0.5), r"--toy-mismatch must be >= 0 \(or -1"),         # not an alpha of -0.5
     (dict(toy_dim=0), "--toy-dim must be >= 1"),
+    # issue 31: bounds that were missing (each value was accepted silently)
+    (dict(eval_samples=2**62), "--eval-samples x --max-new-tokens"),
+    (dict(temperature=1e308), "--temperature must be <= 1000"),
+    (dict(eval_temperature=1e308), "--eval-temperature must be <= 1000"),
+    (dict(sync_tol=5e-324), "--sync-tol must be >= 1"),
+    (dict(reward_timeout=5e-324), r"--reward-timeout must be in \[0.001, 2.14748e\+06\] seconds"),
+    (dict(report_to=","), "--report-to takes tensorboard, wandb"),
+    (dict(report_to="tensorboard,"), "--report-to takes tensorboard, wandb"),
+    (dict(prompt_key="q", answer_key="q"), "--prompt-key and --answer-key must differ"),
+    (dict(toy_fp8_headroom=1e-30), "--toy-fp8-headroom must be >= 4.35965e-06"),
 ])
 def test_bad_config(kw, message):
     with pytest.raises(mipu.MIPUError, match=message):
@@ -2688,6 +2787,8 @@ TORCHRUN_REST = {"LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "
                                                         "expected, 0 <= RANK < WORLD_SIZE"),
     ({"WORLD_SIZE": "1"}, "error: WORLD_SIZE is set but not RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: launch"),
     ({"WORLD_SIZE": "1", "RANK": "0", **TORCHRUN_REST, "MASTER_PORT": "x"}, "MASTER_PORT='x' in the environment"),
+    ({"WORLD_SIZE": "1", "RANK": "0", **TORCHRUN_REST, "MASTER_PORT": "70000"},
+     "error: MASTER_PORT='70000' in the environment: a TCP port in [0, 65535] expected"),
 ])
 def test_cli_bad_torchrun_environment_one_clear_error(monkeypatch, env, message):
     """WORLD_SIZE without the rest of torchrun's variables, RANK past WORLD_SIZE, a full-width digit: one line."""
@@ -2730,6 +2831,71 @@ def test_cli_bad_model_folder_one_clear_error(model_dir, tmp_path, edit, message
     assert p.returncode == 2, p.stderr[-2000:]
     assert f"error: {folder}: " + message.format(folder=folder) in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "ran").exists()
+
+
+def _planted_bin(folder, marker):
+    """Only a pytorch_model.bin, whose pickle would open(marker, "w") if it were unpickled in full."""
+    _only_bin(folder)
+    weights = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    torch.save({**weights, "payload": _Payload(str(marker))}, folder / "pytorch_model.bin")
+
+
+ENDLESS_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                    "{{ messages[0]['content'] }}")      # 10^10 iterations: renders for ever, writes nothing
+
+
+@pytest.mark.parametrize("command, edit, message", [
+    ("train", lambda folder: (folder / "chat_template.jinja").write_text(ENDLESS_TEMPLATE),
+     "its chat template did not render a prompt within 5 s"),
+    ("eval", lambda folder: (folder / "chat_template.jinja").write_text(ENDLESS_TEMPLATE),
+     "its chat template did not render a prompt within 5 s"),
+    ("train", lambda folder: (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "../../../etc/passwd"}})),
+     "model.safetensors.index.json names '../../../etc/passwd': not a file in the model folder"),
+    ("train", lambda folder: _edit_weights(folder, lambda w: w.update({k: v.to(torch.int8) for k, v in w.items()})),
+     "model.safetensors: refused: model.embed_tokens.weight is I8: without a quantization_config in config.json"),
+    ("eval", lambda folder: _edit_weights(folder, lambda w: w.update({k: v.to(torch.int8) for k, v in w.items()})),
+     "model.safetensors: refused: model.embed_tokens.weight is I8: without a quantization_config in config.json"),
+    ("train", _edit_config(dtype="float7"), "config.json's dtype 'float7' is none of float64, float32"),
+    ("eval", _edit_config(dtype="float7"), "config.json's dtype 'float7' is none of float64, float32"),
+    ("train", _edit_config(rms_norm_eps=math.nan), "config.json's rms_norm_eps holds NaN or inf: nan"),
+    ("eval", _edit_config(rms_norm_eps=math.nan), "config.json's rms_norm_eps holds NaN or inf: nan"),
+    ("train", lambda folder: _edit_weights(folder, lambda w: w["model.norm.weight"].fill_(math.nan)),
+     "its weights hold NaN or inf (model.norm.weight)"),
+    ("eval", lambda folder: _planted_bin(folder, folder.parent / "ran"),
+     "pytorch_model.bin: refused or damaged (UnpicklingError): a weight file holds only tensors"),
+])
+def test_cli_bad_model_folder_before_the_engines(model_dir, tmp_path, command, edit, message):
+    """A model folder that would fail after the engines started (a traceback, minutes on a GPU), hang, or train on
+    nonsense: one `error:` line before them, no traceback, within a time limit (a template that renders for ever)."""
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    edit(folder)
+    args = ["--train-data", str(ARITH), "--val-data", str(ARITH_VAL), "--steps", "1",
+            "--output-dir", str(tmp_path / "out")] if command == "train" else ["--data", str(ARITH_VAL)]
+    p = run_cli(command, "--model", str(folder), *args, "--max-new-tokens", "8", timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {folder}") and message in errors[0], p.stderr[-2000:]
+    assert not (tmp_path / "ran").exists()
+
+
+def test_check_model_folder_takes_a_plain_pytorch_model_bin(model_dir, tmp_path):
+    """vLLM and transformers load a pytorch_model.bin of plain tensors (weights_only): it stays allowed."""
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    _only_bin(folder)
+    mipu.check_model_folder(folder)
+
+
+def test_cli_reward_memory_too_small_fails_before_the_engines(model_dir, tmp_path):
+    """A --reward-memory the math_verify worker cannot start in: one error at start-up, not at the first answer that
+    is no plain number (minutes into a run)."""
+    p = run_cli("train", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL), "--steps", "1",
+                "--output-dir", str(tmp_path / "out"), "--max-new-tokens", "8", "--reward-memory", "1", timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: the reward worker (math_verify) could not start"), errors
 
 
 def test_cli_train_resume_eval(model_dir, tmp_path):
@@ -2784,6 +2950,20 @@ def test_cli_ctrl_c_is_one_line(model_dir, tmp_path):
     assert proc.returncode == 130 and "Traceback" not in text, text[-3000:]
     assert [line for line in text.splitlines() if line.startswith("error:")] == [
         "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"]
+
+
+@pytest.mark.parametrize("command", ["eval", "toy"])
+def test_ctrl_c_outside_train_names_no_resume(model_dir, monkeypatch, capsys, command):
+    """eval and toy write no checkpoint: their Ctrl-C line points to no `train --resume`."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mipu, "_interrupt_told", threading.Lock())      # the line is printed once per process
+    monkeypatch.setattr(mipu, "load_eval_sets", interrupted)
+    monkeypatch.setattr(mipu, "toy_steps", interrupted)
+    args = ["--model", model_dir, "--data", str(ARITH_VAL)] if command == "eval" else []
+    assert mipu.main([command, *args]) == 130
+    assert capsys.readouterr().err == "error: interrupted (Ctrl-C)\n"
 
 
 def test_ctrl_c_that_python_drops_still_ends_the_process(tmp_path):
