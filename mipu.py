@@ -135,9 +135,9 @@ METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mi
                "random-rollback": ("grpo", "random"), "random-rollback-tis": ("tis", "random")}
 
 
-# Toy mismatch presets: name -> toy flags (toy_mismatch = α), by mismatch level (k3:
-# toy/RESULTS.md). none: identical engines; fp8: the FP8/bf16 engine as is; severe: its error x8;
-# collapse: fp8 + logits through a static FP8 scale
+# Toy mismatch presets: name -> toy flags (toy_mismatch = α), by mismatch level. none: identical
+# engines; fp8: the FP8/bf16 engine as is; severe: its error x8; collapse: fp8 + logits through a
+# static FP8 scale. A preset fills in the toy flags left at their defaults (the command line's toy)
 TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0},
                "severe": {"toy_mismatch": 8.0},
                "collapse": {"toy_mismatch": 1.0, "toy_logit_fp8": "static",
@@ -147,7 +147,8 @@ TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0},
                                  "toy_fp8_headroom": 1.0, "toy_horizon": 24, "toy_vocab": 16,
                                  "toy_dim": 64, "toy_tolerance": 14}}
 # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and
-AUTO_DEFAULTS = {"train_dtype": ("float32", "bf16-mixed")}  # memory on GPU
+# memory on GPU
+AUTO_DEFAULTS = {"train_dtype": ("float32", "bf16-mixed")}
 # --seed + rank seeds each rank's vLLM engine, which seeds numpy: [0, 2**32)
 SEED_LIMIT = 2**32
 # Step k's random streams on the LLM are seeded seed * M + k, one prime M per stream: distinct
@@ -334,9 +335,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: float = 0.2,
                 w_max: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0):
-    """Step-1 loss (paper: truncated IS), token mean over the batch; returns (loss, metrics). PPO
-    clip in r_t = π_θ/π_k, weight w_t = π_k/μ_k (no gradient): grpo 1, tis min(w, w_max), mis w
-    inside [mis_low, mis_high] else 0."""
+    """Step-1 loss (paper: truncated IS), the mean over the given tokens (step1_update makes it the
+    mini-batch's: implementation detail 2); returns (loss, metrics). PPO clip in r_t = π_θ/π_k,
+    weight w_t = π_k/μ_k (no gradient): grpo 1, tis min(w, w_max), mis w inside [mis_low, mis_high]
+    else 0."""
     mask = mask.to(logp.dtype)
     a = adv.to(logp.dtype)[:, None]                                             # [B, 1]
     ratio = torch.exp(logp - logp_old)                                          # [B, T]
@@ -1266,7 +1268,9 @@ class LLMEngine(Engine):
                                 weight_decay=cfg.weight_decay)
         tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.model)
         eng = LLMEngine(cfg, llm, model, tokenizer, opt, rows, val_rows).start()
-        for _ in range(cfg.steps): print(mipu_step(eng))"""
+        for _ in range(cfg.steps): print(mipu_step(eng))
+    As written for a small model (the tests' tiny one): its recompute holds a whole batch's logits
+    (token_logprobs) and vLLM takes its default GPU share; the harness plans real sizes."""
 
     def __init__(self, cfg: Config, llm, model: torch.nn.Module, tokenizer,
                  opt: torch.optim.Optimizer, train_rows: list, val_rows: list):
