@@ -2736,8 +2736,9 @@ ACT_BYTES = {"float32": (24, 16, 16), "bf16-mixed": (26, 10, 8), "bfloat16": (16
 # (vLLM's profiler logged non_torch_memory 1.79 GiB for Llama-3-8B on one H100, vLLM PR #10511); toy.gpu_check measures
 # it
 CUDA_CONTEXT_BYTES = 2 * 2**30
-# vLLM 0.32's sleep(level=2) unmaps its weights and KV cache and copies its runtime and CUDA-graph pools to pinned host
-# RAM; what it allocated outside that pool stays on the GPU: < 3 GiB by vLLM's test_deep_sleep (tests/.../test_cumem.py)
+# vLLM 0.32's sleep (level 1 or 2: the same GPU memory freed) unmaps its weights and KV cache and copies its pool's
+# runtime allocations to host RAM; what it allocated outside that pool stays on the GPU, CUDA graphs too unless
+# sleep_mode_offload_cudagraph: < 3 GiB eager by vLLM's test_deep_sleep (tests/.../test_cumem.py)
 VLLM_ASLEEP_BYTES = 3 * 2**30
 # vLLM's share besides its weights and KV cache: its profiled activation peak, non-torch memory and CUDA graphs
 # (PR #10511's log: 1.26 + 1.79 GiB; the graphs about 1 GiB more): bytes the KV cache cannot have
@@ -2771,7 +2772,7 @@ def memory_plan(c, cfg: TrainConfig, gpu_bytes: float, world: int = 1) -> dict:
     tokens = cfg.micro_batch_size * (cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS)
     layer = tokens * sum(k * d for k, d in zip(ACT_BYTES[cfg.train_dtype], (H, size["qkv"], c.intermediate_size)))
     gib = {"weights": n * b / world, "grads": n * b / world, "optimizer": 2 * n * b / world,   # FSDP2: sharded
-           "bf16_copies": 2 * n * mixed,     # autocast's cache: every weight in bf16, under no_grad too, till it exits
+           "bf16_copies": 2 * n * mixed,     # autocast's cache in Step 1: every weight in bf16, till it exits
            "head_copy": 2 * V * H * mixed,   # SelectiveLogprobs' weight.to(bf16): a second [V, H], beside the cache's
            "activations": L * tokens * H * b + layer if cfg.grad_checkpointing == "on" else L * layer,  # inputs, 1
            "recompute": layer + tokens * H * b + 6 * cfg.logprob_chunk * V,   # no grad: <= 1 layer's, decoder, chunk
@@ -2783,7 +2784,7 @@ def memory_plan(c, cfg: TrainConfig, gpu_bytes: float, world: int = 1) -> dict:
            # host RAM per rank: θ (tied once) and AdamW's 2 moments in one pinned buffer; rollback copies back in place
            "snapshot_host": 3 * n * b / world * (METHOD_SPEC[cfg.method][1] != "always"),
            "save_host": 3 * n * b,           # rank 0 at each save: θ and AdamW gathered whole (full_state_dict)
-           "load_host": n * b}               # each rank at start-up: the whole model, before FSDP2 shards it
+           "load_host": n * b}               # rank 0 at start-up: the whole model (the others: meta), before FSDP2
     gib = {"params_billion": n / 1e9, **{k: v / 2**30 for k, v in gib.items()}}
     awake, step1 = trainer_phases(gib, cfg)
     share = cfg.gpu_memory_utilization
@@ -2792,18 +2793,20 @@ def memory_plan(c, cfg: TrainConfig, gpu_bytes: float, world: int = 1) -> dict:
     gib["peak_step1"] = step1 + gib["vllm_asleep" if cfg.vllm_sleep == "on" else "vllm"] + gib["cuda_context"]
     gib["peak_sync"] = awake["sync"] + gib["vllm"] + gib["cuda_context"]
     gib["peak"] = max(gib["peak_recompute"], gib["peak_step1"], gib["peak_sync"])
-    # one node of `world` ranks: all load at once (rank 0 also optimizer.pt on --resume); later snapshots + one save
-    gib["host_peak"] = max((world + 2 * cfg.resume) * gib["load_host"], world * gib["snapshot_host"] + gib["save_host"])
+    # one node of `world` ranks: rank 0 loads the model (and optimizer.pt on --resume); later snapshots + one save
+    gib["host_peak"] = max((1 + 2 * cfg.resume) * gib["load_host"], world * gib["snapshot_host"] + gib["save_host"])
     return gib
 
 
 def trainer_phases(gib: dict, cfg: TrainConfig) -> tuple[dict, float]:
     """From memory_plan's parts: the trainer's GiB in each phase vLLM is awake in, and in Step 1 (CUDA context apart).
-    Between Step 1s the gradients are freed (set_to_none) and autocast's cache is empty (it clears at its exit)."""
+    Between Step 1s the gradients are freed (set_to_none) and autocast's cache is empty (it clears at its exit). The
+    no-grad recompute's autocast caches nothing (cache_enabled=False): one weight's bf16 cast at a time, the largest
+    (lm_head's [V, H]) freed before SelectiveLogprobs makes head_copy, the same size: no bf16_copies term there."""
     def total(*keys):     # θ and AdamW are resident in every phase
         return gib["weights"] + gib["optimizer"] + sum(gib[k] for k in keys)
 
-    awake = {"recompute": total("bf16_copies", "head_copy", "recompute", "fsdp_gathered"), "sync": total("sync")}
+    awake = {"recompute": total("head_copy", "recompute", "fsdp_gathered"), "sync": total("sync")}
     step1 = total("grads", "bf16_copies", "head_copy", "activations", "logprob_head", "fsdp_gathered", "fsdp_root_grad")
     if cfg.vllm_sleep != "on":
         awake["step1"] = step1
