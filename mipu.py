@@ -1544,6 +1544,13 @@ def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list |
     return snap
 
 
+def set_expandable_segments(on: bool) -> None:
+    """torch's CUDA allocator: expandable segments on (Step 1, vLLM asleep) or off (vLLM awake), as verl switches them;
+    the allocator's other settings kept (vLLM 0.32's alloc_conf helpers: torch resets what a new string leaves out)."""
+    from vllm.device_allocator.alloc_conf import EXPANDABLE_SEGMENTS, current_alloc_conf, set_alloc_conf, with_conf_flag
+    set_alloc_conf(with_conf_flag(current_alloc_conf(), EXPANDABLE_SEGMENTS, on))
+
+
 _WARNED = set()   # warn_once's messages already printed
 
 
@@ -1875,11 +1882,14 @@ class TrainEngine(LLMEngine):
     def begin_update(self) -> None:
         if self.cfg.vllm_sleep == "on":     # level 2 (TRL's colocate mode): drop vLLM's weights and KV cache, no copy
             self.llm.sleep(level=2)
+            set_expandable_segments(True)   # Step 1's varying sizes: growable segments, no fragments left behind
         super().begin_update()
 
     def end_update(self, finite: bool) -> bool:
         finite = super().end_update(finite)                # the gradients are freed before vLLM wakes up
         if self.cfg.vllm_sleep == "on":     # the weights only: the sync loads θ into them, then the KV cache wakes
+            torch.cuda.empty_cache()        # Step 1's cached segments back to the GPU, for vLLM's wake to map
+            set_expandable_segments(False)  # around vLLM (verl's switch): its pool and wake take plain segments
             self.llm.wake_up(tags=["weights"])
         return finite
 

@@ -1404,6 +1404,27 @@ def test_fp8_digests_that_disagree_at_startup_warn_once_and_leave_the_probe_on(l
     assert "warning" not in capsys.readouterr().err                                  # one line in all
 
 
+def test_expandable_segments_on_for_step1_off_around_vllm(monkeypatch):
+    """--vllm-sleep on (verl's switch): vLLM sleeps, then expandable segments on for Step 1; after it the cache is
+    emptied and they are off before vLLM's weights wake (its pool and wake take plain segments)."""
+    calls = []
+    llm = types.SimpleNamespace(sleep=lambda level: calls.append(f"sleep {level}"),
+                                wake_up=lambda tags: calls.append(f"wake {tags[0]}"))
+    monkeypatch.setattr(mipu, "set_expandable_segments", lambda on: calls.append(f"expandable {on}"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    run = object.__new__(mipu.TrainEngine)
+    model = torch.nn.Linear(2, 2)
+    run.cfg, run.llm, run.model, run.opt = types.SimpleNamespace(vllm_sleep="on"), llm, model, torch.optim.SGD(
+        model.parameters(), lr=0.1)
+    run.begin_update()
+    assert run.end_update(True) and calls == ["sleep 2", "expandable True", "empty_cache", "expandable False",
+                                              "wake weights"]
+    calls.clear()
+    run.cfg.vllm_sleep = "off"                                      # vLLM's memory stays: nothing switches
+    run.begin_update()
+    assert run.end_update(True) and calls == []
+
+
 def test_gap_batch_next_needs_step2():
     with pytest.raises(mipu.MIPUError, match="--gap-batch next needs a method with Step 2"):
         mipu.TrainConfig(method="grpo", gap_batch="next", model="m", train_data="t").validate("train")
