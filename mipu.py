@@ -1792,7 +1792,8 @@ def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gathe
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t,
                fp8: bool = True) -> dict:
     """The digests of vLLM's engine against θ as sync_weights sends it: {"bad": non-FP8 engine tensors whose digest
-    differs, "bad_fp8": FP8 entries (weights, scales) that differ or the engine lacks, "coverage": the fraction of
+    differs, "bad_fp8": FP8 entries (weights, scales) that differ or the engine lacks, "compared": engine tensors
+    compared, "coverage": the fraction of
     θ's elements compared, "coverage_fp8": of them in FP8 layers}. Compared: the engine's non-empty parameters of θ's
     name and dtype (vLLM 0.32 by the public llm.apply_model, one worker); with --rollout-quant fp8 and `fp8`, the FP8
     layers by trainer_digests. Not compared, left to the probe: FP8 layers without `fp8` and, in vLLM's CPU build,
@@ -1808,7 +1809,7 @@ def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant
                              llm.llm_engine.vllm_config.model_config.dtype, gather, fp8)
     same = {n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt}
     bad, total = {n for n in same if engine[n][0] != pushed[n][0]}, sum(sizes.values())
-    return {"bad": len(bad - fp8_names), "bad_fp8": len(bad & fp8_names) + len(fp8_names - same),
+    return {"bad": len(bad - fp8_names), "bad_fp8": len(bad & fp8_names) + len(fp8_names - same), "compared": len(same),
             "coverage": sum(sizes.get(n, 0) for n in same) / total,
             "coverage_fp8": sum(sizes.get(n, 0) for n in same & fp8_names) / total}
 

