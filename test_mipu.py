@@ -1504,7 +1504,8 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     m = mipu.mipu_step(run)
     restored = all(torch.equal(a, b) for a, b in zip(before, _local_state(run)))
     report = {"decisions": decisions + [(m["step2/accepted"], m["step2/t_post"])], "restored": restored,
-              "engine_restored": _probe_logprobs(run) == probe, "probe_gap": m["sync/probe_mean_abs_dlogp"],
+              "engine_restored": _probe_logprobs(run) == probe,
+              "probe_gap": mipu.LLMEngine.check_sync(run, math.inf),    # the probe (step 2's sync skips it): both ranks
               "snapshot_on_host": bool(host) and all(host), "in_place": _state_ptrs(run) == ptrs, "loads": loads}
     # 3. a sync that reaches rank 0's engine only (rank 1's keeps its weights): the check fails on rank 1
     if rank == 1:
