@@ -1738,8 +1738,50 @@ def tensor_digest(t: torch.Tensor) -> int:
     return int(total)
 
 
+class Digests:
+    """tensor_digest of many tensors, summed by key. A tensor of DIGEST_CHUNK words or more gets its own passes; the
+    smaller ones (norms, scales, a tiny model's all) are pooled, one gather and one cumsum per DIGEST_CHUNK words of
+    them: a few kernel calls and one sync in all, not a few per tensor (a loaded CPU stalls at every parallel op)."""
+
+    def __init__(self):
+        self.sums, self.pool, self.pooled = {}, {1: [], 2: []}, 0     # pool: by word size, (key, words)
+
+    def add(self, key, t: torch.Tensor) -> None:
+        words = t.detach().contiguous().view(-1)
+        words = words.view(torch.uint8) if words.element_size() == 1 else words.view(torch.int16)
+        self.sums.setdefault(key, 0)
+        if words.numel() >= DIGEST_CHUNK:
+            self.sums[key] += tensor_digest(t)
+            return
+        self.pool[words.element_size()].append((key, words))
+        self.pooled += words.numel()
+        if self.pooled >= DIGEST_CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        for size, items in self.pool.items():
+            if items:
+                words = torch.cat([w for _, w in items])
+                running = _digest_table(words.device).index_select(0, words.long() & 0xFFFF).cumsum(0)
+                ends = torch.tensor([w.numel() for _, w in items]).cumsum(0) - 1
+                totals = running[ends.to(words.device)].tolist()                     # the one sync
+                for (key, _), total, before in zip(items, totals, [0] + totals[:-1]):
+                    self.sums[key] += total - before
+                self.pool[size] = []
+        self.pooled = 0
+
+    def result(self) -> dict:
+        self.flush()
+        return self.sums
+
+
 def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:    # runs inside the vLLM worker
-    return {name: (tensor_digest(p), p.dtype) for name, p in model.named_parameters() if p.numel()}
+    digests, dtypes = Digests(), {}
+    for name, p in model.named_parameters():
+        if p.numel():
+            digests.add(name, p)
+            dtypes[name] = p.dtype
+    return {name: (d, dtypes[name]) for name, d in digests.result().items()}
 
 
 # ---- FP8: the digests of vLLM 0.32's online fp8_per_tensor (Fp8PerTensorOnlineLinearMethod) ----
@@ -1780,13 +1822,17 @@ def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gathe
                 a = gather(t.detach().abs().max()).to(dtype)
                 amax[_fused_name(n)] = torch.maximum(a, amax[_fused_name(n)]) if _fused_name(n) in amax else a
         scales = {f: vllm_fp8_scale(a) for f, a in amax.items()}
-    out = {fp8_scale_name(f): (tensor_digest(s), s.dtype) for f, s in scales.items()}
+    digests, dtypes = Digests(), {}
+    for fused, s in scales.items():
+        digests.add(fp8_scale_name(fused), s)
+        dtypes[fp8_scale_name(fused)] = s.dtype
     for name, t in pushed_tensors(named_tensors, rollout_quant, dtype, gather):
         fused = _fused_name(name)
         if fused in scales:
             t = vllm_fp8_quant(t, scales[fused])
-        out[fused] = (out.get(fused, (0, t.dtype))[0] + tensor_digest(t), t.dtype)
-    return out
+        digests.add(fused, t)
+        dtypes[fused] = t.dtype
+    return {name: (d, dtypes[name]) for name, d in digests.result().items()}
 
 
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t,

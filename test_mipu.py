@@ -1372,6 +1372,21 @@ def _fp8_run(llm, model_dir, tmp_path, monkeypatch, engine_kernel, drop: str = "
     return mipu.setup_llm_run(cfg, llm=fake)
 
 
+def test_pooled_digests_equal_each_tensors_digest(monkeypatch):
+    """Digests pools small tensors (one gather and cumsum per DIGEST_CHUNK words, 1- and 2-byte words apart) and
+    digests large ones alone: the sums by key are tensor_digest's, across flushes (a small chunk here) and dtypes."""
+    monkeypatch.setattr(mipu, "DIGEST_CHUNK", 1000)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype in [
+        ((3,), torch.bfloat16), ((40, 20), torch.bfloat16), ((7,), torch.float32), ((300,), torch.float8_e4m3fn),
+        ((5, 7), torch.bfloat16), ((2000,), torch.bfloat16), ((1,), torch.float32), ((900,), torch.float8_e4m3fn)]]
+    digests, expected = mipu.Digests(), {}
+    for i, t in enumerate(tensors):
+        digests.add(i % 3, t)
+        expected[i % 3] = expected.get(i % 3, 0) + mipu.tensor_digest(t)
+    assert digests.result() == expected and len(set(expected.values())) == 3
+
+
 def test_fp8_digests_cover_the_quantized_layers_and_catch_a_stale_one(llm, model_dir, tmp_path, restore, monkeypatch,
                                                                      capsys):
     """--rollout-quant fp8: the digests compare each linear layer's FP8 bytes and scale as vLLM's kernel makes them
