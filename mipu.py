@@ -1842,8 +1842,8 @@ def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant
     compared, "coverage": the fraction of
     θ's elements compared, "coverage_fp8": of them in FP8 layers}. Compared: the engine's non-empty parameters of θ's
     name and dtype (vLLM 0.32 by the public llm.apply_model, one worker); with --rollout-quant fp8 and `fp8`, the FP8
-    layers by trainer_digests. Not compared, left to the probe: FP8 layers without `fp8` and, in vLLM's CPU build,
-    linear layers (it packs their weights outside the parameters, which it empties). Only θ's tensors the engine
+    layers by trainer_digests. Not compared, left to the probe: FP8 layers without `fp8` and, in vLLM's CPU build on
+    CPUs where it packs linear weights for oneDNN, those layers (it empties their parameters). Only θ's tensors the engine
     holds by name are cast and digested (the same ones on every rank: one engine build, one model)."""
     [engine] = llm.apply_model(_digests_in_worker)
     sizes, fp8_names = {}, set()     # elements per vLLM tensor (a DTensor's numel is the global one); FP8 entries
