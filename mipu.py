@@ -1677,14 +1677,31 @@ def _reload_piece_in_worker(model, weights: list, model_config, first: bool, las
         reprocess_tied_head(model, model_config)
 
 
+RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"    # vLLM 0.32's layerwise reload's logger
+
+
+class ReloadFailures(logging.Handler):
+    """The layers of the "<layer>: Failed to load weights" lines vLLM's reload logs: those _quiet_reload lets
+    through, all but the ones the reload skips by design (the rotary cache, a tied lm_head)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.layers = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg == "%s: Failed to load weights" and record.args:
+            self.layers.append(str(record.args[0]))
+
+
 @contextlib.contextmanager
 def _quiet_reload(model_config):
     """vLLM 0.32's finalize_layerwise_reload warns "<layer>: Failed to load weights" for each layer no weight was
     sent to; for two that is expected: RotaryEmbedding (its cos/sin cache is a buffer no checkpoint holds) and a tied
-    lm_head (its weight is embed_tokens', loaded through it). Those two lines are dropped; any other layer's stays."""
+    lm_head (its weight is embed_tokens', loaded through it). Those two lines are dropped; any other layer's stays,
+    and TrainEngine.push_weights (its ReloadFailures) makes it an error."""
     expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if getattr(model_config.hf_config, "tie_word_embeddings",
                                                                     False) else set())
-    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    log = logging.getLogger(RELOAD_LOG)
 
     def keep(record: logging.LogRecord) -> bool:
         return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in expected)
@@ -1839,12 +1856,12 @@ def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant
                fp8: bool = True) -> dict:
     """The digests of vLLM's engine against θ as sync_weights sends it: {"bad": non-FP8 engine tensors whose digest
     differs, "bad_fp8": FP8 entries (weights, scales) that differ or the engine lacks, "compared": engine tensors
-    compared, "coverage": the fraction of
-    θ's elements compared, "coverage_fp8": of them in FP8 layers}. Compared: the engine's non-empty parameters of θ's
-    name and dtype (vLLM 0.32 by the public llm.apply_model, one worker); with --rollout-quant fp8 and `fp8`, the FP8
-    layers by trainer_digests. Not compared, left to the probe: FP8 layers without `fp8` and, in vLLM's CPU build on
-    CPUs where it packs linear weights for oneDNN, those layers (it empties their parameters). Only θ's tensors the engine
-    holds by name are cast and digested (the same ones on every rank: one engine build, one model)."""
+    compared, "coverage": the fraction of θ's elements compared, "coverage_fp8": of them in FP8 layers}. Compared:
+    the engine's non-empty parameters of θ's name and dtype (vLLM 0.32 by the public llm.apply_model, one worker);
+    with --rollout-quant fp8 and `fp8`, the FP8 layers by trainer_digests. Not compared, left to the probe: FP8
+    layers without `fp8` and, in vLLM's CPU build on CPUs where it packs linear weights for oneDNN, those layers (it
+    empties their parameters). Only θ's tensors the engine holds by name are cast and digested (the same ones on
+    every rank: one engine build, one model)."""
     [engine] = llm.apply_model(_digests_in_worker)
     sizes, fp8_names = {}, set()     # elements per vLLM tensor (a DTensor's numel is the global one); FP8 entries
     for n, t in named_tensors:
@@ -1855,8 +1872,8 @@ def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant
                              llm.llm_engine.vllm_config.model_config.dtype, gather, fp8)
     same = {n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt}
     bad, total = {n for n in same if engine[n][0] != pushed[n][0]}, sum(sizes.values())
-    return {"bad": len(bad - fp8_names), "bad_fp8": len(bad & fp8_names) + len(fp8_names - same), "compared": len(same),
-            "coverage": sum(sizes.get(n, 0) for n in same) / total,
+    return {"bad": len(bad - fp8_names), "bad_fp8": len(bad & fp8_names) + len(fp8_names - same),
+            "compared": len(same), "coverage": sum(sizes.get(n, 0) for n in same) / total,
             "coverage_fp8": sum(sizes.get(n, 0) for n in same & fp8_names) / total}
 
 
@@ -1988,7 +2005,18 @@ class TrainEngine(LLMEngine):
         return f"step {self.step}" + "'s rollback" * self.rolling_back
 
     def push_weights(self) -> None:
-        sync_in_pieces(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
+        """sync_in_pieces, whose reload must load every layer: vLLM 0.32's only warns of one it did not (and keeps its
+        old weights), an error here on every rank at once (none waits in a collective)."""
+        log, failed = logging.getLogger(RELOAD_LOG), ReloadFailures()
+        log.addHandler(failed)           # a handler: it sees only the lines _quiet_reload lets through
+        try:
+            sync_in_pieces(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
+        finally:
+            log.removeHandler(failed)
+        if self.max(len(failed.layers)):
+            raise MIPUError(f"weight sync did not take effect at {self.sync_name()}: vLLM's reload loaded no weights "
+                            f"into {', '.join(sorted(set(failed.layers))) or 'a layer on another rank'} (their old "
+                            "weights stay)")
         if self.llm.llm_engine.is_sleeping():   # --vllm-sleep: the KV cache wakes after the sync loaded the weights
             self.llm.wake_up(tags=["kv_cache"])
 

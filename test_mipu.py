@@ -1420,6 +1420,19 @@ def test_fp8_digests_that_disagree_at_startup_warn_once_and_leave_the_probe_on(l
     assert "warning" not in capsys.readouterr().err                                  # one line in all
 
 
+def test_a_layer_the_reload_skips_is_an_error(llm, model_dir, tmp_path, restore, monkeypatch):
+    """vLLM 0.32's layerwise reload only warns "<layer>: Failed to load weights" for a layer no weight reached, which
+    keeps its old weights: train's sync makes that an error naming the layer, even where θ did not change (the
+    digests then agree); the rotary cache and the tied lm_head, which the reload skips by design, are no error."""
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)   # start-up's sync: no error
+    real = mipu.sync_weights
+    monkeypatch.setattr(mipu, "sync_weights", lambda llm, named, *args: real(
+        llm, [(n, t) for n, t in named if n != "model.layers.1.mlp.down_proj.weight"], *args))
+    with pytest.raises(mipu.MIPUError, match=r"weight sync did not take effect at step 0: vLLM's reload loaded no "
+                                             r"weights into RowParallelLinear \(their old weights stay\)"):
+        run.sync()
+
+
 def test_expandable_segments_on_for_step1_off_around_vllm(monkeypatch):
     """--vllm-sleep on (verl's switch): vLLM sleeps, then expandable segments on for Step 1; after it the cache is
     emptied and they are off before vLLM's weights wake (its pool and wake take plain segments)."""
