@@ -1420,6 +1420,28 @@ def test_fp8_digests_that_disagree_at_startup_warn_once_and_leave_the_probe_on(l
     assert "warning" not in capsys.readouterr().err                                  # one line in all
 
 
+def _kv_swapped(named: list) -> list:
+    """θ with each layer's k_proj and v_proj exchanged: a layout error inside vLLM's fused qkv_proj (GQA: same
+    shapes) that its order-free digest cannot see."""
+    weights = dict(named)
+    swap = {"k_proj": "v_proj", "v_proj": "k_proj"}
+    return [(n, next((weights[n.replace(a, b)] for a, b in swap.items() if f".{a}." in n), t)) for n, t in named]
+
+
+def test_the_startup_probe_gap_has_an_absolute_ceiling(llm, model_dir, tmp_path, restore, monkeypatch):
+    """Later tolerances are relative to the start-up gap, so a layout error present from the start (k and v swapped
+    in what every sync sends: the digests agree) must fail the start-up gap's ceiling PROBE_GAP0_MAX. On the random
+    tiny model such an error moves log-probs little (k/v swap 0.17-0.24, gate/up 0.016-0.019 against bf16's 0.0015 and
+    fp8-sim's 0.009, measured): the ceiling, set for trained models, is lowered here between the two."""
+    monkeypatch.setattr(mipu, "PROBE_GAP0_MAX", 0.05)
+    assert mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm).probe_gap0 < 0.05
+    real = mipu.sync_weights
+    monkeypatch.setattr(mipu, "sync_weights", lambda llm, named, *args: real(llm, _kv_swapped(named), *args))
+    with pytest.raises(mipu.MIPUError, match=r"the sync probe's start-up gap, a mean \|vLLM - trainer\| log-prob of "
+                                             r"0\.\d+, is above PROBE_GAP0_MAX = 0\.05"):
+        mipu.setup_llm_run(llm_cfg(model_dir, tmp_path / "swapped", method="grpo"), llm=llm)
+
+
 def test_a_layer_the_reload_skips_is_an_error(llm, model_dir, tmp_path, restore, monkeypatch):
     """vLLM 0.32's layerwise reload only warns "<layer>: Failed to load weights" for a layer no weight reached, which
     keeps its old weights: train's sync makes that an error naming the layer, even where θ did not change (the
