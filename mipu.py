@@ -1618,6 +1618,12 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
     return torch.zeros(len(prompts), width, device=device).index_put((b_idx, t_idx), lp)  # [b, width]
 
 
+def recompute_autocast(cfg: Config):
+    """train_autocast without the cast cache (cache_enabled=False): each weight cast at its use and freed after it,
+    for the no-grad recompute (TrainEngine.trainer_logp), where a cache would keep a bf16 copy of every weight."""
+    return torch.autocast(cfg.device, torch.bfloat16, enabled=cfg.train_dtype == "bf16-mixed", cache_enabled=False)
+
+
 def lean_token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                         temperature: float, micro_batch: int, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of completion tokens under `model`, logits / temperature as vLLM's processed_logprobs (no top-p/k):
@@ -1648,6 +1654,11 @@ def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
 # hit hard). Tiny model: bf16 vs fp32 0.001-0.0014, fp8-sim 0.008-0.012, a missed N(0, 0.002) change of all weights 0.05
 SYNC_GAP_FLOOR = 0.01     # mean gaps below this are rounding
 PROBE_TOKENS = 64         # probe response length: enough to see a sync that did not take effect, cheap to score
+# the start-up gap's ceiling (later tolerances are relative to it, so an error present from the start needs an
+# absolute bound): 5x the mean gap FP8 rollouts are expected to give a trained model (~0.05; bf16 ~0.01-0.02). A
+# layout error (q/k/v or gate/up rows exchanged: the order-free digests pass it) makes a trained model another one,
+# gaps of nats; a random model barely moves (tiny model: k/v exchanged 0.17-0.24, gate/up 0.016-0.019)
+PROBE_GAP0_MAX = 0.25
 
 
 def probe_gap(llm, trainer_logp, probe_prompt_ids: list[int], probe_completion_ids: list[int]) -> float:
@@ -1906,6 +1917,11 @@ class TrainEngine(LLMEngine):
             self.probe_gap0 = self.check_sync(math.inf)
         finally:
             self.starting = False
+        if self.probe_gap0 > PROBE_GAP0_MAX:         # the same on every rank: check_probe's gap is the ranks' max
+            raise MIPUError(f"the sync probe's start-up gap, a mean |vLLM - trainer| log-prob of "
+                            f"{self.probe_gap0:.4g}, is above PROBE_GAP0_MAX = {PROBE_GAP0_MAX:g}: vLLM computes "
+                            "another model than the trainer's (a layout: exchanged q/k/v or gate/up rows; a dtype; a "
+                            "quantization)")
         return self
 
     def rollout(self) -> Rollout:
@@ -1935,8 +1951,11 @@ class TrainEngine(LLMEngine):
         return score or 0.0
 
     def trainer_logp(self, prompts: list, completions: list, temperature: float) -> torch.Tensor:
-        """LLMEngine's, by the lean log-probs (micro-batches, chunked logits); after a no-grad pass, FSDP2 reshards."""
-        with train_autocast(self.cfg):
+        """LLMEngine's, by the lean log-probs (micro-batches, chunked logits); after a no-grad pass, FSDP2 reshards.
+        The no-grad recompute's autocast caches no cast: a parameter (an FSDP2 unsharded one too) is a leaf that
+        requires grad, cached whatever the grad mode, so a cached recompute would hold a bf16 copy of every weight
+        (3.2 GiB for Qwen3-1.7B, 7.5 for 4B; memory_plan counts none) for one cast per weight less."""
+        with train_autocast(self.cfg) if torch.is_grad_enabled() else recompute_autocast(self.cfg):
             logp = lean_token_logprobs(self.model, prompts, completions, temperature, self.micro_batch,
                                        self.cfg.logprob_chunk)[0]
         if not torch.is_grad_enabled():

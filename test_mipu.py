@@ -817,9 +817,9 @@ class _CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_autocast_caches_weight_casts_under_no_grad(trainer):
-    """What memory_plan's recompute phase counts, measured on CPU (torch's bf16 autocast caches as CUDA's does):
-    under no_grad autocast still casts each weight once and keeps the copy (cached) until its outermost context
-    exits, so a whole recompute holds every weight in bf16 (bf16_copies); the tied head's weight has one more
+    """Why train's recompute turns autocast's cache off, measured on CPU (torch's bf16 autocast caches as CUDA's
+    does): under no_grad autocast still casts each weight once and keeps the copy (cached) until its outermost context
+    exits, so a cached recompute would hold every weight in bf16 (bf16_copies); the tied head's weight has one more
     bf16 copy per call, SelectiveLogprobs' weight.to (head_copy), which the cache does not hold."""
     params = dict(trainer.named_parameters())                          # tied: lm_head.weight is embed_tokens.weight
     head = next(k for k, p in params.items() if p is trainer.get_output_embeddings().weight)
@@ -836,6 +836,25 @@ def test_autocast_caches_weight_casts_under_no_grad(trainer):
             with torch.autocast("cpu", torch.bfloat16):
                 mipu.lean_token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
     assert all(counter.casts.get(k) == 2 for k in linear)             # the cache cleared at each exit
+
+
+def test_recompute_autocast_caches_no_weight(trainer):
+    """train's no-grad recompute (TrainEngine.trainer_logp) runs its autocast with cache_enabled=False: over two
+    micro-batches in one context each weight is cast twice, once per use, and no copy is kept (memory_plan's
+    recompute phase has no bf16_copies term); with grad (Step 1) the cache casts each once."""
+    params = dict(trainer.named_parameters())
+    head = next(k for k, p in params.items() if p is trainer.get_output_embeddings().weight)
+    linear = [k for k, p in params.items() if p.dim() == 2 and k != head]
+    run = object.__new__(mipu.TrainEngine)
+    run.model, run.micro_batch = trainer, 1                            # two prompts: two forwards per call
+    run.cfg = types.SimpleNamespace(device="cpu", train_dtype="bf16-mixed", logprob_chunk=512)
+    prompts, completions = [[1, 2, 3], [4, 5]], [[6, 7, 8, 9], [10, 11]]
+    with torch.no_grad(), _CastCounter(params) as counter:
+        run.trainer_logp(prompts, completions, 1.0)
+    assert linear and all(counter.casts.get(k) == 2 for k in linear)   # uncached: cast at each use
+    with _CastCounter(params) as counter:
+        run.trainer_logp(prompts, completions, 1.0)
+    assert all(counter.casts.get(k) == 1 for k in linear)             # Step 1's: cached for backward
 
 
 def test_generate_layout_and_determinism(llm, prompt_ids):
@@ -1191,7 +1210,7 @@ def test_step1_changes_weights_and_sync_matches(llm, model_dir, tmp_path, restor
     assert m["step2/accepted"] == 1.0 and m["step1/finite"] == 1.0 and run.snap is None   # grpo: none taken
     assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
     assert _probe_logprobs(run) != probe_before                       # vLLM now has θ_{k+1}
-    assert mipu.LLMEngine.check_sync(run, MAX_TOL) < MAX_TOL          # the probe
+    assert run.check_probe(MAX_TOL) < MAX_TOL                         # the probe
     assert math.isnan(run.check_sync(MAX_TOL))                        # train's: the digests pass, step 1 unprobed
     for key in ("mismatch/k3", "rollout/truncated", "step1/loss", "step1/clip_frac", "step1/weight_mean",
                 "time/rollout",
@@ -1342,7 +1361,7 @@ class _FP8Engine:
     def apply_model(self, fn):
         if fn is mipu._digests_in_worker:
             return [self.digests()]
-        if isinstance(fn, functools.partial) and fn.func is mipu._reload_in_worker:
+        if isinstance(fn, functools.partial) and fn.func in (mipu._reload_in_worker, mipu._reload_piece_in_worker):
             self.loaded.update({n: w.clone() for n, w in fn.keywords["weights"] if n != self.drop})
         return self.llm.apply_model(fn)
 
@@ -1435,8 +1454,8 @@ def test_the_startup_probe_gap_has_an_absolute_ceiling(llm, model_dir, tmp_path,
     fp8-sim's 0.009, measured): the ceiling, set for trained models, is lowered here between the two."""
     monkeypatch.setattr(mipu, "PROBE_GAP0_MAX", 0.05)
     assert mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm).probe_gap0 < 0.05
-    real = mipu.sync_weights
-    monkeypatch.setattr(mipu, "sync_weights", lambda llm, named, *args: real(llm, _kv_swapped(named), *args))
+    real = mipu.sync_in_pieces
+    monkeypatch.setattr(mipu, "sync_in_pieces", lambda llm, named, *args: real(llm, _kv_swapped(named), *args))
     with pytest.raises(mipu.MIPUError, match=r"the sync probe's start-up gap, a mean \|vLLM - trainer\| log-prob of "
                                              r"0\.\d+, is above PROBE_GAP0_MAX = 0\.05"):
         mipu.setup_llm_run(llm_cfg(model_dir, tmp_path / "swapped", method="grpo"), llm=llm)
@@ -1447,8 +1466,8 @@ def test_a_layer_the_reload_skips_is_an_error(llm, model_dir, tmp_path, restore,
     keeps its old weights: train's sync makes that an error naming the layer, even where θ did not change (the
     digests then agree); the rotary cache and the tied lm_head, which the reload skips by design, are no error."""
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)   # start-up's sync: no error
-    real = mipu.sync_weights
-    monkeypatch.setattr(mipu, "sync_weights", lambda llm, named, *args: real(
+    real = mipu.sync_in_pieces
+    monkeypatch.setattr(mipu, "sync_in_pieces", lambda llm, named, *args: real(
         llm, [(n, t) for n, t in named if n != "model.layers.1.mlp.down_proj.weight"], *args))
     with pytest.raises(mipu.MIPUError, match=r"weight sync did not take effect at step 0: vLLM's reload loaded no "
                                              r"weights into RowParallelLinear \(their old weights stay\)"):
@@ -1556,7 +1575,7 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     restored = all(torch.equal(a, b) for a, b in zip(before, _local_state(run)))
     report = {"decisions": decisions + [(m["step2/accepted"], m["step2/t_post"])], "restored": restored,
               "engine_restored": _probe_logprobs(run) == probe,
-              "probe_gap": mipu.LLMEngine.check_sync(run, math.inf),    # the probe (step 2's sync skips it): both ranks
+              "probe_gap": run.check_probe(math.inf),    # the probe itself (step 2's sync skips it): both ranks
               "snapshot_on_host": bool(host) and all(host), "in_place": _state_ptrs(run) == ptrs, "loads": loads}
     # 3. a sync that reaches rank 0's engine only (rank 1's keeps its weights): the check fails on rank 1
     if rank == 1:
