@@ -151,7 +151,8 @@ def vllm_cycle(llm, model, prompts: list[list[int]], new_tokens: int, sleep: boo
     """Greedy outputs of `prompts`; `sleep` (CUDA): vLLM sleeps (level 2) and wakes as train's Step 1 makes it (mipu's
     expandable-segments switch), then θ is synced; the same greedy outputs again. Then the digests' negative control:
     after a sync none may differ, after reset_weights every compared one must, after a sync none again (and the greedy
-    outputs are the first ones). `awake()`: a memory reading, taken once vLLM is awake and synced."""
+    outputs are the first ones). Syncs as train's (sync_in_pieces). `awake()`: a memory reading, taken once vLLM is
+    awake and synced."""
     def named():
         return list(model.named_parameters())
 
@@ -162,7 +163,7 @@ def vllm_cycle(llm, model, prompts: list[list[int]], new_tokens: int, sleep: boo
         torch.cuda.empty_cache()
         mipu.set_expandable_segments(False)
         llm.wake_up(tags=["weights"])
-    mipu.sync_weights(llm, named(), "none")
+    mipu.sync_in_pieces(llm, named(), "none")
     if sleep:
         llm.wake_up(tags=["kv_cache"])
     after = greedy(llm, prompts, new_tokens)
@@ -170,7 +171,7 @@ def vllm_cycle(llm, model, prompts: list[list[int]], new_tokens: int, sleep: boo
     synced = mipu.digest_gap(llm, named(), "none")
     reset_engine_weights(llm)
     reset = mipu.digest_gap(llm, named(), "none")
-    mipu.sync_weights(llm, named(), "none")
+    mipu.sync_in_pieces(llm, named(), "none")
     resynced = mipu.digest_gap(llm, named(), "none")
     again = greedy(llm, prompts, new_tokens)
     return {"prompts": len(prompts), "greedy_same": sum(map(list.__eq__, before, after)),
