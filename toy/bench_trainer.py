@@ -58,13 +58,14 @@ def build_model(shape: str, cfg: mipu.Config):
 
 def step_flops(c, micro: int, prompt_len: int, response_len: int, checkpointing: bool) -> tuple[float, float]:
     """(recompute, update) FLOPs: 2 per weight per token, lm_head on response tokens only, causal attention
-    2·s²·heads·head_dim per layer; backward = 2 forwards, +1 forward recomputed with checkpointing, +1 head."""
+    2·s²·heads·head_dim per layer; backward = 2 forwards, +1 forward of the decoder (not the head: checkpointing
+    recomputes the layers) with checkpointing, +1 head (SelectiveLogprobs' backward recomputes its logits)."""
     H, L, hd = c.hidden_size, c.num_hidden_layers, c.head_dim
     s = prompt_len + response_len
     per_layer = 2 * H * hd * (c.num_attention_heads + c.num_key_value_heads) + 3 * H * c.intermediate_size
     head = 2 * c.vocab_size * H * micro * response_len
     fwd = 2 * L * per_layer * micro * s + head + 2 * L * micro * s * s * c.num_attention_heads * hd
-    return fwd, 3 * fwd + (fwd if checkpointing else 0) + head
+    return fwd, 3 * fwd + (fwd - head if checkpointing else 0) + head
 
 
 def sync_device(device: str) -> None:

@@ -6,8 +6,8 @@
 An ESTIMATE from arithmetic, not a measurement: mipu.memory_plan (the start-up check's), with vLLM's share at
 --gpu-memory-utilization auto (mipu.vllm_share) unless --gpu-memory-utilization gives one. Under torchrun the weights,
 gradients and AdamW states are sharded over N ranks; FSDP2 adds the gathered root (embeddings, final norm, lm_head) and
-two gathered decoder layers, and the root's unsharded gradient; autocast's bf16 copies, the activations and vLLM's share
-are per rank as on one GPU.
+two gathered decoder layers, and the root's unsharded gradient; autocast's bf16 copies (Step 1), the activations and
+vLLM's share are per rank as on one GPU; rank 0 alone loads the model into host RAM.
 """
 import argparse
 
@@ -21,7 +21,7 @@ RECIPE = dict(device="cuda", method="mipu", micro_batch_size=4, max_new_tokens=4
 ONE_GPU = (("qwen3-1.7b", 80.0), ("qwen3-4b", 141.0))
 # plan key -> row label, in the order of the tables
 PARTS = {"weights": "weights, fp32", "grads": "gradients, fp32", "optimizer": "AdamW states, fp32",
-         "bf16_copies": "autocast's cached bf16 weight copies", "head_copy": "second bf16 [V, H] head copy",
+         "bf16_copies": "autocast's cached bf16 weight copies (Step 1)", "head_copy": "second bf16 [V, H] head copy",
          "activations": "activations, checkpointed", "recompute": "recompute's working set (no grad)",
          "logprob_head": "log-prob head: fp32 grad of lm_head + a chunk",
          "fsdp_gathered": "FSDP2: gathered root + 2 layers", "fsdp_root_grad": "FSDP2: the root's unsharded gradient",
@@ -30,7 +30,7 @@ PARTS = {"weights": "weights, fp32", "grads": "gradients, fp32", "optimizer": "A
          "peak_recompute": "**recompute phase** (vLLM awake)", "peak_step1": "**Step-1 phase** (vLLM asleep)",
          "peak_sync": "**sync phase** (vLLM awake)",
          "peak": "**peak**", "snapshot_host": "host: rollback snapshot, per rank",
-         "save_host": "host: rank 0's save gather (θ + AdamW)", "load_host": "host: the model at load, per rank",
+         "save_host": "host: rank 0's save gather (θ + AdamW)", "load_host": "host: the model at load, rank 0",
          "host_peak": "**host peak** (one node)"}
 # the torchrun table's columns: plan key -> short label
 COLUMNS = {"weights": "weights", "grads": "grads", "optimizer": "AdamW", "bf16_copies": "bf16 copies",

