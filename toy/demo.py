@@ -40,9 +40,9 @@ MORE_METHODS = {
     "mipu, target rule (ours)": {"method": "mipu", "accept_rule": "target"},
     "oracle on grpo": {"method": "step2", "accept_rule": "oracle"},
 }
-# Steps per preset: x the --steps of the demo. collapse runs 4x (300 at the default 75), so that its mismatch has
-# time to grow at the tuned --toy-lr: grpo collapses in most seeds by then (toy/sweep_collapse.md).
-STEP_MULTIPLIER = {"collapse": 4}
+# Steps per preset: x the --steps of the demo. collapse runs 8x (600 at the default 75), so that its mismatch has
+# time to grow at the tuned --toy-lr (toy/RESULTS.md, the LR sweep).
+STEP_MULTIPLIER = {"collapse": 8}
 FOCUS = "collapse"                     # the preset of the figure, the summary table and the selectivity study
 DEFAULT_PRESETS = "collapse"           # none (no mismatch), fp8 (k3 ~ 0.002), severe (no collapse): --presets all
 RR_TIS, STEP_CONTROL = "random-rollback-tis (mipu's rate)", "step-size control (tis, LR x mipu's accept rate)"
@@ -104,6 +104,21 @@ def g_k_probe(run: mipu.ToyEngine, lp_mu_k: torch.Tensor, gen: torch.Generator) 
     adv = mipu.group_advantages(mipu.toy_reward(run.targets, prompt, tokens, cfg.toy_tolerance), G)
     logp_new = mipu.toy_token_logp(run.tables[0], prompt, tokens)
     return mipu.surrogate_gain(logp_new, logp_mu, adv, torch.ones_like(logp_new)).item()
+
+
+class Done:
+    """A run done in this process, with the .get() of a pool's AsyncResult."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def get(self):
+        return self.value
+
+
+def submit(job: tuple, pool):
+    """Start one demo_run job in the pool (or run it here): an object whose .get() returns its history."""
+    return pool.apply_async(demo_run, (job,)) if pool else Done(demo_run(job))
 
 
 def run_jobs(jobs: list[tuple], pool) -> list[list[dict]]:
@@ -223,12 +238,15 @@ def toy_demo(cfg: mipu.Config, presets: list[str], n_seeds: int, select_seeds: i
              TOY_PROBE_EVERY * STEP_MULTIPLIER.get(p, 1), False)
             for p, label, s in keys]
     pool = make_pool(workers)
-    results = dict(zip(keys, run_jobs(jobs, pool)))
-    rates = {p: reject_rate([results[(p, "mipu", s)] for s in seeds]) for p in presets}
+    # mipu's runs first: the rows at its rate queue up as soon as they are done, behind the other first runs
+    first = sorted(range(len(keys)), key=lambda i: keys[i][1] != "mipu")
+    pending = {keys[i]: submit(jobs[i], pool) for i in first}
+    rates = {p: reject_rate([pending[(p, "mipu", s)].get() for s in seeds]) for p in presets}
     second = {p: rate_arms(bases[p], rates[p], all_methods) for p in presets}
     rate_keys = [(p, label, s) for p in presets for label in second[p] for s in seeds]
-    rate_jobs = [({**second[p][label], "seed": s}, alphas[p], (), 1, False) for p, label, s in rate_keys]
-    results.update(zip(rate_keys, run_jobs(rate_jobs, pool)))
+    pending.update({(p, label, s): submit(({**second[p][label], "seed": s}, alphas[p], (), 1, False), pool)
+                    for p, label, s in rate_keys})
+    results = {key: pending[key].get() for key in [*keys, *rate_keys]}
     rows, study = [], []
     for p in presets:
         for label in [*methods, *second[p]]:
@@ -410,7 +428,8 @@ def main() -> int:
     parser.add_argument("--presets", default=DEFAULT_PRESETS,
                         help=f"comma-separated mismatch presets ({', '.join(mipu.TOY_PRESETS)}) or 'all'; "
                         f"collapse runs {STEP_MULTIPLIER['collapse']}x --steps")
-    parser.add_argument("--seeds", type=int, default=5, help="seeds per method and preset (--seed, --seed+1, ...)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per method and preset (--seed, --seed+1, ...; "
+                        "the claims study, python -m toy.study, runs 20)")
     parser.add_argument("--select-seeds", type=int, default=0, help="seeds per arm of the selectivity study "
                         "(collapse preset; 0 = skip it; python -m toy.study asks the same on 20 seeds)")
     parser.add_argument("--all-methods", action="store_true", help="also mis, step2, the target rule, the oracle "

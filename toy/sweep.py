@@ -20,7 +20,7 @@ from toy import demo
 from toy.collapse_study import collapsed
 
 LRS = "0.02,0.014,0.01,0.007,0.005"   # the sweep's grid: the old default 0.02 down to a quarter of it
-HORIZONS = "150,300,450"             # 150: the old demo's horizon; 450: what a quick start cannot afford
+HORIZONS = "150,300,450"             # the table's columns: steps after which J(mu) is read
 METHODS = ("tis", "grpo")
 FIRST_SEED = 8000                    # seeds no study and no demo uses
 MAX_WORKERS = 2                      # the machines this runs on have 2 cores
