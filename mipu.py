@@ -198,7 +198,7 @@ class Config:
     lr_final_frac: float = _arg(0.1, "final LR as a fraction of the initial one when --lr-decay "
                                      "(paper: not stated)")
     reject_rate: float = _arg(0.0, "rejection probability of --method random-rollback(-tis)")
-    steps: int = _arg(75, "training iterations (75: the toy demo's, under a minute on 2 cores; "
+    steps: int = _arg(75, "training iterations (75: the toy demo's, x its STEP_MULTIPLIER; "
                           "train: set your own, the README's GPU recipe runs 500)")
     seed: int = _arg(0, "random seed (toy: bit-for-bit reproducible)")
     # ---- the LLM engines: vLLM samples (mu), transformers learns (pi) ----
@@ -247,7 +247,8 @@ class Config:
                                  "target")
     toy_init_prob: float = _toy(0.5, "warm start: supervised steps until the mean target-token prob"
                                      " reaches this")
-    toy_lr: float = _toy(0.02, "Adam LR of the toy policy (0.03 is unstable even without mismatch)")
+    toy_lr: float = _toy(0.005, "Adam LR of the toy policy: TIS's best in the sweep python -m "
+                                "toy.sweep (toy/RESULTS.md)")
     toy_logit_fp8: str = _toy("off", "engine logits through FP8 too: dynamic = per-row scale; "
                                      "static = one saturating scale set after warm start (x "
                                      "--toy-fp8-headroom)", choices=("off", "dynamic", "static"))

@@ -1,12 +1,14 @@
 """The toy demo: `python -m toy.demo` (from the repo root).
 
-Every method × seeds × mismatch presets (mipu.py's TOY_PRESETS) on the toy simulator of mipu.py, the oracle
-acceptance (the ceiling of every rule), random rollback at the rejection rate mipu measured (on the grpo update,
-the paper's control, and on mipu's TIS update), and a gap study (T̂_post against the exact gap at several acceptance
-batch sizes, probed along the grpo runs). Writes demo_results.md / .csv and demo_metrics.jsonl (every step of every
-run) into --out; with the collapse preset also the focused figure collapse.png, its summary table summary.md and
-the selectivity study selectivity.md ("does Step 2 select?", --select-seeds seeds per arm). Bit-for-bit reproducible
-for a seed, whatever --workers.
+The quick start: on the collapse preset (mipu.py's TOY_PRESETS; --presets adds others), grpo, lr-decay, tis
+(Step 1), mipu (Steps 1 + 2) and the exact oracle on the TIS update (the ceiling of every Step-2 rule), then two
+controls at the rejection rate mipu measured: random rollback on mipu's TIS update, and TIS with its LR times mipu's
+acceptance rate (the step-size control); and a gap study (T̂_post against the exact gap at several acceptance batch
+sizes, probed along the grpo runs). --all-methods adds mis, step2, the target rule, the oracle on grpo and random
+rollback on the grpo update. Writes demo_results.md / .csv and demo_metrics.jsonl (every step of every run) into
+--out; with the collapse preset also the figure collapse.png and its table summary.md, and with --select-seeds N
+the selectivity study selectivity.md ("does Step 2 select?", N seeds per arm). Bit-for-bit reproducible for a seed
+on one machine, whatever --workers.
 """
 import argparse
 import csv
@@ -22,25 +24,31 @@ import torch
 import mipu
 from toy.collapse_study import collapsed
 
-# Demo rows: label -> Config overrides. random-rollback is added afterwards with the
-# rejection rate that mipu (paper rule) measured in the same preset.
+# The quick start's rows: label -> Config overrides. Two more rows come afterwards, at the rejection rate that mipu
+# (paper rule) measured in the same preset: random-rollback-tis at that rate, and tis with its LR times mipu's
+# acceptance rate (the step-size control). --all-methods adds MORE_METHODS (and random rollback on the grpo update).
 TOY_DEMO_METHODS = {
     "grpo": {"method": "grpo"},
     "lr-decay": {"method": "grpo", "lr_decay": True},
-    "mis": {"method": "mis"},
     "tis (Step 1)": {"method": "tis"},
-    "step2 (Step 2)": {"method": "step2"},
     "mipu": {"method": "mipu"},
-    "mipu, target rule (ours)": {"method": "mipu", "accept_rule": "target"},
-    "oracle on grpo (ceiling)": {"method": "step2", "accept_rule": "oracle"},
+    "oracle on tis (ceiling)": {"method": "mipu", "accept_rule": "oracle"},
 }
-# Steps per preset: x the --steps of the demo. collapse runs 2x, so that its mismatch has time to grow.
-STEP_MULTIPLIER = {"collapse": 2}
+MORE_METHODS = {
+    "mis": {"method": "mis"},
+    "step2 (Step 2)": {"method": "step2"},
+    "mipu, target rule (ours)": {"method": "mipu", "accept_rule": "target"},
+    "oracle on grpo": {"method": "step2", "accept_rule": "oracle"},
+}
+# Steps per preset: x the --steps of the demo. collapse runs 8x (600 at the default 75), so that its mismatch has
+# time to grow at the tuned --toy-lr (toy/RESULTS.md, the LR sweep).
+STEP_MULTIPLIER = {"collapse": 8}
 FOCUS = "collapse"                     # the preset of the figure, the summary table and the selectivity study
-FOCUS_METHODS = ("grpo", "tis (Step 1)", "mipu", "random-rollback-tis (mipu's rate)", "oracle on grpo (ceiling)")
-DEFAULT_PRESETS = "none,collapse"      # fp8 (k3 ~ 0.002) is mild, severe degrades without collapse: `all`
-RR_METHODS = {"random-rollback (mipu's rate)": "random-rollback", "random-rollback-tis (mipu's rate)":
-              "random-rollback-tis"}
+DEFAULT_PRESETS = "collapse"           # none (no mismatch), fp8 (k3 ~ 0.002), severe (no collapse): --presets all
+RR_TIS, STEP_CONTROL = "random-rollback-tis (mipu's rate)", "step-size control (tis, LR x mipu's accept rate)"
+RR_GRPO = "random-rollback (mipu's rate)"
+RATE_CAP = 0.99                        # random rollback refuses rate 1; the step-size control keeps LR x >= 0.01
+FOCUS_METHODS = ("grpo", "lr-decay", "tis (Step 1)", "mipu", RR_TIS, STEP_CONTROL, "oracle on tis (ceiling)")
 TOY_DROP = 0.02                        # a "drop" is a step whose J(μ) falls by more than this
 TOY_PROBE_PROMPTS = (4, 16, 64, 256)   # acceptance batches (prompts × G) of the gap study
 TOY_PROBE_EVERY = 2                    # probe every 2nd candidate, x the preset's step multiplier (demo ~1 min)
@@ -48,10 +56,13 @@ SELECT_ALWAYS_C = 1e9                  # a c so large that the paper rule accept
 SELECT_RESAMPLES = 100_000             # bootstrap resamples and sign flips of the paired comparison
 # the figure: label -> (legend, colour, line style); colours and styles both differ, so print in grey still reads
 FOCUS_STYLE = {"grpo": ("grpo (no correction)", "tab:red", ":"),
+               "lr-decay": ("lr-decay: grpo, LR decayed linearly to 0.1x", "tab:purple", (0, (1, 1))),
                "tis (Step 1)": ("tis (Step 1 only)", "tab:blue", "-."),
                "mipu": ("mipu (Step 1 + Step 2, paper rule c=0)", "tab:green", "-"),
-               "random-rollback-tis (mipu's rate)": ("random rollback at mipu's rate, tis update", "tab:orange", "--"),
-               "oracle on grpo (ceiling)": ("oracle acceptance on grpo (ceiling)", "black", (0, (5, 1, 1, 1, 1, 1)))}
+               RR_TIS: ("random rollback at mipu's rate, tis update", "tab:orange", "--"),
+               STEP_CONTROL: ("step-size control: tis at LR x mipu's accept rate", "tab:cyan", (0, (3, 1, 1, 1))),
+               "oracle on tis (ceiling)": ("oracle on tis: keep iff exact J(mu) did not fall (ceiling)", "black",
+                                           (0, (5, 1, 1, 1, 1, 1)))}
 
 
 def demo_run(job: tuple) -> list[dict]:
@@ -93,6 +104,21 @@ def g_k_probe(run: mipu.ToyEngine, lp_mu_k: torch.Tensor, gen: torch.Generator) 
     adv = mipu.group_advantages(mipu.toy_reward(run.targets, prompt, tokens, cfg.toy_tolerance), G)
     logp_new = mipu.toy_token_logp(run.tables[0], prompt, tokens)
     return mipu.surrogate_gain(logp_new, logp_mu, adv, torch.ones_like(logp_new)).item()
+
+
+class Done:
+    """A run done in this process, with the .get() of a pool's AsyncResult."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def get(self):
+        return self.value
+
+
+def submit(job: tuple, pool):
+    """Start one demo_run job in the pool (or run it here): an object whose .get() returns its history."""
+    return pool.apply_async(demo_run, (job,)) if pool else Done(demo_run(job))
 
 
 def run_jobs(jobs: list[tuple], pool) -> list[list[dict]]:
@@ -180,7 +206,15 @@ def rollback_at(base: dict, method: str, rate: float) -> dict:
     """Random rollback at `rate`; at rate 0 it is its update method alone (a random method refuses --reject-rate 0)."""
     if rate == 0:
         return {**base, "method": mipu.METHOD_SPEC[method][0]}
-    return {**base, "method": method, "reject_rate": min(rate, 0.99)}
+    return {**base, "method": method, "reject_rate": min(rate, RATE_CAP)}
+
+
+def rate_arms(base: dict, rate: float, all_methods: bool) -> dict:
+    """The rows set by mipu's rejection rate: random-rollback-tis at it, tis at LR x (1 - rate) (the step-size
+    control: the same expected step, no rejection); with all_methods also random rollback on the grpo update."""
+    arms = {RR_TIS: rollback_at(base, "random-rollback-tis", rate),
+            STEP_CONTROL: {**base, "method": "tis", "toy_lr": base["toy_lr"] * max(1 - rate, 1 - RATE_CAP)}}
+    return {**arms, RR_GRPO: rollback_at(base, "random-rollback", rate)} if all_methods else arms
 
 
 def preset_label(p: str, base: dict) -> str:
@@ -188,44 +222,48 @@ def preset_label(p: str, base: dict) -> str:
     return f"{p} (alpha={base['toy_mismatch']:g},{over} {base['steps']} steps)"
 
 
-def toy_demo(cfg: mipu.Config, presets: list[str], n_seeds: int, select_seeds: int, workers: int,
-             out: Path) -> None:
-    """All methods × seeds × presets: tables (md, csv) and every step (jsonl) into `out`; for the collapse preset
-    also the figure, the summary table and the selectivity study."""
+def toy_demo(cfg: mipu.Config, presets: list[str], n_seeds: int, select_seeds: int, workers: int, out: Path,
+             all_methods: bool = False) -> None:
+    """The methods × seeds × presets: tables (md, csv) and every step (jsonl) into `out`; for the collapse preset
+    also the figure and the summary table, and with select_seeds the selectivity study."""
     t0 = time.time()
     bases = {p: preset_base(cfg, p) for p in presets}
     alphas = {p: bases[p]["toy_mismatch"] for p in presets}
     seeds = [cfg.seed + i for i in range(n_seeds)]
-    keys = [(p, label, s) for p in presets for label in TOY_DEMO_METHODS for s in seeds]
+    methods = {**TOY_DEMO_METHODS, **(MORE_METHODS if all_methods else {})}
+    keys = [(p, label, s) for p in presets for label in methods for s in seeds]
     # the grpo runs also probe T̂_post at several acceptance batch sizes (the gap study)
-    jobs = [({**bases[p], **TOY_DEMO_METHODS[label], "seed": s}, alphas[p],
+    jobs = [({**bases[p], **methods[label], "seed": s}, alphas[p],
              TOY_PROBE_PROMPTS if label == "grpo" and alphas[p] > 0 else (),    # at α = 0, T̂_post ≡ 0
              TOY_PROBE_EVERY * STEP_MULTIPLIER.get(p, 1), False)
             for p, label, s in keys]
     pool = make_pool(workers)
-    results = dict(zip(keys, run_jobs(jobs, pool)))
-    rates = {p: reject_rate([results[(p, "mipu", s)] for s in seeds]) for p in presets}
-    rr_keys = [(p, label, s) for p in presets for label in RR_METHODS for s in seeds]
-    rr_jobs = [({**rollback_at(bases[p], RR_METHODS[label], rates[p]), "seed": s}, alphas[p], (), 1, False)
-               for p, label, s in rr_keys]
-    results.update(zip(rr_keys, run_jobs(rr_jobs, pool)))
-    labels = list(TOY_DEMO_METHODS) + list(RR_METHODS)
+    # mipu's runs first: the rows at its rate queue up as soon as they are done, behind the other first runs
+    first = sorted(range(len(keys)), key=lambda i: keys[i][1] != "mipu")
+    pending = {keys[i]: submit(jobs[i], pool) for i in first}
+    rates = {p: reject_rate([pending[(p, "mipu", s)].get() for s in seeds]) for p in presets}
+    second = {p: rate_arms(bases[p], rates[p], all_methods) for p in presets}
+    rate_keys = [(p, label, s) for p in presets for label in second[p] for s in seeds]
+    pending.update({(p, label, s): submit(({**second[p][label], "seed": s}, alphas[p], (), 1, False), pool)
+                    for p, label, s in rate_keys})
+    results = {key: pending[key].get() for key in [*keys, *rate_keys]}
     rows, study = [], []
     for p in presets:
-        for label in labels:
+        for label in [*methods, *second[p]]:
             rows.append({"preset": preset_label(p, bases[p]), "method": label,
                          **toy_summary([results[(p, label, s)] for s in seeds])})
-            if TOY_DEMO_METHODS.get(label, {}).get("accept_rule") == "oracle":   # its T_post IS the exact gap
+            if methods.get(label, {}).get("accept_rule") == "oracle":   # its T_post IS the exact gap
                 rows[-1]["T_post sign agreement"] = "exact"
         if alphas[p] > 0:
             study += gap_study_rows([results[(p, "grpo", s)] for s in seeds], p, cfg.num_generations)
-    write_outputs(cfg, out, rows, study, results)
+    write_outputs(cfg, out, rows, study, results, rates)
     written = ["demo_results.md", "demo_results.csv"]
     if FOCUS in presets:
         focus = {label: [results[(FOCUS, label, s)] for s in seeds] for label in FOCUS_METHODS}
-        title = f"preset {preset_label(FOCUS, bases[FOCUS])}, seeds {seeds[0]}..{seeds[-1]}"
+        title = (f"preset {preset_label(FOCUS, bases[FOCUS])}, --toy-lr {bases[FOCUS]['toy_lr']:g}, "
+                 f"seeds {seeds[0]}..{seeds[-1]}")
         plot_focus(out / "collapse.png", focus, title)
-        write_summary(out / "summary.md", focus, title)
+        write_summary(out / "summary.md", focus, title, second[FOCUS][STEP_CONTROL]["toy_lr"])
         written += ["collapse.png", "summary.md"]
         if select_seeds:
             select = [cfg.seed + i for i in range(select_seeds)]
@@ -236,12 +274,15 @@ def toy_demo(cfg: mipu.Config, presets: list[str], n_seeds: int, select_seeds: i
     print(f"toy demo: {time.time() - t0:.1f} s wall; wrote {', '.join(written)} into {out}")
 
 
-def write_outputs(cfg, out: Path, rows, study, results) -> None:
+def write_outputs(cfg, out: Path, rows, study, results, rates: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     seeds = sorted({s for _, _, s in results})
-    header = (f"Generated by `python -m toy.demo` (seeds {seeds[0]}..{seeds[-1]}, "
+    header = (f"Generated by `python -m toy.demo` (seeds {seeds[0]}..{seeds[-1]}, --toy-lr {cfg.toy_lr:g}, "
               f"batch {cfg.prompts_per_step}x{cfg.num_generations}, acceptance {cfg.val_prompts}x"
-              f"{cfg.num_generations}, c={cfg.c}). Exact J on all {cfg.toy_prompts} prompts.\n")
+              f"{cfg.num_generations}, c={cfg.c}). Exact J on all {cfg.toy_prompts} prompts. The rows after mipu's "
+              f"are set by the rejection rate mipu measured in the preset ("
+              + ", ".join(f"{p}: {r:.3f}" for p, r in rates.items()) + f"): random rollback at that rate, and tis "
+              f"at --toy-lr x (1 - rate) (the step-size control).\n")
     md = header + "\n" + mipu.markdown_table(rows) + "\n"
     if study:                                # no gap study without mismatch (T̂_post ≡ 0 there)
         md += ("\nGap study (grpo trajectories; T_post vs exact J(mu_k+1) - J(pi_k+1) at several acceptance "
@@ -281,12 +322,15 @@ def plot_focus(path: Path, focus: dict, title: str) -> None:
     plt.close(fig)
 
 
-def write_summary(path: Path, focus: dict, title: str) -> None:
+def write_summary(path: Path, focus: dict, title: str, control_lr: float) -> None:
+    best = lambda h: np.mean([max(m["exact/J_mu"] for m in r) for r in h])       # noqa: E731
     rows = [{"method": FOCUS_STYLE[label][0], "final J(mu), mean ± sd": f"{final_J(h).mean():.3f} ± "
-             f"{final_J(h).std():.3f}", "collapsed runs": n_collapsed(h), "rejection rate": f"{reject_rate(h):.2f}"}
+             f"{final_J(h).std():.3f}", "best J(mu), mean": f"{best(h):.3f}",
+             "collapsed runs": n_collapsed(h), "rejection rate": f"{reject_rate(h):.2f}"}
             for label, h in focus.items()]
     path.write_text(f"Generated by `python -m toy.demo`: {title}. Collapsed: J(mu) over the last 10% of steps stays "
-                    f"below half of the run's best.\n\n{mipu.markdown_table(rows)}\n")
+                    f"below half of the run's best. The step-size control runs at --toy-lr {control_lr:.4g}.\n\n"
+                    f"{mipu.markdown_table(rows)}\n")
 
 
 def auc(pos: np.ndarray, neg: np.ndarray) -> float:
@@ -383,10 +427,13 @@ def main() -> int:
     mipu.add_config_flags(parser, ("algo", "toy"))
     parser.add_argument("--presets", default=DEFAULT_PRESETS,
                         help=f"comma-separated mismatch presets ({', '.join(mipu.TOY_PRESETS)}) or 'all'; "
-                        "collapse runs 2x --steps")
-    parser.add_argument("--seeds", type=int, default=5, help="seeds per method and preset (--seed, --seed+1, ...)")
-    parser.add_argument("--select-seeds", type=int, default=20, help="seeds per arm of the selectivity study "
-                        "(collapse preset; 0 = skip it)")
+                        f"collapse runs {STEP_MULTIPLIER['collapse']}x --steps")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per method and preset (--seed, --seed+1, ...; "
+                        "the claims study, python -m toy.study, runs 20)")
+    parser.add_argument("--select-seeds", type=int, default=0, help="seeds per arm of the selectivity study "
+                        "(collapse preset; 0 = skip it; python -m toy.study asks the same on 20 seeds)")
+    parser.add_argument("--all-methods", action="store_true", help="also mis, step2, the target rule, the oracle "
+                        "on grpo and random rollback on the grpo update")
     parser.add_argument("--workers", type=int, default=2, help="processes running runs in parallel "
                         "(results do not depend on it)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent), help="folder for tables and curves")
@@ -401,7 +448,8 @@ def check_and_run(args: dict, presets: list[str]) -> None:
         raise mipu.MIPUError(f"unknown --presets {', '.join(unknown)}; expected {', '.join(mipu.TOY_PRESETS)} or all")
     if args["seeds"] < 1 or args["select_seeds"] < 0:
         raise mipu.MIPUError("--seeds must be >= 1 and --select-seeds >= 0")
-    toy_demo(mipu.config_from(args), presets, args["seeds"], args["select_seeds"], args["workers"], Path(args["out"]))
+    toy_demo(mipu.config_from(args), presets, args["seeds"], args["select_seeds"], args["workers"], Path(args["out"]),
+             args["all_methods"])
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ import mipu
 from toy import demo
 from toy.collapse_study import collapsed
 
-STUDY_PRESETS = {"collapse": 150, "collapse-long": 250}   # preset -> steps (collapse: the demo's 2 x 75)
+# preset -> steps. collapse: the demo's horizon (toy.demo.preset_base). collapse-long: 4 x the 250 steps in which
+# grpo collapsed in 16/20 seeds at --toy-lr 0.02, 4 x the default (not measured at the default: toy/RESULTS.md)
+STUDY_PRESETS = {"collapse": demo.preset_base(mipu.Config(), "collapse")["steps"], "collapse-long": 1000}
 FIRST_SEED = 1000                 # seeds 1000, 1001, ...: none of them was used to choose a preset or a setting
 WINDOW = 15                       # steps per window of the within-window AUC
 GMU_PROMPTS = (32, 128)           # Ĝ^μ probes: prompts × G fresh samples from μ_k
@@ -260,7 +262,8 @@ def equal_rate_rows(res: dict, rates: dict, lrs: dict) -> list[dict]:
 def preset_text(preset: str, base: dict) -> str:
     return (f"preset {preset} (alpha={base['toy_mismatch']:g}, FP8 weights, {base['toy_logit_fp8']} FP8 logits; "
             f"{base['toy_prompts']} prompts, {base['toy_horizon']} tokens over {base['toy_vocab']} symbols, reward 1 "
-            f"iff at most {base['toy_tolerance']} wrong; width {base['toy_dim']}; {base['steps']} steps), batch "
+            f"iff at most {base['toy_tolerance']} wrong; width {base['toy_dim']}; {base['steps']} steps, Adam LR "
+            f"{base['toy_lr']:g}), batch "
             f"{base['prompts_per_step']}x{base['num_generations']}, acceptance {base['val_prompts']}x"
             f"{base['num_generations']}")
 
@@ -300,10 +303,10 @@ def write_study(path: Path, command: str, preset: str, base: dict, seeds: list[i
 
 
 def study(preset: str, n_seeds: int, steps: int, first_seed: int, window: int, workers: int, out: Path,
-          command: str) -> Path:
+          command: str, toy_lr: float = mipu.Config.toy_lr) -> Path:
     """Every arm on n_seeds seeds of the preset, then each rule's controls at its rate; the tables into out."""
     t0 = time.time()
-    base = {**demo.preset_base(mipu.Config(), preset), "steps": steps}
+    base = {**demo.preset_base(mipu.Config(toy_lr=toy_lr), preset), "steps": steps}
     seeds = list(range(first_seed, first_seed + n_seeds))
     first = {**BASE_ARMS, **RULES}
     check_configs(first, base, seeds)
@@ -330,6 +333,8 @@ def main() -> int:
     ap.add_argument("--first-seed", type=int, default=FIRST_SEED, help="seeds --first-seed, --first-seed + 1, ...")
     ap.add_argument("--steps", type=int, default=0, help="steps per run (0 = the preset's: "
                     + ", ".join(f"{p} {s}" for p, s in STUDY_PRESETS.items()) + ")")
+    ap.add_argument("--toy-lr", type=float, default=0.0, help=f"Adam LR of the toy (0 = mipu.py's default, "
+                    f"{mipu.Config.toy_lr:g}); the step-size controls scale it")
     ap.add_argument("--window", type=int, default=WINDOW, help="steps per window of the within-window AUC")
     ap.add_argument("--workers", type=int, default=MAX_WORKERS, help=f"processes, 1..{MAX_WORKERS} (results do not "
                     "depend on it)")
@@ -341,13 +346,16 @@ def main() -> int:
 def check_and_run(args) -> None:
     if args.seeds < 2 or args.steps < 0 or args.window < 1 or not 1 <= args.workers <= MAX_WORKERS:
         raise mipu.MIPUError(f"--seeds must be >= 2, --steps >= 0, --window >= 1, --workers in 1..{MAX_WORKERS}")
+    if not 0 <= args.toy_lr <= mipu.TOY_LR_MAX:
+        raise mipu.MIPUError(f"--toy-lr must be in [0, {mipu.TOY_LR_MAX:g}] (0 = the default)")
     if not 0 <= args.first_seed <= mipu.SEED_LIMIT - args.seeds:
         raise mipu.MIPUError(f"--first-seed must be in [0, {mipu.SEED_LIMIT - args.seeds}] (numpy's seed range)")
-    extra = {"first-seed": (args.first_seed, FIRST_SEED), "steps": (args.steps, 0), "window": (args.window, WINDOW)}
+    extra = {"first-seed": (args.first_seed, FIRST_SEED), "steps": (args.steps, 0), "window": (args.window, WINDOW),
+             "toy-lr": (args.toy_lr, 0.0)}
     command = f"python -m toy.study --preset {args.preset} --seeds {args.seeds}" + "".join(
         f" --{flag} {value}" for flag, (value, default) in extra.items() if value != default)
     study(args.preset, args.seeds, args.steps or STUDY_PRESETS[args.preset], args.first_seed, args.window,
-          args.workers, Path(args.out), command)
+          args.workers, Path(args.out), command, args.toy_lr or mipu.Config.toy_lr)
 
 
 if __name__ == "__main__":
