@@ -41,11 +41,10 @@ DEVIATIONS FROM THE PAPER, and why
   - The paper does not state c, |D_val|, group size, learning rate or data: the defaults say where
     they come from, and every one is a flag.
   - The target acceptance rule is ours (3.); the paper's rule is the default.
-  - On CPU there are no FP8 kernels: --rollout-quant fp8-sim rounds the synced weights through
-    torch.float8_e4m3fn (one scale per fused vLLM layer, as vLLM's GPU fp8_per_tensor). GPU FP8's
-    per-token activation quantization is not simulated.
-  - The toy replaces the LLM by a small low-rank autoregressive policy whose inference engine
-    uses FP8-quantized shared weights and bf16 logits (TOY ENGINE), so that J is exact.
+  - On CPU there are no FP8 kernels: --rollout-quant fp8-sim (below the banner) rounds the synced
+    weights through torch.float8_e4m3fn (one scale per fused vLLM layer, as vLLM's GPU
+    fp8_per_tensor). GPU FP8's per-token activation quantization is not simulated.
+  - The toy (TOY ENGINE) replaces the LLM by a small policy, so that J is exact.
 
 IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
    1. Advantages (`group_advantages`): std with ddof=0 and eps=1e-6, in float64; each group's A
@@ -104,16 +103,13 @@ FILE MAP, in reading order (a first read stops at the HARNESS banner):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import logging
 import math
 import os
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -214,9 +210,8 @@ class Config:
                                      "same value")
     rollout_dtype: str = _llm("bfloat16", "vLLM weights/activations dtype",
                                           choices=("bfloat16", "float16", "float32"))
-    rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = rounded "
-                                      "through FP8 at each sync (CPU)",
-                                      choices=("none", "fp8", "fp8-sim"))
+    rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only)",
+                                      choices=("none", "fp8"))
     train_dtype: str = _train("auto", "float32 = exact (CPU default); bf16-mixed = fp32 weights + "
                                       "AdamW, bf16 autocast (GPU default, as TRL/verl); bfloat16 = "
                                       "pure bf16: less memory, tiny updates round away",
@@ -1008,9 +1003,8 @@ VLLM_CPU_SHARE = 0.3
 
 
 def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
-    """The in-process vLLM engine of cfg.model that samples rollouts (fp8-sim: FP8-rounded by
-    sync_weights, from the engine's first sync on); `engine_args` add to or replace vllm.LLM's
-    arguments (the harness: sleep mode, torch.compile, an engine a rank)."""
+    """The in-process vLLM engine of cfg.model that samples rollouts; `engine_args` add to or
+    replace vllm.LLM's arguments."""
     # in-process engine, forced: llm.apply_model needs it
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # GiB; vLLM's CPU default (~7 GiB at 2 cores) is too big
@@ -1085,48 +1079,18 @@ def reprocess_tied_head(model, model_config) -> None:
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
-def _fused_name(name: str) -> str:
-    """The name of the vLLM layer an HF weight is loaded into (vLLM fuses q/k/v and gate/up
-    projections)."""
-    name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
-    return re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name)
-
-
-def pushed_tensors(named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str,
-                   dtype: torch.dtype, gather=lambda t: t) -> Iterator[tuple[str, torch.Tensor]]:
-    """θ as sync_weights sends it: (HF name, the whole tensor in the engine's dtype), one at a time;
-    fp8-sim rounds linear weights through FP8 first. `gather` makes a tensor whole (the harness:
-    FSDP2 shards)."""
-    # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as
-    # fp8_per_tensor)
-    amax = {}
-    for name, t in named_tensors:
-        # linear weights, the ones vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
-        linear = t.dim() == 2 and "embed" not in name and "lm_head" not in name
-        if rollout_quant == "fp8-sim" and linear:
-            layer_max = gather(t.detach().abs().max()).float().cpu()
-            amax[_fused_name(name)] = max(layer_max, amax.get(_fused_name(name), 0))
-    for name, t in named_tensors:
-        # elementwise given amax: on this rank's shard, before the gather
-        if _fused_name(name) in amax:
-            t = fp8_roundtrip(t.detach(), per_row=False, amax=amax[_fused_name(name)].to(t.device))
-        yield name, gather(t.detach().to(dtype))   # engine dtype (bf16), then gathered
-
-
-def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str) -> None:
-    """Load HF-named weights into the running vLLM engine by vLLM's layerwise reload (as its
-    weight-transfer engines do: quantized layers re-quantize), in one call of the public
-    llm.apply_model."""
+def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """HF-named weights into the running vLLM engine, in its dtype, by vLLM's layerwise reload (as
+    its weight-transfer engines: quantized layers re-quantize), in one public llm.apply_model."""
     model_config = llm.llm_engine.vllm_config.model_config
-    weights = list(pushed_tensors(named_tensors, rollout_quant, model_config.dtype))
+    weights = [(name, t.detach().to(model_config.dtype)) for name, t in named_tensors]
     load = functools.partial(_reload_in_worker, weights=weights, model_config=model_config)
     llm.apply_model(load)
 
 
-def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool = False, load=None):
+def load_trainer(model_path: str, dtype: str, device: str, load=None):
     """HF AutoModelForCausalLM on `device` in `dtype` (bf16-mixed: fp32 weights), sdpa attention,
-    eval mode, by `load` (default transformers' from_pretrained; the harness's checks the folder
-    first); `checkpointing` acts in train mode only, which Step 1 sets (Qwen3 has no dropout)."""
+    eval mode, by `load` (default: from_pretrained)."""
     import transformers
     if dtype not in ("float32", "bf16-mixed", "bfloat16", "float16"):
         raise MIPUError("trainer dtype must be float32, bf16-mixed, bfloat16 or float16, got "
@@ -1134,8 +1098,6 @@ def load_trainer(model_path: str, dtype: str, device: str, checkpointing: bool =
     load = load or transformers.AutoModelForCausalLM.from_pretrained
     weights_dtype = getattr(torch, dtype.replace("bf16-mixed", "float32"))
     model = load(model_path, attn_implementation="sdpa", dtype=weights_dtype)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device)
 
 
@@ -1356,7 +1318,7 @@ class LLMEngine(Engine):
         return {}
 
     def push_weights(self) -> None:
-        sync_weights(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant)
+        sync_weights(self.llm, list(self.model.named_parameters()))
 
 
 # ==== HARNESS: A FIRST READ CAN STOP HERE ===========================================================================
@@ -1367,10 +1329,12 @@ class LLMEngine(Engine):
 # the harness's own imports: the reference above needs none of them
 import argparse
 import atexit
+import contextlib
 import faulthandler
 import fcntl
 import inspect
 import json
+import logging
 import numbers
 import shutil
 import signal
@@ -1381,6 +1345,7 @@ import weakref
 from decimal import Decimal
 from fractions import Fraction
 from multiprocessing.connection import wait as wait_readable  # poll(2): no select(2) limit of 1024 descriptors
+from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -1465,8 +1430,7 @@ def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module
     on the meta device (no memory); FSDP2 shards it, then rank 0 broadcasts each weight and buffer (the rotary
     tables: not in a state dict) into every rank's shards. One host copy of the full model, not one per rank."""
     dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
-    rank, load, error = rank_world()[0], functools.partial(load_trainer, model_path, cfg.train_dtype,
-                                                           checkpointing=cfg.grad_checkpointing == "on"), [None]
+    rank, load, error = rank_world()[0], functools.partial(load_trainer, model_path, cfg.train_dtype), [None]
     if rank == 0:
         try:
             model = load(device="cpu", load=load_checked_trainer)
@@ -1478,6 +1442,7 @@ def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module
     if rank:
         with torch.device("meta"):
             model = load(device="meta", load=trainer_from_config)
+    model = checkpointed(model, cfg.grad_checkpointing == "on")
     full = model.state_dict() if rank == 0 else {}
     model = shard_model(model, cfg.device)
     if rank:
@@ -1671,7 +1636,32 @@ def probe_gap(llm, trainer_logp, probe_prompt_ids: list[int], probe_completion_i
     return (vllm_lp - hf_lp[0].float().cpu()).abs().mean().item()
 
 
-# ---- THE SYNC IN PIECES: a bounded copy of θ at a time, vLLM's expected reload warnings dropped -------------------
+# ---- THE SYNC IN PIECES: a bounded copy of θ at a time (fp8-sim: FP8-rounded), vLLM's expected reload warnings dropped
+def _fused_name(name: str) -> str:
+    """The name of the vLLM layer an HF weight is loaded into (vLLM fuses q/k/v and gate/up projections)."""
+    name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
+    return re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name)
+
+
+def pushed_tensors(named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str,
+                   dtype: torch.dtype, gather=lambda t: t) -> Iterator[tuple[str, torch.Tensor]]:
+    """θ as sync_in_pieces sends it: (HF name, the whole tensor in the engine's dtype), one at a time; --rollout-quant
+    fp8-sim rounds linear weights through FP8 first. `gather` makes a tensor whole (FSDP2 shards)."""
+    # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
+    amax = {}
+    for name, t in named_tensors:
+        # linear weights, the ones vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
+        linear = t.dim() == 2 and "embed" not in name and "lm_head" not in name
+        if rollout_quant == "fp8-sim" and linear:
+            layer_max = gather(t.detach().abs().max()).float().cpu()
+            amax[_fused_name(name)] = max(layer_max, amax.get(_fused_name(name), 0))
+    for name, t in named_tensors:
+        # elementwise given amax: on this rank's shard, before the gather
+        if _fused_name(name) in amax:
+            t = fp8_roundtrip(t.detach(), per_row=False, amax=amax[_fused_name(name)].to(t.device))
+        yield name, gather(t.detach().to(dtype))   # engine dtype (bf16), then gathered
+
+
 SYNC_PIECE_BYTES = 512 * 2**20   # weights per load_weights call: verl's default bucket (vLLM 0.32's transfer: 1 GiB)
 
 
@@ -1840,7 +1830,7 @@ def fp8_scale_name(fused: str) -> str:         # where the fused layer's scale l
 
 
 def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gather, fp8: bool) -> dict:
-    """{vLLM name: (digest, dtype)} of θ as sync_weights sends it: q/k/v and gate/up summed as vLLM fuses them;
+    """{vLLM name: (digest, dtype)} of θ as pushed_tensors sends it: q/k/v and gate/up summed as vLLM fuses them;
     `fp8` (with --rollout-quant fp8): each fused linear layer as vLLM quantizes it, its FP8 bytes and its scale.
     One scalar per tensor first (amax: a max over the shards), then one gather each."""
     scales = {}
@@ -1866,7 +1856,7 @@ def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gathe
 
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t,
                fp8: bool = True) -> dict:
-    """The digests of vLLM's engine against θ as sync_weights sends it: {"bad": non-FP8 engine tensors whose digest
+    """The digests of vLLM's engine against θ as pushed_tensors sends it: {"bad": non-FP8 engine tensors whose digest
     differs, "bad_fp8": FP8 entries (weights, scales) that differ or the engine lacks, "compared": engine tensors
     compared, "coverage": the fraction of θ's elements compared, "coverage_fp8": of them in FP8 layers}. Compared:
     the engine's non-empty parameters of θ's name and dtype (vLLM 0.32 by the public llm.apply_model, one worker);
@@ -2105,6 +2095,14 @@ def trainer_from_config(model_path: str, **kwargs):
     """load_trainer's `load` for a model without its weights (under torch.device("meta"): its structure only)."""
     import transformers
     return transformers.AutoModelForCausalLM.from_config(load_pretrained("AutoConfig", model_path), **kwargs)
+
+
+def checkpointed(model: torch.nn.Module, on: bool) -> torch.nn.Module:
+    """--grad-checkpointing on: each layer recomputed in backward. It acts in train mode only, which Step 1 sets
+    (Qwen3 has no dropout)."""
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 # ---- DATA & REWARD -------------------------------------------------------------------------------------------------
@@ -3061,6 +3059,9 @@ _auto = functools.partial(_arg, "auto", choices=("auto", "on", "off"))    # "aut
 @dataclasses.dataclass
 class TrainConfig(Config):
     """Config plus what `train` and `eval` add: data, evaluation, memory knobs, output, checkpoints, reporting."""
+    # Config's field, plus the CPU's simulated FP8 (pushed_tensors)
+    rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = rounded through FP8 at "
+                                      "each sync (CPU)", choices=("none", "fp8", "fp8-sim"))
     train_data: str = _train("", "training prompts: .jsonl, .parquet, dataset folder (save_to_disk or hub layout) or "
                                  "HF dataset id; all but .jsonl take :split (default train)")
     val_data: str = _train("", "Step-2 acceptance prompts (same formats); required by step2/mipu")
@@ -3322,8 +3323,9 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         cfg = dataclasses.replace(cfg, gpu_memory_utilization=check_memory_plan(cfg))   # auto: a number now
-    model = load_sharded_trainer(weights, cfg) if torchrun() else load_trainer(     # before the optimizer: it holds
-        weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on", load_checked_trainer)    # the shards
+    # before the optimizer: it holds the shards
+    model = load_sharded_trainer(weights, cfg) if torchrun() else checkpointed(
+        load_trainer(weights, cfg.train_dtype, cfg.device, load_checked_trainer), cfg.grad_checkpointing == "on")
     check_finite_weights(model, weights)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")

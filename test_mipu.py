@@ -704,7 +704,7 @@ def restore(llm, trainer):
     with torch.no_grad():
         for (_, p), (_, old) in zip(trainer.named_parameters(), snapshot):
             p.copy_(old)
-    mipu.sync_weights(llm, snapshot, "none")
+    mipu.sync_weights(llm, snapshot)
 
 
 def _mismatch(samples: list[dict], model) -> tuple[float, float]:
@@ -837,7 +837,7 @@ def test_gradient_checkpointing_recomputes_with_equal_results(model_dir, prompt_
     prompts, completions = [prompt_ids[0], prompt_ids[1] + [5]], [[7, 8, 9], [10, 11]]
     results = {}
     for on in (False, True):
-        model = mipu.load_trainer(model_dir, "float32", "cpu", checkpointing=on)
+        model = mipu.checkpointed(mipu.load_trainer(model_dir, "float32", "cpu"), on)
         model.train()                                           # as step1_update does
         calls = []
         model.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(1))  # pre: the
@@ -1021,14 +1021,14 @@ def test_sync_takes_effect_and_restores_exactly(llm, trainer, prompt_ids, restor
     _perturb(trainer, seed=1)
     with pytest.raises(mipu.MIPUError, match="weight sync did not take effect"):
         _check_sync(llm, trainer, probe_p, probe_c, tol=MAX_TOL)
-    mipu.sync_weights(llm, list(trainer.named_parameters()), "none")
+    mipu.sync_weights(llm, list(trainer.named_parameters()))
     _check_sync(llm, trainer, probe_p, probe_c, tol=MAX_TOL)
     samples1 = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
     max_d, mean_d = _mismatch(samples1, trainer)
     assert max_d < MAX_TOL and mean_d < MEAN_TOL
     assert mipu.vllm_prompt_logprobs(llm, probe_p + probe_c) != before
 
-    mipu.sync_weights(llm, restore, "none")  # roll back to the step-0 weights
+    mipu.sync_weights(llm, restore)  # roll back to the step-0 weights
     assert mipu.vllm_prompt_logprobs(llm, probe_p + probe_c) == before  # bit for bit
     assert mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0) == samples0
 
@@ -1036,7 +1036,7 @@ def test_sync_takes_effect_and_restores_exactly(llm, trainer, prompt_ids, restor
 def test_fp8_sim_gives_larger_mismatch(llm, trainer, prompt_ids, restore):
     samples = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
     base_max, base_mean = _mismatch(samples, trainer)
-    mipu.sync_weights(llm, list(trainer.named_parameters()), "fp8-sim")
+    mipu.sync_in_pieces(llm, list(trainer.named_parameters()), "fp8-sim")
     samples = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
     fp8_max, fp8_mean = _mismatch(samples, trainer)
     print(f"mismatch none: max {base_max:.4g} mean {base_mean:.4g}; "
@@ -1057,7 +1057,7 @@ def test_sync_preserves_tied_embeddings(llm, trainer, prompt_ids, restore):
     emb = trainer.get_input_embeddings().weight
     with torch.no_grad():
         emb.add_(torch.randn(emb.shape, generator=torch.Generator().manual_seed(2)) * 0.02)
-    mipu.sync_weights(llm, list(trainer.named_parameters()), "none")
+    mipu.sync_weights(llm, list(trainer.named_parameters()))
     probe_c = [5, 6, 7, 8, 9, 10]
     _check_sync(llm, trainer, prompt_ids[0], probe_c, tol=MAX_TOL)
 
@@ -1069,7 +1069,7 @@ def test_sync_in_pieces_equals_whole_sync(llm, trainer, prompt_ids, restore, qua
     seq = prompt_ids[0] + [5, 6, 7, 8, 9, 10]
     mipu.sync_in_pieces(llm, list(trainer.named_parameters()), quant)                # the tiny model: one piece
     whole = mipu.vllm_prompt_logprobs(llm, seq)
-    mipu.sync_weights(llm, restore, "none")
+    mipu.sync_weights(llm, restore)
     assert mipu.vllm_prompt_logprobs(llm, seq) != whole
     monkeypatch.setattr(mipu, "SYNC_PIECE_BYTES", 1)
     mipu.sync_in_pieces(llm, list(trainer.named_parameters()), quant)
@@ -1220,7 +1220,7 @@ def test_reference_and_harness_engines_agree(llm, model_dir, tokenizer, trainer,
     before = mipu.vllm_prompt_logprobs(llm, seq)
     _perturb(trainer, seed=4)
     for eng in (ref, run):
-        mipu.sync_weights(llm, restore, "none")                          # start both from the step-0 engine
+        mipu.sync_weights(llm, restore)    # start both from the step-0 engine
         eng.push_weights()
         outputs.append((mipu.vllm_prompt_logprobs(llm, seq), mipu.generate(llm, prompt_ids[:4], 2, MAX_NEW, 1.0, 0)))
     assert outputs[0] == outputs[1] and outputs[0][0] != before          # both synced the perturbed θ

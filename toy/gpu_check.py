@@ -195,7 +195,7 @@ def measure_vllm(device: str) -> dict:
         with torch.device("cuda"):
             AutoModelForCausalLM.from_config(c, dtype=torch.bfloat16).save_pretrained(folder)
         torch.cuda.empty_cache()
-        model = mipu.load_trainer(folder, cfg.train_dtype, device, True)
+        model = mipu.checkpointed(mipu.load_trainer(folder, cfg.train_dtype, device), True)
         run_cfg = mipu.TrainConfig(model=folder, device=device, gpu_memory_utilization=share,
                                    max_model_len=size["prompt_len"] + size["response_len"])
         llm = mipu.make_sampler(run_cfg, enable_sleep_mode=True, skip_tokenizer_init=True)
