@@ -142,10 +142,7 @@ TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0},
                "collapse-long": {"toy_mismatch": 1.0, "toy_logit_fp8": "static",
                                  "toy_fp8_headroom": 1.0, "toy_horizon": 24, "toy_vocab": 16,
                                  "toy_dim": 64, "toy_tolerance": 14}}
-# field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and
-# memory on GPU
-AUTO_DEFAULTS = {"train_dtype": ("float32", "bf16-mixed")}
-# --seed + rank seeds each rank's vLLM engine, which seeds numpy: [0, 2**32)
+# vLLM seeds numpy with --seed: [0, 2**32)
 SEED_LIMIT = 2**32
 # Step k's random streams on the LLM are seeded seed * M + k, one prime M per stream: distinct
 # (seed, k) pairs give distinct seeds within a stream (for k < M), and the streams of one seed
@@ -212,10 +209,10 @@ class Config:
                                           choices=("bfloat16", "float16", "float32"))
     rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only)",
                                       choices=("none", "fp8"))
-    train_dtype: str = _train("auto", "float32 = exact (CPU default); bf16-mixed = fp32 weights + "
-                                      "AdamW, bf16 autocast (GPU default, as TRL/verl); bfloat16 = "
-                                      "pure bf16: less memory, tiny updates round away",
-                                      choices=("auto", "float32", "bf16-mixed", "bfloat16"))
+    train_dtype: str = _train("float32", "float32 = exact; bf16-mixed = fp32 weights + AdamW, "
+                                         "bf16 autocast (as TRL/verl); bfloat16 = pure bf16: less "
+                                         "memory, tiny updates round away",
+                                         choices=("float32", "bf16-mixed", "bfloat16"))
     device: str = _llm("cpu", "training-engine device: cpu or cuda", choices=("cpu", "cuda"))
     max_model_len: int = _llm(0, "vLLM context length, prompt + response (0 = the model's own "
                                  "maximum)")
@@ -250,15 +247,8 @@ class Config:
     toy_fp8_headroom: float = _toy(1.0, "static FP8 logits saturate at this multiple of the warm "
                                         "start's max |logit|")
 
-    AUTO = AUTO_DEFAULTS        # the "auto" fields (not a field itself: no annotation)
-
     def __post_init__(self):
-        # derived, responses per step
-        self.batch_size = self.prompts_per_step * self.num_generations
-        # "auto": the device's default
-        for name, (cpu, gpu) in self.AUTO.items():
-            if getattr(self, name) == "auto":
-                setattr(self, name, gpu if self.device == "cuda" else cpu)
+        self.batch_size = self.prompts_per_step * self.num_generations  # responses per step
 
     def validate(self, command: str = "") -> "Config":
         """One MIPUError line per bad value or combination, before anything heavy loads; `command`
@@ -268,9 +258,8 @@ class Config:
                 raise MIPUError(message)
         return self
 
-    def checks(self, command: str, world: int = 1) -> list[tuple[bool, str]]:
-        """(ok, message) of every flag's range and of combinations (`world`: processes sharing each
-        batch)."""
+    def checks(self, command: str) -> list[tuple[bool, str]]:
+        """(ok, message) of each range and combination."""
         fields, step2 = dataclasses.fields(self), METHOD_SPEC.get(self.method, ("", ""))[1]
         flag = {f.name: "--" + f.name.replace("_", "-") for f in fields}
         return [(math.isfinite(getattr(self, f.name)), f"{flag[f.name]} must be a finite number")
@@ -287,8 +276,8 @@ class Config:
             for n in ("toy_lr", "toy_fp8_headroom")] + [
             (self.num_generations >= 2,
              "--num-generations must be >= 2 (group advantages need a group)"),
-            (0 <= self.seed <= SEED_LIMIT - world,
-             f"--seed must be in [0, {SEED_LIMIT - world}] (numpy's range)"),
+            (0 <= self.seed < SEED_LIMIT,
+             f"--seed must be in [0, {SEED_LIMIT - 1}] (numpy's range)"),
             (0 < self.clip_eps < 1, "--clip-eps must be in (0, 1)"),
             (self.w_max >= 1,
              "--w-max must be >= 1 (a cap below 1 would down-weight on-policy tokens)"),
@@ -3059,9 +3048,12 @@ _auto = functools.partial(_arg, "auto", choices=("auto", "on", "off"))    # "aut
 @dataclasses.dataclass
 class TrainConfig(Config):
     """Config plus what `train` and `eval` add: data, evaluation, memory knobs, output, checkpoints, reporting."""
-    # Config's field, plus the CPU's simulated FP8 (pushed_tensors)
+    # Config's fields, with the CPU's simulated FP8 (pushed_tensors) and "auto" (AUTO)
     rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = rounded through FP8 at "
                                       "each sync (CPU)", choices=("none", "fp8", "fp8-sim"))
+    train_dtype: str = _train("auto", "float32 = exact (CPU default); bf16-mixed = fp32 weights + AdamW, bf16 "
+                                      "autocast (GPU default, as TRL/verl); bfloat16 = pure bf16: less memory, tiny "
+                                      "updates round away", choices=("auto", "float32", "bf16-mixed", "bfloat16"))
     train_data: str = _train("", "training prompts: .jsonl, .parquet, dataset folder (save_to_disk or hub layout) or "
                                  "HF dataset id; all but .jsonl take :split (default train)")
     val_data: str = _train("", "Step-2 acceptance prompts (same formats); required by step2/mipu")
@@ -3095,12 +3087,16 @@ class TrainConfig(Config):
     logprob_chunk: int = _train(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)")
     sync_tol: float = _train(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x its start-up value")
 
-    AUTO = {**AUTO_DEFAULTS, "grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"),
-            "vllm_compile": ("off", "on")}
+    # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
+    AUTO = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"),
+            "vllm_compile": ("off", "on")}     # not a field itself: no annotation
 
     def __post_init__(self):
         self.check_types()                                               # before any arithmetic on the fields
         super().__post_init__()
+        for name, (cpu, gpu) in self.AUTO.items():                       # "auto": the device's value
+            if getattr(self, name) == "auto":
+                setattr(self, name, gpu if self.device == "cuda" else cpu)
         if self.gpu_memory_utilization != "auto":   # a number (a flag's text too); another word is refused by checks
             try:
                 self.gpu_memory_utilization = float(self.gpu_memory_utilization)
@@ -3134,16 +3130,18 @@ class TrainConfig(Config):
             latest_checkpoint(self.output_dir)
         return self
 
-    def checks(self, command: str, world: int = 0) -> list[tuple[bool, str]]:
-        """Config's checks at the torchrun world size, the upper bounds (limit_checks), the harness's flags, and what
-        `command` needs."""
+    def checks(self, command: str) -> list[tuple[bool, str]]:
+        """Config's checks, --seed's bound at the torchrun world size, the upper bounds (limit_checks), the harness's
+        flags, and what `command` needs."""
         world = rank_world()[1]
         gpu, step2 = torch.cuda.is_available(), METHOD_SPEC.get(self.method, ("", ""))[1]
         train, llm = command == "train", command in ("train", "eval")
         flag = {n: "--" + n.replace("_", "-") for n in ("micro_batch_size", "max_new_tokens", "logprob_chunk",
                                                         "weight_decay", "max_model_len", "learning_rate",
                                                         "max_grad_norm", "sync_tol")}
-        return super().checks(command, world) + [   # the LLM's ranges (Config's are the method's and the toy's)
+        return super().checks(command) + [   # the LLM's ranges (Config's are the method's and the toy's)
+            (self.seed <= SEED_LIMIT - world, f"--seed must be in [0, {SEED_LIMIT - world}] (numpy's range: rank r's "
+             "vLLM engine takes --seed + r)")] + [
             (getattr(self, n) >= 1, f"{flag[n]} must be >= 1") for n in list(flag)[:3]] + [
             (getattr(self, n) >= 0, f"{flag[n]} must be >= 0") for n in list(flag)[3:5]] + [
             (getattr(self, n) > 0, f"{flag[n]} must be > 0") for n in list(flag)[5:]] + [
