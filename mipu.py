@@ -4,42 +4,42 @@ Paper: "The Mirage of Optimizing Training Policies: Monotonic Inference Policies
 Objective for LLM Reinforcement Learning" (Liang, Tang, Ma, et al., 2026). No official code is
 public; this file is our reading of it.
 
-THE PROBLEM. Responses are sampled by an inference engine (vLLM), gradients come from a training
-engine (HF transformers). With the same weights θ_k the two give different token probabilities:
-the training policy π_k and the inference policy μ_k. The deployed model is μ, and
-J(π_{k+1}) ≥ J(π_k) does not imply J(μ_{k+1}) ≥ J(μ_k). MIPU targets μ's improvement:
+THE PROBLEM. An inference engine (vLLM) samples, a training engine (HF transformers) computes
+gradients; with the same weights θ_k they give different token probabilities: the training policy
+π_k and the inference policy μ_k. μ is deployed, and J(π_{k+1}) ≥ J(π_k) does not imply
+J(μ_{k+1}) ≥ J(μ_k). MIPU targets μ's improvement:
 
     J(μ_{k+1}) − J(μ_k) = [J(μ_{k+1}) − J(π_{k+1})]   (1) post-update gap  -> Step 2
                         + [J(π_{k+1}) − J(π_k)]       (2) training update  -> Step 1
                         + [J(π_k)     − J(μ_k)]       (3) pre-update gap   -> Step 1
 
-THE ALGORITHM, one iteration k (`mipu_step`, the same function for the toy and for an LLM):
-  0. Rollout: G responses y_i ~ μ_k per prompt, with the sampler's log μ_k(y_t); log π_k(y_t)
-     recomputed by the training engine. Reward R_i, group advantage
+THE ALGORITHM, one iteration k (`mipu_step`, for the toy and an LLM alike):
+  0. Rollout: G responses y_i ~ μ_k per prompt, with the sampler's log μ_k(y_t); the training
+     engine recomputes log π_k(y_t). Reward R_i, group advantage
          A_i = (R_i − mean_group R) / (std_group R + eps)                   `group_advantages`
   1. Step 1, the candidate (`policy_loss`), from θ_k with Adam, mini-batches × epochs:
          r_t = π_θ(y_t)/π_k(y_t),  w_t = π_k(y_t)/μ_k(y_t) (no gradient),  w̄_t = min(w_t, w_max)
          loss = Σ_t mask_t · w̄_t · −min(r_t A, clip(r_t, 1−ε, 1+ε) A) / Σ_t mask_t
      (method "tis"; "grpo" drops w̄; "mis" uses w inside [mis_low, mis_high], 0 outside).
   2. Sync θ_{k+1} into the inference engine: μ_{k+1}.
-  3. Step 2, acceptance (`gap_proxy`): fresh y_i ~ μ_{k+1} on validation prompts, advantages Â_i
-     under μ_{k+1}, training-engine log-probs of π_{k+1}:
+  3. Step 2, acceptance (`gap_proxy`): fresh y_i ~ μ_{k+1} on validation prompts, their
+     advantages Â_i, and log π_{k+1} from the training engine:
          ρ_i = exp( Σ_t mask_t (log π_{k+1} − log μ_{k+1}) / Σ_t mask_t )   (geometric mean)
          T̂_post = − mean_i ρ_i Â_i                      estimates term (1)
      Paper rule: accept iff T̂_post ≥ −c. Target rule (ours): accept iff Ĝ_k + T̂_post ≥ −c, with
          Ĝ_k = mean_i ρ_i(θ_{k+1}) A_i on a held-out slice of step k's batch (ρ = π_{k+1}/μ_k),
-     an estimate of terms (2)+(3): the rule tests the whole target, not the gap's level alone.
+     estimating terms (2)+(3): the rule tests the whole target, not the gap's level alone.
   4. On rejection roll back: θ_k and the optimizer state bit for bit, then re-sync μ_k.
-     A non-finite loss, gradient or θ_{k+1} is a rejection too (and is never synced).
+     A non-finite loss, gradient or θ_{k+1} is rejected too (and never synced).
 
-METHODS (--method): grpo (baseline), tis (Step 1 only), mis, step2 (grpo update + Step 2), mipu
-(Step 1 + Step 2), random-rollback (grpo update, rejected with probability --reject-rate),
-random-rollback-tis (the same on mipu's update: mipu's control); --lr-decay turns any of them into
-the LR-decay baseline.
+METHODS (--method, METHOD_SPEC): grpo (baseline), tis (Step 1 only), mis, step2 (grpo + Step 2),
+mipu (Step 1 + Step 2), random-rollback (grpo, rejected with probability --reject-rate),
+random-rollback-tis (mipu's update, random rejections: mipu's control); --lr-decay makes any of
+them the LR-decay baseline.
 
 DEVIATIONS FROM THE PAPER, and why
-  - The paper does not state c, |D_val|, group size, learning rate or data: the defaults say where
-    they come from, and every one is a flag.
+  - The paper does not state c, |D_val|, group size, learning rate or data: each is a flag whose
+    help says where its default comes from.
   - The target acceptance rule is ours (3.); the paper's rule is the default.
   - On CPU there are no FP8 kernels: --rollout-quant fp8-sim (below the banner) rounds the synced
     weights through torch.float8_e4m3fn (one scale per fused vLLM layer, as vLLM's GPU
@@ -47,37 +47,37 @@ DEVIATIONS FROM THE PAPER, and why
   - The toy (TOY ENGINE) replaces the LLM by a small policy, so that J is exact.
 
 IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
-   1. Advantages (`group_advantages`): std with ddof=0 and eps=1e-6, in float64; each group's A
-      has mean 0 and mean square 1, or is all 0 when its rewards are equal (no signal).
-   2. The token mean (`policy_loss`, `step1_update`): policy_loss averages over a micro-batch's
-      tokens; step1_update weights each micro-batch by its share of the mini-batch's tokens, so
-      the gradient is the token mean over the whole mini-batch (per rank: over all ranks).
-   3. Both ratios start at π_k recomputed by the training engine (`mipu_step` phase 0): r against
-      it, w = π_k/μ_k from it; μ_k's log-probs are vLLM's own, after temperature
-      (`make_sampler`: processed_logprobs), and the trainer divides its logits by the same T.
-   4. T̂_post (`gap_proxy`) is computed as −mean_i (ρ_i − 1) Â_i: equal to −mean_i ρ_i Â_i
-      since Â sums to 0 in each group, and exactly 0 when π_{k+1} = μ_{k+1}, so identical
-      engines never reject by rounding. Ĝ_k (`surrogate_gain`) likewise.
+   1. Advantages (`group_advantages`): std with ddof=0, eps=1e-6, in float64; each group's A has
+      mean 0 and mean square 1, or is all 0 when its rewards are equal (no signal).
+   2. The token mean (`policy_loss`, `step1_update`): policy_loss averages a micro-batch's
+      tokens, step1_update weights it by its share of the mini-batch's tokens: the gradient is the
+      token mean over the mini-batch (and over all ranks).
+   3. Both ratios use π_k as the training engine recomputes it (`mipu_step` phase 0); μ_k's
+      log-probs are vLLM's own, after temperature (`make_sampler`: processed_logprobs), and the
+      trainer divides its logits by the same T.
+   4. T̂_post (`gap_proxy`) is computed as −mean_i (ρ_i − 1) Â_i: equal to −mean_i ρ_i Â_i (Â sums
+      to 0 in each group), and exactly 0 when π_{k+1} = μ_{k+1}: identical engines never reject by
+      rounding. Ĝ_k (`surrogate_gain`) likewise.
    5. A rejected step still advances k (`mipu_step`): the LR schedule, the seeds and --steps count
-      candidates, accepted or not; the data moves on too.
-   6. A rejection costs a second sync (`Engine.rollback`): μ_k is pushed again. A non-finite
-      candidate is never synced, so its rejection needs none.
-   7. The snapshot (`Engine.snapshot`, `copy_state`) is taken only by methods that can reject: θ_k
-      and AdamW's state are copied and restored in place, bit for bit; state AdamW creates in its
-      first step is zeroed (AdamW's fresh state).
+      candidates; the data moves on too.
+   6. A rejection costs a second sync (`Engine.rollback`): μ_k is pushed again, unless the
+      candidate was non-finite (never synced).
+   7. The snapshot (`Engine.snapshot`, `copy_state`), only for methods that can reject: θ_k and
+      AdamW's state, copied and restored in place, bit for bit; state AdamW creates in its first
+      step is zeroed (AdamW's fresh state).
    8. Gradient clipping (`Engine.clip_grad`): the LLM clips each optimizer step to
-      --max-grad-norm; the toy does not clip (`ToyEngine.clip_grad` only reports the norm).
+      --max-grad-norm; the toy only reports the norm (`ToyEngine.clip_grad`).
    9. Validation prompts (`LLMEngine.next_val_rows`): --val-prompts a step, in file order,
       wrapping round; the toy draws them uniformly with replacement (`ToyEngine`). Training
-      prompts (`LLMEngine.next_rows`): a shuffled pass over the rows, reshuffled when it runs out.
+      prompts (`LLMEngine.next_rows`): shuffled passes over the rows.
   10. Batch arithmetic (`step1_minibatches`, `holdout_size`): a step samples prompts_per_step × G
       responses (16 × 8 = 128), takes epochs × ⌈(128 − held out) / mini_batch_size⌉ optimizer
       steps (1 × 2), each in micro-batches of micro_batch_size; Step 2 samples val_prompts × G
       (32 × 8 = 256); the target rule holds target_holdout × G responses (4 × 8) out of Step 1.
-  11. Seeds (`Engine.generator`, `SEED_MUL`): step k's streams are seed · M + k, one prime M per
-      stream; rollouts use 2k (phase 0) and 2k + 1 (Step 2). The toy draws all from one generator.
-  12. Truncated responses score 0 unless --score-truncated (`sample_reward`); a reward is the
-      final answer compared by math_verify (`reference_reward`).
+  11. Seeds (`Engine.generator`, `SEED_MUL`): step k's streams are seed · M + k, a prime M per
+      stream; rollouts use 2k (phase 0) and 2k + 1 (Step 2). The toy has one generator.
+  12. Truncated responses score 0 unless --score-truncated (`sample_reward`); else the final
+      answer is compared by math_verify (`reference_reward`).
 
 PAPER → CODE
   π_k(y|x), μ_k(y|x)          LLMEngine.logp (transformers), generate's sampler_logprobs (vLLM)
@@ -93,12 +93,8 @@ PAPER → CODE
   MIS, LR-decay, random        METHOD_SPEC, --mis-low / --mis-high, --lr-decay, --reject-rate
   J(π), J(μ)                   toy_exact_J (the toy only: exact)
 
-FILE MAP, in reading order (a first read stops at the HARNESS banner):
-  CONFIG, MIPU MATH, THE ITERATION (mipu_step), ENGINES (the interface), TOY ENGINE (exact J),
-  LLM ENGINE (vLLM + transformers on one device). Below the banner, the harness extends the config
-  and the LLM engine with what production needs: several GPUs, vLLM's sleep mode, lean log-probs,
-  a sync check, data readers, a sandboxed reward, checkpoints, metrics, a memory plan and the
-  command line.
+FILE MAP, in reading order: CONFIG, MIPU MATH, THE ITERATION, ENGINES (the interface), TOY
+ENGINE, LLM ENGINE. A first read stops at the HARNESS banner: below it, production's additions.
 """
 
 from __future__ import annotations
@@ -120,12 +116,10 @@ class MIPUError(ValueError):
 
 
 # ==== CONFIG ======================================================================================
-# Each field becomes a command-line flag (`learning_rate` -> `--learning-rate`); `group` says which
-# subcommands take it: algo = toy and train, toy = toy, llm = train and eval, train = train. The
-# harness adds its own.
+# Each field is a command-line flag (`learning_rate` -> `--learning-rate`); `group`: the subcommands
+# taking it (algo = toy and train, toy = toy, llm = train and eval, train = train).
 
-# method -> (Step-1 loss, Step-2 acceptance); random-rollback-tis is mipu's control: its update,
-# random rejections
+# method -> (Step-1 loss, Step-2 acceptance)
 METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mis", "always"),
                "step2": ("grpo", "gap"), "mipu": ("tis", "gap"),
                "random-rollback": ("grpo", "random"), "random-rollback-tis": ("tis", "random")}
@@ -144,9 +138,8 @@ TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0},
                                  "toy_dim": 64, "toy_tolerance": 14}}
 # vLLM seeds numpy with --seed: [0, 2**32)
 SEED_LIMIT = 2**32
-# Step k's random streams on the LLM are seeded seed * M + k, one prime M per stream: distinct
-# (seed, k) pairs give distinct seeds within a stream (for k < M), and the streams of one seed
-# differ. Rollouts use 2k and 2k + 1 (Step 2).
+# implementation detail 11; a prime M per stream: distinct (seed, k) give distinct seeds in a stream
+# (k < M), and one seed's streams differ
 SEED_MUL = {"rollout": 1_000_003, "minibatch": 7919, "reject": 31}
 
 
@@ -155,56 +148,49 @@ def _arg(default, help: str, group: str = "algo", choices=None):
     return dataclasses.field(default=default, metadata=metadata)
 
 
-# the other groups
 _llm, _toy = functools.partial(_arg, group="llm"), functools.partial(_arg, group="toy")
 _train = functools.partial(_arg, group="train")
 
 
 @dataclasses.dataclass
 class Config:
-    # ---- MIPU algorithm: shared by the toy and the LLM path ----
+    # ---- MIPU algorithm: the toy's and the LLM's ----
     method: str = _arg("mipu", "update/acceptance pair (METHOD_SPEC)", choices=tuple(METHOD_SPEC))
     accept_rule: str = _arg("paper", "Step 2: paper = T_post >= -c; target = G_k + T_post >= -c "
                                      "(ours); oracle = exact J(mu_k+1) - J(mu_k) >= -c (toy)",
                                      choices=("paper", "target", "oracle"))
-    c: float = _arg(0.0, "acceptance threshold c (paper: not stated; 0 = 'inference policy no "
-                         "worse')")
-    c_se: float = _arg(0.0, "toy only: the threshold becomes c + c_se * SE(T_post) (reject only if "
+    c: float = _arg(0.0, "acceptance threshold c (paper: not stated; 0: 'mu no worse')")
+    c_se: float = _arg(0.0, "toy only: threshold c + c_se * SE(T_post) (reject only if "
                             "significantly low)")
-    num_generations: int = _arg(8, "responses per prompt G (group size; paper: not stated, 8 as in "
+    num_generations: int = _arg(8, "group size G, responses per prompt (paper: not stated; 8 as "
                                    "common GRPO setups)")
-    prompts_per_step: int = _arg(16, "training prompts per step (batch = prompts_per_step * "
-                                     "num_generations)")
+    prompts_per_step: int = _arg(16, "training prompts per step, G responses each")
     val_prompts: int = _arg(32, "Step-2 acceptance prompts per step, G responses each (paper: "
                                 "|D_val| not stated)")
-    target_holdout: int = _arg(4, "prompts of each step held out of the gradient to estimate G_k "
+    target_holdout: int = _arg(4, "prompts a step holds out of the gradient to estimate G_k "
                                   "(target rule)")
-    epochs: int = _arg(1, "passes of Step 1 over the step's rollouts (verl's default ppo_epochs=1)")
+    epochs: int = _arg(1, "Step 1's passes over the rollouts (verl's default ppo_epochs=1)")
     mini_batch_size: int = _arg(64, "responses per optimizer step in Step 1")
     clip_eps: float = _arg(0.2, "PPO clip epsilon for r = pi_theta/pi_k (paper: 0.2)")
-    w_max: float = _arg(2.0, "truncation cap of w = pi_k/mu_k in TIS (paper: 2)")
-    mis_low: float = _arg(0.5, "MIS trust band lower edge for pi_k/mu_k (band as in the MIS "
-                               "baseline)")
-    mis_high: float = _arg(2.0, "MIS trust band upper edge for pi_k/mu_k")
-    lr_decay: bool = _arg(False, "decay the LR linearly to lr_final_frac of its start (LR-decay "
-                                 "baseline)")
-    lr_final_frac: float = _arg(0.1, "final LR as a fraction of the initial one when --lr-decay "
-                                     "(paper: not stated)")
+    w_max: float = _arg(2.0, "TIS cap of w = pi_k/mu_k (paper: 2)")
+    mis_low: float = _arg(0.5, "lower edge of MIS's trust band for pi_k/mu_k (the MIS baseline's)")
+    mis_high: float = _arg(2.0, "upper edge of MIS's trust band")
+    lr_decay: bool = _arg(False, "linear LR decay to lr_final_frac (LR-decay baseline)")
+    lr_final_frac: float = _arg(0.1, "--lr-decay's final LR fraction (paper: not stated)")
     reject_rate: float = _arg(0.0, "rejection probability of --method random-rollback(-tis)")
-    steps: int = _arg(75, "training iterations (75: the toy demo's, x its STEP_MULTIPLIER; "
-                          "train: set your own, the README's GPU recipe runs 500)")
+    steps: int = _arg(75, "training iterations (75: the toy demo's, x its STEP_MULTIPLIER; the "
+                          "README's GPU recipe: 500)")
     seed: int = _arg(0, "random seed (toy: bit-for-bit reproducible)")
-    # ---- the LLM engines: vLLM samples (mu), transformers learns (pi) ----
-    model: str = _llm("", "HF model id or local model dir (training engine and vLLM)")
-    learning_rate: float = _train(1e-6, "AdamW LR of the LLM (1e-6: common GRPO setting for 1-4B "
-                                        "models)")
+    # ---- the LLM engines ----
+    model: str = _llm("", "HF model id or local model dir (both engines)")
+    learning_rate: float = _train(1e-6, "AdamW LR (1e-6: common GRPO setting for 1-4B models)")
     weight_decay: float = _train(0.0, "AdamW weight decay")
-    max_grad_norm: float = _train(1.0, "gradient-norm clip of each Step-1 optimizer step")
-    micro_batch_size: int = _train(8, "responses per trainer forward/backward (memory knob; no "
-                                      "effect on the math)")
+    max_grad_norm: float = _train(1.0, "gradient-norm clip of Step 1's optimizer steps")
+    micro_batch_size: int = _train(8, "responses per trainer forward/backward (memory only, not "
+                                      "the math)")
     max_new_tokens: int = _llm(1024, "response length cap")
-    temperature: float = _train(1.0, "sampling temperature; the trainer divides its logits by the "
-                                     "same value")
+    temperature: float = _train(1.0, "sampling temperature (the trainer's logits are divided by "
+                                     "it too)")
     rollout_dtype: str = _llm("bfloat16", "vLLM weights/activations dtype",
                                           choices=("bfloat16", "float16", "float32"))
     rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only)",
@@ -214,17 +200,14 @@ class Config:
                                          "memory, tiny updates round away",
                                          choices=("float32", "bf16-mixed", "bfloat16"))
     device: str = _llm("cpu", "training-engine device: cpu or cuda", choices=("cpu", "cuda"))
-    max_model_len: int = _llm(0, "vLLM context length, prompt + response (0 = the model's own "
-                                 "maximum)")
-    enable_thinking: bool = _llm(True, "chat template's thinking mode (Qwen3); "
-                                       "--no-enable-thinking: off")
+    max_model_len: int = _llm(0, "vLLM context length, prompt + response (0: the model's maximum)")
+    enable_thinking: bool = _llm(True, "chat template's thinking mode (Qwen3)")
     prompt_suffix: str = _llm("", "appended to every problem (README's GPU recipe: the \\boxed{} "
                                   "instruction)")
     answer_format: str = _llm("boxed", "boxed = only \\boxed{} counts (real math); last-number = "
                                        "else the text's last number (tiny arithmetic model)",
                                        choices=("boxed", "last-number"))
-    score_truncated: bool = _llm(False, "score responses cut by --max-new-tokens (default: reward "
-                                        "0)")
+    score_truncated: bool = _llm(False, "score responses cut by --max-new-tokens (else reward 0)")
     # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
     toy_preset: str = _toy("collapse", "mismatch preset (mipu.py's TOY_PRESETS): sets the toy flags"
                                        " left at their defaults; collapse = fp8 with static-scale "
@@ -235,8 +218,7 @@ class Config:
     toy_vocab: int = _toy(8, "toy vocabulary size")
     toy_horizon: int = _toy(8, "tokens per toy response")
     toy_dim: int = _toy(32, "width of the toy policy's shared hidden layer")
-    toy_tolerance: int = _toy(2, "reward 1 iff at most this many tokens differ from the prompt's "
-                                 "target")
+    toy_tolerance: int = _toy(2, "reward 1 iff at most this many tokens miss the prompt's target")
     toy_init_prob: float = _toy(0.5, "warm start: supervised steps until the mean target-token prob"
                                      " reaches this")
     toy_lr: float = _toy(0.005, "Adam LR of the toy policy: TIS's best in the sweep python -m "
@@ -251,8 +233,7 @@ class Config:
         self.batch_size = self.prompts_per_step * self.num_generations  # responses per step
 
     def validate(self, command: str = "") -> "Config":
-        """One MIPUError line per bad value or combination, before anything heavy loads; `command`
-        adds its needs."""
+        """MIPUError, one line, at the first bad value or combination (`command` adds its needs)."""
         for ok, message in self.checks(command):
             if not ok:
                 raise MIPUError(message)
@@ -299,13 +280,11 @@ class Config:
         ]
 
 # ==== MIPU MATH ===================================================================================
-# Pure functions. logp*, mask [B, T]: each sampled token's log-prob, 1 on response tokens (B
-# responses of T); adv [B]
+# Pure functions. logp*, mask [B, T]: each sampled token's log-prob, 1 on response tokens; adv [B]
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantage A_i = (R_i − mean_g R) / (std_g R + eps), rewards ordered group by group. std
-    has ddof=0: each group's A has mean 0 and mean square 1 (or is all 0); TRL's ddof=1 only
-    rescales A by sqrt((G-1)/G)."""
+    """A_i, rewards group by group (implementation detail 1); TRL's ddof=1 would only rescale A by
+    sqrt((G-1)/G)."""
     if rewards.numel() % group_size:
         raise MIPUError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.reshape(-1, group_size).to(torch.float64)                       # [B/G, G]
@@ -320,10 +299,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: float = 0.2,
                 w_max: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0):
-    """Step-1 loss (paper: truncated IS), the mean over the given tokens (step1_update makes it the
-    mini-batch's: implementation detail 2); returns (loss, metrics). PPO clip in r_t = π_θ/π_k,
-    weight w_t = π_k/μ_k (no gradient): grpo 1, tis min(w, w_max), mis w inside [mis_low, mis_high]
-    else 0."""
+    """Step 1's loss (the module docstring's 1.), the mean over the given tokens (implementation
+    detail 2); returns (loss, metrics)."""
     mask = mask.to(logp.dtype)
     a = adv.to(logp.dtype)[:, None]                                             # [B, 1]
     ratio = torch.exp(logp - logp_old)                                          # [B, T]
@@ -348,46 +325,38 @@ def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: 
 
 
 def sequence_log_ratio(logp_a, logp_b, mask) -> torch.Tensor:
-    """Per-response mean of log a − log b over its tokens: the log of the geometric-mean ratio.
-    [B]"""
+    """Per-response mean of log a − log b: the log geometric-mean ratio. [B]"""
     mask = mask.to(logp_a.dtype)
     return ((logp_a - logp_b) * mask).sum(1) / mask.sum(1).clamp(min=1)
 
 
 def surrogate_gain(logp_new, logp_sampler, adv, mask) -> torch.Tensor:
-    """mean_i ρ_i A_i, ρ_i the geometric-mean ratio π_new/sampler: estimates J(π_new) − J(sampler).
-    As mean_i (ρ_i − 1) A_i (A sums to 0 per group): exactly 0 when π_new = sampler: a zero gap is
-    never rejected."""
+    """mean_i ρ_i A_i (ρ_i: geometric-mean π_new/sampler), estimating J(π_new) − J(sampler), as
+    mean_i (ρ_i − 1) A_i (implementation detail 4)."""
     rho = torch.exp(sequence_log_ratio(logp_new, logp_sampler, mask))           # [B]
     return ((rho - 1) * adv.to(rho.dtype)).mean()
 
 
 def gap_proxy(logp_new, logp_sampler, adv, mask) -> torch.Tensor:
-    """Step 2's T̂_post = −mean_i ρ_i Â_i on y ~ μ_{k+1}: estimates J(μ_{k+1}) − J(π_{k+1}).
-    Computed as −mean_i (ρ_i − 1) Â_i (surrogate_gain), equal where each group's Â sums to 0, and
-    exactly 0 in floating point when π_{k+1} = μ_{k+1}: with identical engines no candidate is ever
-    rejected by rounding."""
+    """Step 2's T̂_post on y ~ μ_{k+1}, as −surrogate_gain (implementation detail 4): estimates
+    J(μ_{k+1}) − J(π_{k+1})."""
     return -surrogate_gain(logp_new, logp_sampler, adv, mask)
 
 
 def gap_se(logp_new, logp_sampler, adv, mask) -> float:
-    """Standard error of T̂_post: std of the per-response terms (ρ_i − 1) Â_i over sqrt(B) (for
-    --c-se)."""
+    """Standard error of T̂_post (for --c-se): std of the terms (ρ_i − 1) Â_i over sqrt(B)."""
     terms = (torch.exp(sequence_log_ratio(logp_new, logp_sampler, mask)) - 1) * adv   # [B]
     return (terms.std() / len(terms) ** 0.5).item()
 
 
 def accept_candidate(rule: str, t_post: float, g_k: float, c: float) -> bool:
-    """Paper rule: T̂_post ≥ −c.  Target rule (ours): Ĝ_k + T̂_post ≥ −c (the oracle feeds it the
-    exact terms)."""
+    """Paper rule: T̂_post ≥ −c; target rule (ours; the oracle's too): Ĝ_k + T̂_post ≥ −c."""
     return bool((t_post if rule == "paper" else g_k + t_post) >= -c)
 
 
 def mismatch_metrics(logp_train, logp_sampler, mask, band: tuple = (0.5, 2.0)) -> dict:
-    """How far the training engine's π is from the sampler μ on tokens sampled from μ. k1, k3: the
-    KL estimators of Schulman, "Approximating KL Divergence" (2020); seq_ess: Kish's effective
-    sample size of the sequence ratios over B; frac_outside_band: tokens whose π/μ lies outside
-    `band` (the MIS trust band, --mis-low/--mis-high)."""
+    """How far π is from the sampler μ on tokens from μ. k1, k3: Schulman's KL estimators
+    ("Approximating KL Divergence", 2020); seq_ess: Kish's effective sample size over B."""
     mask = mask.to(logp_train.dtype)
     on = mask > 0
     d = logp_train - logp_sampler                                               # log π/μ, [B, T]
@@ -404,34 +373,30 @@ def mismatch_metrics(logp_train, logp_sampler, mask, band: tuple = (0.5, 2.0)) -
             "abs_dlogp_mean": masked_mean(d.abs(), mask).item(),
             "abs_dlogp_max": d.abs()[on].max().item() if on.any() else 0.0,
             "abs_dp_max": dp[on].max().item() if on.any() else 0.0,
+            # tokens with π/μ outside `band` (MIS's trust band)
             "frac_outside_band": masked_mean(outside.to(mask.dtype), mask).item(),
             # (Σw)²/(B Σw²) of sequence ratios
             "seq_ess": ess.item()}
 
 
 # ==== THE ITERATION ===============================================================================
-# One MIPU step, the same for the toy and for an LLM: the lines under a numbered banner are the
-# algorithm (the docstring's phases 0-4), the rest bookkeeping (timing, metrics). `eng` is an Engine
-# (ENGINES below): it samples from μ, scores with π, steps the optimizer, syncs θ into μ, snapshots
-# and restores.
+# One MIPU step, for the toy and an LLM alike: the lines under a numbered banner are the algorithm,
+# the rest bookkeeping. `eng` is an Engine (ENGINES below).
 
 @dataclasses.dataclass
 class Rollout:
     """Responses of a batch of prompts, group by group, padded to tensors."""
-    # B prompts: token-id lists (LLM), or prompt indices [B] (toy)
-    prompt_ids: list | torch.Tensor
-    # B responses: token-id lists (LLM), or tokens [B, T] (toy)
-    completion_ids: list | torch.Tensor
+    prompt_ids: list | torch.Tensor           # B token-id lists (LLM), or prompt indices [B] (toy)
+    completion_ids: list | torch.Tensor       # B token-id lists (LLM), or tokens [B, T] (toy)
     logp_sampler: torch.Tensor                # [B, T] log μ of each sampled token
     mask: torch.Tensor                        # [B, T] 1 on response tokens
     rewards: torch.Tensor                     # [B]
     adv: torch.Tensor                         # [B]
     truncated: torch.Tensor                   # [B] 1 if cut by --max-new-tokens
-    # [B, T] log π, where the engine already has it (--gap-batch next)
-    logp_train: torch.Tensor | None = None
+    logp_train: torch.Tensor | None = None    # [B, T] log π, where the engine already has it
 
     def select(self, idx: torch.Tensor, device: str = "cpu") -> "Rollout":
-        """The responses at `idx`, their tensors on `device`."""
+        """The responses at `idx`, tensors on `device`."""
         pick = [(x[idx] if torch.is_tensor(x) else [x[i] for i in idx.tolist()]) for x in
                 (self.prompt_ids, self.completion_ids)]
         tensors = (self.logp_sampler, self.mask, self.rewards, self.adv, self.truncated)
@@ -439,13 +404,13 @@ class Rollout:
 
 
 def mipu_step(eng: Engine) -> dict:
-    """One MIPU iteration k = eng.step: phases 0-4 of the docstring. Returns the step's metrics."""
+    """MIPU iteration k = eng.step (the docstring's phases 0-4); returns the step's metrics."""
     cfg, k, lap = eng.cfg, eng.step, Laps()
     loss_kind, accept_kind = METHOD_SPEC[cfg.method]
-    # ---- 0. rollout: y ~ μ_k, rewards, group advantages; π_k from the training engine
+    # ---- 0. rollout: y ~ μ_k, rewards, group advantages; π_k recomputed
     ro = eng.rollout()
     lap("rollout")
-    # log π_k, [B, T] (unless the engine's batch came with it: one sampled in the last Step 2)
+    # log π_k, [B, T], unless the batch came with it (one sampled in the last Step 2)
     logp_old = eng.logp(ro) if ro.logp_train is None else ro.logp_train
     lap("recompute")
     band = (cfg.mis_low, cfg.mis_high)
@@ -461,7 +426,7 @@ def mipu_step(eng: Engine) -> dict:
     m.update(step1_update(eng, ro, logp_old, held, loss_kind))
     finite = m["step1/finite"] == 1.0
     lap("update")
-    # ---- 2. sync θ_{k+1} into the inference engine: μ_{k+1} (a non-finite θ is never synced)
+    # ---- 2. sync θ_{k+1} into the inference engine: μ_{k+1} (never a non-finite θ)
     if finite:
         m.update(eng.sync())
     lap("sync")
@@ -480,7 +445,7 @@ def mipu_step(eng: Engine) -> dict:
         eng.rollback(synced=finite)
         eng.rejections += 1
     lap("rollback")
-    eng.step += 1                   # accepted or not: k counts candidates (implementation detail 5)
+    eng.step += 1                   # accepted or not (implementation detail 5)
     m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
               "step2/rejections": eng.rejections, "lr": lr, **eng.metrics(), **lap.times()})
     return eng.reduce_metrics(m)
@@ -488,16 +453,14 @@ def mipu_step(eng: Engine) -> dict:
 
 def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor, held_out: int,
                  loss_kind: str) -> dict:
-    """Step 1: mini-batches × epochs of the chosen loss from θ_k, each mini-batch in micro-batches.
-    Returns metrics; stops on a non-finite loss or gradient (metrics["step1/finite"] = 0) so the
-    candidate is rejected."""
+    """Step 1: mini-batches × epochs of the loss from θ_k, in micro-batches; returns metrics. A
+    non-finite loss or gradient stops it (step1/finite = 0: rejected)."""
     cfg, stats, grad_norms, finite = eng.cfg, [], [], True
     eng.begin_update()
     gen = eng.generator("minibatch")
     for idx in step1_minibatches(len(ro.mask), held_out, cfg, gen, eng.world):
         eng.opt.zero_grad(set_to_none=True)
-        # FSDP averages gradients over ranks: dividing by the mean token count per rank gives the
-        # global token mean
+        # ranks average gradients: the mean token count per rank gives the global token mean
         n_tokens = max(eng.mean(ro.mask[idx].sum().item()), 1.0)
         for micro in idx.split(eng.micro_batch):
             mb = ro.select(micro, eng.device)
@@ -518,12 +481,11 @@ def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor, held_out: int
 
 
 def step2_estimates(eng: Engine, ro: Rollout, held: int, m: dict) -> tuple[float, float, float]:
-    """Step 2 on μ_{k+1}: (T̂_post on fresh samples of the acceptance prompts, Ĝ_k on step k's
-    held-out slice or NaN, the threshold c); adds step2/val_reward, mismatch_post/* to m."""
+    """Step 2 on μ_{k+1}: (T̂_post on fresh samples, Ĝ_k on step k's held-out slice or NaN, c);
+    adds step2/val_reward, mismatch_post/* to m."""
     cfg = eng.cfg
     val = eng.acceptance_rollout()                              # y ~ μ_{k+1}
-    # log π_{k+1}; --gap-batch next keeps it for step k+1
-    val.logp_train = logp_new = eng.logp(val)
+    val.logp_train = logp_new = eng.logp(val)  # log π_{k+1}, kept: an engine may reuse val
     # the same on every rank
     t_post = eng.mean(gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item())
     m["step2/val_reward"] = val.rewards.mean().item()
@@ -540,9 +502,8 @@ def step2_estimates(eng: Engine, ro: Rollout, held: int, m: dict) -> tuple[float
 
 def decide(cfg: Config, finite: bool, t_post: float, g_k: float, c: float,
            gen: torch.Generator) -> bool:
-    """Step 2's verdict: a non-finite candidate is rejected; "gap" methods apply the rule at
-    threshold c; random ones reject with probability reject_rate (one U[0, 1) draw from `gen`, made
-    only then)."""
+    """Step 2's verdict: non-finite is rejected; "gap" methods apply the rule at c, random ones
+    reject with probability reject_rate (one U[0, 1) draw from `gen`, only then)."""
     accept_kind = METHOD_SPEC[cfg.method][1]
     if accept_kind == "gap":
         return finite and accept_candidate(cfg.accept_rule, t_post, g_k, c)
@@ -554,8 +515,7 @@ def decide(cfg: Config, finite: bool, t_post: float, g_k: float, c: float,
 # ---- bookkeeping the step uses -------------------------------------------------------------------
 
 class Laps:
-    """Stopwatch: lap(name) adds the seconds since the previous lap to `name`; times() =
-    {time/...}."""
+    """Stopwatch: lap(name) adds the seconds since the last lap to `name`."""
 
     def __init__(self):
         self.last, self.start, self.seconds = time.perf_counter(), time.perf_counter(), {}
@@ -582,14 +542,12 @@ def mean_metrics(items: list[dict], prefix: str) -> dict:
 
 
 def holdout_size(cfg: Config, world: int = 1) -> int:
-    """Responses at the start of the batch kept out of Step 1 to estimate Ĝ_k (target rule only; per
-    rank)."""
+    """Responses (per rank) at the batch's start kept from Step 1 for Ĝ_k (target rule)."""
     return cfg.target_holdout * cfg.num_generations // world if cfg.accept_rule == "target" else 0
 
 
 def set_lr(opt: torch.optim.Optimizer, cfg: Config, base_lr: float, k: int) -> float:
-    """Set and return step k's LR: constant, or linear decay to lr_final_frac·base over the run
-    (--lr-decay)."""
+    """Sets and returns step k's LR: constant, or --lr-decay's linear decay."""
     decay = (1 - cfg.lr_final_frac) * min(k / max(cfg.steps - 1, 1), 1.0) if cfg.lr_decay else 0.0
     for group in opt.param_groups:
         group["lr"] = lr = base_lr * (1 - decay)
@@ -598,8 +556,7 @@ def set_lr(opt: torch.optim.Optimizer, cfg: Config, base_lr: float, k: int) -> f
 
 def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator,
                       ranks: int = 1) -> list[torch.Tensor]:
-    """Index mini-batches of Step 1: epochs × shuffled slices of the responses not held out (1/ranks
-    of each)."""
+    """Step 1's index mini-batches: epochs × shuffled slices of the responses not held out."""
     batches = []
     for _ in range(cfg.epochs):
         order = held_out + torch.randperm(n - held_out, generator=gen)
@@ -608,31 +565,27 @@ def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator,
 
 
 # ==== ENGINES =====================================================================================
-# What mipu_step asks of an engine pair (inference engine μ, training engine π). Two implementations
-# follow: the toy (exact J) and vLLM + transformers on one device; the harness extends the latter
-# (several GPUs, sleep mode).
+# What mipu_step asks of an engine pair (inference engine μ, training engine π); the toy and the
+# LLM implement it.
 
 class Engine:
-    """The interface of mipu_step. Subclasses set cfg, model (π's parameters), opt, base_lr and
-    implement rollout, acceptance_rollout, logp, sync and rollback; the defaults below are a single
-    process's."""
-    # processes sharing each batch; π's device; responses a forward
+    """mipu_step's interface. Subclasses set cfg, model (π's parameters), opt, base_lr and
+    implement rollout, acceptance_rollout, logp, sync; the defaults are one process's."""
+    # processes sharing a batch; π's device; responses a forward
     world, device, micro_batch = 1, "cpu", 2**62
     step = rejections = 0                           # iteration k; rejected candidates so far
     snap = None                                     # the rollback snapshot (copy_state)
 
     def rollout(self) -> Rollout:
-        """Step k's batch: G responses per prompt sampled from μ_k, with log μ_k, rewards and
-        advantages."""
+        """Step k's batch: G responses a prompt from μ_k, with log μ_k, rewards, advantages."""
         raise NotImplementedError
 
     def acceptance_rollout(self) -> Rollout:
-        """Step 2's batch: fresh responses from the synced μ_{k+1} on the acceptance prompts."""
+        """Step 2's batch: fresh responses from μ_{k+1} on the acceptance prompts."""
         raise NotImplementedError
 
     def logp(self, ro: Rollout, grad: bool = False) -> torch.Tensor:
-        """Training-engine log π of the rollout's tokens [B, T], on `device` with gradient, else on
-        the CPU."""
+        """log π of the rollout's tokens [B, T]: on `device` with gradient, else on the CPU."""
         raise NotImplementedError
 
     def sync(self) -> dict:
@@ -644,8 +597,7 @@ class Engine:
         self.model.train()
 
     def end_update(self, finite: bool) -> bool:
-        """Step 1 ends: eval mode, gradients freed; whether θ_{k+1} is finite (and the step's losses
-        were)."""
+        """Step 1 ends: eval mode, gradients freed; whether θ_{k+1} (and the losses) are finite."""
         self.model.eval()
         self.opt.zero_grad(set_to_none=True)
         theta_finite = all(torch.isfinite(self.shard(p)).all() for p in self.model.parameters())
@@ -660,7 +612,7 @@ class Engine:
         self.snap = copy_state(self.model, self.opt, self.shard)
 
     def rollback(self, synced: bool) -> None:
-        """Restore θ_k and the optimizer state; re-sync μ_k if μ_{k+1} was synced."""
+        """Restore θ_k and the optimizer state; re-sync μ_k if μ_{k+1} was."""
         restore_state(self.model, self.opt, self.snap, self.shard)
         if synced:
             self.sync()
@@ -670,38 +622,37 @@ class Engine:
         return t_post, g_k, self.cfg.c
 
     def generator(self, stream: str) -> torch.Generator:
-        """Step k's random stream ("minibatch", "reject"), seeded from --seed and k (SEED_MUL)."""
+        """Step k's random stream ("minibatch", "reject"): implementation detail 11."""
         return torch.Generator().manual_seed(self.cfg.seed * SEED_MUL[stream] + self.step)
 
-    def metrics(self) -> dict:                      # the engine's own metrics, after the verdict
+    def metrics(self) -> dict:                      # the engine's own, after the verdict
         return {}
 
-    # Over the processes that share each batch: a number's mean and max, a verdict all agree on, a
-    # parameter (or its norm) whole, this process's part of one, the step's metrics. One process:
-    # each is the value itself; the harness makes them collectives.
+    # Over the processes sharing a batch: a number's mean and max, a verdict all agree on, a
+    # parameter (or its norm) whole, this process's part of one, the step's metrics (one process:
+    # the value itself).
     mean = max = all_of = gather = shard = reduce_metrics = staticmethod(lambda x: x)
 
 
 def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer, shard=lambda t: t) -> dict:
-    """θ and the optimizer state as plain tensors (`shard`: this rank's part), each parameter once
-    (a tied lm_head)."""
+    """θ and the optimizer state as plain tensors (`shard`: this rank's part), a tied parameter
+    once."""
     return {**{i: shard(p).detach() for i, p in enumerate(model.parameters())},
             **{(i, k): shard(v) for i, p in enumerate(model.parameters())
                for k, v in opt.state.get(p, {}).items()}}
 
 
 def copy_state(model: torch.nn.Module, opt: torch.optim.Optimizer, shard=lambda t: t) -> list:
-    """Rollback snapshot [copies of state_tensors, the optimizer's hyper-parameters]: a second copy
-    of θ and AdamW's state in memory (the harness keeps it in one flat, pinned host buffer)."""
+    """Rollback snapshot [copies of state_tensors, the optimizer's hyper-parameters]: θ and
+    AdamW's state once more in memory."""
     return [{k: t.clone() for k, t in state_tensors(model, opt, shard).items()},
             [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]]
 
 
 def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: list,
                   shard=lambda t: t) -> None:
-    """Rollback, bit for bit and in place: θ's and the optimizer state's own tensors take the
-    snapshot's values (no second copy on the device). State Step 1 created (AdamW's first step) is
-    zeroed: AdamW's fresh state."""
+    """Rollback in place (implementation detail 7): θ's and the optimizer state's own tensors take
+    the snapshot's values (no second copy on the device)."""
     # detached: the copies stay out of autograd
     for k, t in state_tensors(model, opt, shard).items():
         t.copy_(snapshot[0].get(k, torch.zeros(())))
@@ -710,9 +661,8 @@ def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: 
 
 
 def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
-    """Quantize to float8_e4m3fn and back with an absmax scale (per tensor or per output row), or
-    with a given amax (a fused layer's, or a static calibrated one: values beyond ±amax saturate
-    there)."""
+    """Round through float8_e4m3fn with an absmax scale (per tensor or output row), or a given
+    amax (a fused layer's, or a static calibrated one: beyond ±amax values saturate)."""
     fp8_max = torch.finfo(torch.float8_e4m3fn).max                              # 448, OCP FP8 E4M3
     if amax is None:
         amax = w.abs().amax(dim=-1, keepdim=True) if per_row else w.abs().amax()
@@ -783,26 +733,25 @@ def toy_tables(policy: ToyPolicy, alpha: float) -> tuple[torch.Tensor, torch.Ten
 
 
 def toy_prev(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Previous token of each position of responses [B, H] (start token `vocab` first). [B, H]"""
+    """Each position's previous token in responses [B, H], start token `vocab` first."""
     return torch.cat([torch.full_like(tokens[:, :1], vocab), tokens[:, :-1]], 1)
 
 
 def toy_token_logp(table: torch.Tensor, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Log-prob of each token of responses `tokens` [B, H] to prompts `prompt` [B], from a table.
-    [B, H]"""
+    """From a table, each token's log-prob [B, H] in `tokens` [B, H] to `prompt` [B]."""
     prev = toy_prev(tokens, table.shape[-1])
     return table[prompt[:, None], torch.arange(tokens.shape[1])[None], prev, tokens]
 
 
 def toy_train_logp(policy: ToyPolicy, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Training-engine log-probs of a batch, with gradient (only the batch's contexts). [B, H]"""
+    """π's log-probs [B, H] of a batch, with gradient (only the batch's contexts)."""
     logits = policy.logits(prompt=prompt, prev=toy_prev(tokens, policy.w_out.shape[1]))  # [B, H, V]
     return torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
 
 
 def toy_sample(logp_table, prompts, group_size,
                gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """G responses per prompt from a log-prob table: (prompt [B], tokens [B, H], logp [B, H])."""
+    """G responses per prompt from a table: (prompt [B], tokens [B, H], logp [B, H])."""
     prompt = prompts.repeat_interleave(group_size)                              # [B]
     B, H, V = prompt.numel(), logp_table.shape[1], logp_table.shape[-1]
     prev = torch.full((B,), V, dtype=torch.long)
@@ -820,8 +769,8 @@ def toy_reward(targets, prompt, tokens, tolerance: int) -> torch.Tensor:
 
 
 def toy_exact_J(logp_table: torch.Tensor, targets: torch.Tensor, tolerance: int) -> np.ndarray:
-    """Exact expected reward of each prompt [P]: DP over (errors so far, prev token), one batched
-    matmul per position, in numpy (less call overhead)."""
+    """Exact expected reward of each prompt [P]: the DP, a batched matmul a position, in numpy
+    (less call overhead)."""
     probs = np.exp(logp_table.detach().double().numpy())                       # [P, H, V+1, V]
     tgt = targets.numpy()
     P, H = tgt.shape
@@ -846,8 +795,7 @@ def toy_exact_J(logp_table: torch.Tensor, targets: torch.Tensor, tolerance: int)
 
 
 def toy_warm_start(policy: ToyPolicy, targets: torch.Tensor, init_prob: float) -> int:
-    """'Pretraining': supervised steps on the targets until the mean target-token prob ≥
-    init_prob."""
+    """'Pretraining': supervised steps until the mean target-token prob is ≥ init_prob."""
     opt = torch.optim.Adam(policy.parameters(), lr=TOY_WARM_LR)
     prompt = torch.arange(targets.shape[0])
     for it in range(TOY_WARM_MAX_STEPS):
@@ -862,12 +810,10 @@ def toy_warm_start(policy: ToyPolicy, targets: torch.Tensor, init_prob: float) -
 
 
 class ToyEngine(Engine):
-    """Both engines of the toy: π is ToyPolicy, μ its FP8/bf16 tables at mismatch α; J(π), J(μ)
-    exact. Its own: the exact/* metrics, the oracle rule (the exact terms) and --c-se. Every draw
-    comes from one generator, `gen`."""
+    """The toy's engines (TOY ENGINE above). Its own: the exact/* metrics, the oracle rule and
+    --c-se; every draw comes from one generator, `gen`."""
 
     def __init__(self, cfg: Config, alpha: float):
-        """Task, warm-started policy, optimizer and the engine tables for a seed."""
         self.cfg, self.alpha = cfg, alpha
         self.gen = torch.Generator().manual_seed(cfg.seed)
         shape = (cfg.toy_prompts, cfg.toy_horizon)  # [P, H]
@@ -878,8 +824,7 @@ class ToyEngine(Engine):
         if cfg.toy_logit_fp8 == "static":
             self.policy.logit_amax = self.policy.logits().abs().max().item() * cfg.toy_fp8_headroom
         self.opt = torch.optim.Adam(self.policy.parameters(), lr=cfg.toy_lr, foreach=True)
-        # (log π, log μ) tables of the synced θ and their exact J
-        self.tables, self.J = (), ()
+        self.tables, self.J = (), ()               # (log π, log μ) of the synced θ, their exact J
         self.candidate = None                      # θ_{k+1}'s tables, built by end_update for sync
         self.sync()
         # the Python API can pass unchecked flags
@@ -913,8 +858,8 @@ class ToyEngine(Engine):
         return toy_token_logp(self.tables[0], ro.prompt_ids, ro.completion_ids)
 
     def end_update(self, finite: bool) -> bool:
-        """Engine's, and θ_{k+1}'s tables built here for sync: a finite θ whose logits overflow
-        float32 is rejected too (never synced: toy_sample draws from finite tables only)."""
+        """Engine's, then θ_{k+1}'s tables for sync: logits overflowing float32 are rejected too
+        (toy_sample needs finite tables)."""
         finite = super().end_update(finite)
         with torch.no_grad():
             self.candidate = toy_tables(self.policy, self.alpha) if finite else None
@@ -925,8 +870,7 @@ class ToyEngine(Engine):
         return torch.nn.utils.get_total_norm(grads).item()
 
     def sync(self) -> dict:
-        """'Weight sync': both engines' tables from the current θ, and their exact J; the
-        candidate's exact terms."""
+        """'Weight sync': both engines' tables of θ, their exact J; the candidate's terms."""
         self.prev = self.tables, self.J            # θ_k's, which a rollback restores
         with torch.no_grad():
             self.tables = self.candidate or toy_tables(self.policy, self.alpha)
@@ -950,8 +894,7 @@ class ToyEngine(Engine):
             self.tables, self.J = self.prev
 
     def accept_inputs(self, t_post: float, g_k: float, val: Rollout) -> tuple[float, float, float]:
-        """The oracle rule: the target rule fed the exact terms (the ceiling of every rule); c +
-        c_se · SE(T̂_post)."""
+        """Oracle rule: the target rule on the exact terms (every rule's ceiling); c + c_se·SE."""
         if self.cfg.accept_rule == "oracle":
             g_k, t_post = self.J[0] - self.prev[1][1], self.J[1] - self.J[0]
         se = gap_se(val.logp_train, val.logp_sampler, val.adv, val.mask)
@@ -965,10 +908,9 @@ class ToyEngine(Engine):
 
 
 def toy_steps(cfg: Config, alpha: float) -> Iterator[dict]:
-    """A toy training run, one record at a time: the initial one (step -1), then each step's
-    metrics."""
+    """A toy run, a record at a time: the initial one (step -1), then each step's metrics."""
     torch.set_num_threads(1)          # bit-for-bit: results must not depend on thread count
-    # the method's own checks, as the command line applies them (not a subclass's extra bounds)
+    # the method's own checks, as the command line applies them (no subclass's extra bounds)
     if bad := [message for ok, message in Config.checks(cfg, "toy") if not ok]:
         raise MIPUError(bad[0])
     eng = ToyEngine(cfg, alpha)
@@ -978,7 +920,7 @@ def toy_steps(cfg: Config, alpha: float) -> Iterator[dict]:
 
 
 def toy_run(cfg: Config, alpha: float) -> list[dict]:
-    """A whole toy training run: the initial record (step -1) and the metrics of every step."""
+    """toy_steps' records as a list."""
     return list(toy_steps(cfg, alpha))
 
 
@@ -992,8 +934,7 @@ VLLM_CPU_SHARE = 0.3
 
 
 def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
-    """The in-process vLLM engine of cfg.model that samples rollouts; `engine_args` add to or
-    replace vllm.LLM's arguments."""
+    """The in-process vLLM engine of cfg.model; `engine_args` add to or replace vllm.LLM's."""
     # in-process engine, forced: llm.apply_model needs it
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # GiB; vLLM's CPU default (~7 GiB at 2 cores) is too big
@@ -1005,15 +946,12 @@ def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
     from vllm import LLM
 
     args = dict(
-        # the harness resolves a hub id offline first
         model=cfg.model, dtype=cfg.rollout_dtype, seed=cfg.seed,
-        # vLLM's default on a GPU (the harness plans a share beside the trainer); CPU:
-        # VLLM_CPU_KVCACHE_SPACE
         gpu_memory_utilization=VLLM_DEFAULT_SHARE if torch.cuda.is_available() else VLLM_CPU_SHARE,
         max_model_len=cfg.max_model_len or None,  # None: the model config's maximum
         # weights: one static scale per tensor
         quantization="fp8_per_tensor" if cfg.rollout_quant == "fp8" else None,
-        # no torch.compile / CUDA graphs: a fast start (the harness's --vllm-compile)
+        # no torch.compile / CUDA graphs: a fast start
         enforce_eager=True,
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
@@ -1024,20 +962,18 @@ def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
 
 def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
              seed: int) -> list:
-    """Sample n completions per prompt; returns len(prompt_ids) * n dicts, prompt by prompt,
-    bit-identical for the same seed, prompts and weights; sampler_logprobs are after temperature
-    (logprobs_mode="processed_logprobs")."""
+    """n completions per prompt, prompt by prompt, bit-identical for the same seed, prompts and
+    weights; sampler_logprobs are after temperature."""
     from vllm import SamplingParams, TokensPrompt
 
-    # vLLM gives sample j of a request the seed `request seed + j`; offsetting each prompt by i * n
-    # makes every (prompt i, sample j) seed `seed + i*n + j` unique, so repeated prompts differ too
+    # vLLM seeds sample j of a request `request seed + j`: offsetting prompt i by i * n makes each
+    # (i, j)'s seed `seed + i*n + j` unique, so repeated prompts differ too
     params = [SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature,
                              seed=seed + i * n, logprobs=0)  # logprobs=0: sampled token only
               for i in range(len(prompt_ids))]
     prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
     samples = []
-    # vLLM returns outputs in prompt order
-    for i, out in enumerate(llm.generate(prompts, params, use_tqdm=False)):
+    for i, out in enumerate(llm.generate(prompts, params, use_tqdm=False)):   # in prompt order
         for comp in sorted(out.outputs, key=lambda c: c.index):
             ids = list(comp.token_ids)
             lps = [comp.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
@@ -1048,8 +984,7 @@ def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temp
 
 
 def _reload_in_worker(model, weights: list, model_config) -> None:
-    """Runs inside the vLLM worker: vLLM's layerwise reload, so that quantized layers re-process
-    their weights."""
+    """In the vLLM worker: its layerwise reload (quantized layers re-process their weights)."""
     from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                          initialize_layerwise_reload)
 
@@ -1060,10 +995,9 @@ def _reload_in_worker(model, weights: list, model_config) -> None:
 
 
 def reprocess_tied_head(model, model_config) -> None:
-    """Tied embeddings (Qwen3 up to 4B): load_weights skips lm_head, so the reload restores
-    lm_head's *old* processed kernel ("ParallelLMHead: Failed to load weights"): on CPUs with
-    AMX/AVX-512-BF16 that is a GEMM pre-packed from the old weights. Re-process it from the (shared,
-    new) weight."""
+    """Tied embeddings (Qwen3 up to 4B): load_weights skips lm_head ("ParallelLMHead: Failed to
+    load weights"), so the reload restores its *old* processed kernel (with AMX/AVX-512-BF16: a GEMM
+    pre-packed from the old weights). Re-process it from the shared, new weight."""
     if getattr(model_config.hf_config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
@@ -1104,17 +1038,15 @@ def pad_right(rows: list, value, dtype=torch.float32) -> torch.Tensor:
 
 def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of completion tokens under `model`, logits / temperature as vLLM's
-    processed_logprobs (no top-p/k): logp, mask [B, T] (T = the longest completion, right-padded
-    with 0); differentiable. Memory: the whole batch's logits at once, B·L·V floats (L = prompt +
-    T): 8 responses of 2k tokens over Qwen3's 152k vocabulary are 10 GB in fp32. The harness's lean
-    version holds one [chunk, V] block at a time."""
+    """Differentiable log-probs of completion tokens, logits / temperature as vLLM's
+    processed_logprobs (no top-p/k): logp, mask [B, T] (T: the longest completion; 0-padded).
+    Memory: the batch's logits, B·L·V floats (L = prompt + T): 8 responses of 2k tokens over
+    Qwen3's 152k vocabulary are 10 GB in fp32."""
     if any(len(p) == 0 for p in prompt_ids):
         raise MIPUError("token_logprobs: every prompt needs at least one token")
     device = next(model.parameters()).device
     width = max(1, max(len(c) for c in completion_ids))                         # T
-    # right padding, each completion to T: real tokens sit at positions 0..len-1 and, causal,
-    # never see the pads (no attention mask needed)
+    # right padding to T: causal, the real tokens never see the pads (no attention mask needed)
     rows = [p + c + [0] * (width - len(c)) for p, c in zip(prompt_ids, completion_ids)]
     ids = pad_right(rows, 0, torch.long).to(device)                             # [B, L]
     # position len(p) - 1 + t predicts completion token t
@@ -1131,7 +1063,7 @@ def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list
 # ---- reward: a 1/0 math reward in-process, by math-verify ----------------------------------------
 
 def _last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}) with balanced braces, else None."""
+    """Content of the last \\boxed{...} (or \\fbox{...}), braces balanced, else None."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     if start < 0:
         return None
@@ -1158,8 +1090,7 @@ def extract_answer(text: str, boxed_only: bool = False) -> str | None:
 
 
 def math_verify_equal(pred: str, answer: str) -> bool | None:
-    """math_verify's verdict on two answers (LaTeX / sympy), or None where it cannot parse one of
-    them."""
+    """math_verify's verdict on two answers (LaTeX / sympy), or None if it cannot parse one."""
     from math_verify import parse, verify
     try:
         gold = parse(f"${answer}$", parsing_timeout=None)
@@ -1170,8 +1101,8 @@ def math_verify_equal(pred: str, answer: str) -> bool | None:
 
 
 def reference_reward(completion: str, answer: str, boxed_only: bool = False) -> float:
-    """1.0 if the completion's final answer equals `answer` (the same text, else math_verify's
-    verdict, in this process, with no time bound), else 0.0."""
+    """1.0 if the final answer is `answer` (the same text, else math_verify's verdict, in-process,
+    unbounded in time), else 0.0."""
     pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
@@ -1179,16 +1110,14 @@ def reference_reward(completion: str, answer: str, boxed_only: bool = False) -> 
 
 
 def sample_reward(sample: dict, answer: str, cfg: Config, score=reference_reward) -> float | None:
-    """A sample's 1/0 reward: 0 if cut by --max-new-tokens (unless --score-truncated), else
-    score(text, answer, boxed_only)'s (None: no verdict in time)."""
+    """A sample's 1/0 reward (implementation detail 12) by `score` (None: no verdict in time)."""
     if sample["truncated"] and not cfg.score_truncated:
         return 0.0
     return score(sample["text"], answer, cfg.answer_format == "boxed")
 
 
 def chat_prompt(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> str:
-    """question + suffix, through the chat template if any (enable_thinking: Qwen3's switch): the
-    prompt's text."""
+    """The prompt's text: question + suffix, through the chat template if any."""
     question += suffix
     if not getattr(tokenizer, "chat_template", None):
         return question
@@ -1199,37 +1128,34 @@ def chat_prompt(tokenizer, question: str, suffix: str = "", thinking: bool = Tru
 
 def build_prompt_ids(tokenizer, question: str, suffix: str = "",
                      thinking: bool = True) -> list[int]:
-    """The token ids of chat_prompt's text, as apply_chat_template(tokenize=True) makes them (no
-    special tokens)."""
+    """chat_prompt's token ids, as apply_chat_template(tokenize=True) makes them."""
     text = chat_prompt(tokenizer, question, suffix, thinking)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 def prompts_of(tokenizer, rows: list, cfg: Config) -> list[list[int]]:
-    """The token ids vLLM is given for each row's prompt (with --prompt-suffix and
-    --no-enable-thinking)."""
+    """The token ids vLLM is given for each row's prompt."""
     return [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking)
             for r in rows]
 
 
 class LLMEngine(Engine):
-    """vLLM samples (μ), an HF transformers model learns (π), on one device; rows:
-    [{"prompt", "answer"}]. Run:
+    """The engine pair of LLM ENGINE above; rows: [{"prompt", "answer"}]. Run:
         llm, model = make_sampler(cfg), load_trainer(cfg.model, cfg.train_dtype, cfg.device)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate,
                                 weight_decay=cfg.weight_decay)
         tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.model)
         eng = LLMEngine(cfg, llm, model, tokenizer, opt, rows, val_rows).start()
         for _ in range(cfg.steps): print(mipu_step(eng))
-    As written for a small model (the tests' tiny one): its recompute holds a whole batch's logits
-    (token_logprobs) and vLLM takes its default GPU share; the harness plans real sizes."""
+    Sized for a small model: the recompute holds a batch's logits (token_logprobs), vLLM takes its
+    default GPU share."""
 
     def __init__(self, cfg: Config, llm, model: torch.nn.Module, tokenizer,
                  opt: torch.optim.Optimizer, train_rows: list, val_rows: list):
         self.cfg, self.llm, self.model, self.tokenizer, self.opt = cfg, llm, model, tokenizer, opt
         self.train_rows, self.val_rows = train_rows, val_rows
         self.device, self.micro_batch = cfg.device, cfg.micro_batch_size
-        # shuffled training-row order of this pass, next rows
+        # this pass's shuffled row order, next rows
         self.order, self.data_pos, self.val_pos = [], 0, 0
 
     @property
@@ -1237,7 +1163,7 @@ class LLMEngine(Engine):
         return self.cfg.learning_rate
 
     def start(self) -> "LLMEngine":
-        """μ from θ: the first sync."""
+        """The first sync: μ from θ."""
         self.push_weights()
         return self
 
@@ -1249,12 +1175,12 @@ class LLMEngine(Engine):
         return self.sample(self.next_val_rows(self.cfg.val_prompts), self.rollout_seed(1))
 
     def rollout_seed(self, phase: int) -> int:
-        """vLLM's seed of step k's batch (phase 0: 2k) or Step-2 rollout (phase 1: 2k + 1),
-        SEED_MUL's stream."""
+        """vLLM's seed of step k's batch (phase 0) or Step-2 rollout (phase 1): implementation
+        detail 11."""
         return self.cfg.seed * SEED_MUL["rollout"] + 2 * self.step + phase
 
     def sample(self, rows: list, seed: int) -> Rollout:
-        """G responses per row's prompt from μ (vLLM), their rewards and group advantages."""
+        """G responses per row's prompt from μ (vLLM), rewards, group advantages."""
         cfg = self.cfg
         samples = generate(self.llm, prompts_of(self.tokenizer, rows, cfg), cfg.num_generations,
                            cfg.max_new_tokens, cfg.temperature, seed)
@@ -1269,8 +1195,7 @@ class LLMEngine(Engine):
         return sample_reward(sample, answer, self.cfg)
 
     def next_rows(self, n: int) -> list:
-        """The next n training rows; a new shuffled pass (seeded by seed + step) when one runs
-        out."""
+        """The next n training rows; a new shuffled pass (seed + step) when one runs out."""
         rows = []
         while len(rows) < n:
             if self.data_pos >= len(self.order):
@@ -1297,7 +1222,7 @@ class LLMEngine(Engine):
         return logp if grad else logp.float().cpu()
 
     def trainer_logp(self, prompts: list, completions: list, temperature: float) -> torch.Tensor:
-        """π's log-probs [B, T'] of completions (T' = the longest) in the trainer's precision."""
+        """π's log-probs [B, T'] (T': the longest completion) in the trainer's precision."""
         with train_autocast(self.cfg):
             return token_logprobs(self.model, prompts, completions, temperature)[0]
 
