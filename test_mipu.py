@@ -266,6 +266,25 @@ def test_exact_J_matches_monte_carlo(kw, n):
         assert abs(est - exact) < 4 * se and 0.05 < exact < 0.95, (est, exact, se)
 
 
+def test_rare_long_preset_exact_J_and_its_tail_mismatch():
+    """The rare-long preset (64 tokens, at most 2 wrong): exact J(mu) agrees with a Monte Carlo estimate from the
+    engine's own sampler, after warm start and after training; the engine's error sits on the rare tokens."""
+    cfg = mipu.Config(**{**demo.preset_base(mipu.Config(), "rare-long"), "method": "tis", "seed": 3})
+    assert cfg.toy_horizon >= 64 and cfg.toy_logit_fp8 == "tail"
+    run = mipu.ToyEngine(cfg, cfg.toy_mismatch)
+    gen = torch.Generator().manual_seed(11)
+    for k in range(2):
+        exact = run.J[1]
+        ro = run.sample(torch.arange(cfg.toy_prompts).repeat(250), gen)       # [16 x 250 prompts] x G responses
+        se = math.sqrt(exact * (1 - exact) / ro.rewards.numel())
+        assert abs(ro.rewards.mean().item() - exact) < 4 * se and 0.02 < exact < 0.98, (k, exact, se)
+        for _ in range(5 * k + 5):
+            mipu.mipu_step(run)
+    logp_pi, logp_mu = run.tables
+    err, rare = (logp_mu - logp_pi).abs(), logp_pi < logp_pi.amax(-1, keepdim=True) - 3     # 3 nats below the top
+    assert err[rare].mean() > 5 * err[~rare].mean()
+
+
 def test_rejection_restores_theta_and_optimizer_bit_for_bit():
     run = mipu.ToyEngine(small_cfg(method="mipu", c=1e9), 1.0)   # accept iff T_post >= -1e9: always
     mipu.mipu_step(run)                                  # an accepted step fills Adam's state
@@ -572,6 +591,19 @@ def test_toy_sweep_tiny_budget(tmp_path):
                        (["--horizons", "0"], "--horizons and --seeds must be >= 1")):
         p = run_cli("-m", "toy.sweep", *bad)
         assert p.returncode == 2 and error in p.stderr and "Traceback" not in p.stderr
+
+
+def test_toy_study_runs_each_method_at_its_own_lr():
+    """rare-long: grpo, tis and mipu (its rules, and so their controls' base) each at METHOD_LRS's LR, from the
+    preset's sweep; a --toy-lr given is every arm's; a preset without METHOD_LRS runs all at the default."""
+    from toy import study
+    own = study.METHOD_LRS["rare-long"]
+    base, got, arms = study.first_arms("rare-long", 5, 0.0)
+    assert got == own and base["toy_lr"] == own["mipu"] and base["toy_horizon"] >= 64
+    assert {over["method"]: mipu.Config(**{**base, **over}).toy_lr for over, _ in arms.values()} == own
+    for preset, lr, want in (("rare-long", 0.01, 0.01), ("collapse", 0.0, mipu.Config.toy_lr)):
+        base, got, arms = study.first_arms(preset, 5, lr)
+        assert not got and {mipu.Config(**{**base, **over}).toy_lr for over, _ in arms.values()} == {want}
 
 
 def test_toy_study_probes_leave_runs_unchanged_and_gmu_rule_decides_on_gmu():

@@ -21,7 +21,7 @@ from toy.collapse_study import collapsed
 
 LRS = "0.02,0.014,0.01,0.007,0.005"   # the sweep's grid: the old default 0.02 down to a quarter of it
 HORIZONS = "150,300,450"             # the table's columns: steps after which J(mu) is read
-METHODS = ("tis", "grpo")
+METHODS = ("tis", "grpo", "mipu")
 FIRST_SEED = 8000                    # seeds no study and no demo uses
 MAX_WORKERS = 2                      # the machines this runs on have 2 cores
 
@@ -95,7 +95,7 @@ def main() -> int:
     ap.add_argument("--preset", default="collapse", choices=list(mipu.TOY_PRESETS), help="mipu.TOY_PRESETS entry")
     ap.add_argument("--lrs", default=LRS, help="comma-separated --toy-lr values; Nx = N times the default --toy-lr")
     ap.add_argument("--horizons", default=HORIZONS, help="comma-separated step counts of the table's columns")
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join(METHODS))
+    ap.add_argument("--methods", default="tis,grpo", help="comma-separated, of: " + ", ".join(METHODS))
     ap.add_argument("--seeds", type=int, default=10, help="seeds per LR and method")
     ap.add_argument("--first-seed", type=int, default=FIRST_SEED, help="seeds --first-seed, --first-seed + 1, ...")
     ap.add_argument("--workers", type=int, default=MAX_WORKERS, help=f"processes, 1..{MAX_WORKERS}")
@@ -119,7 +119,7 @@ def check_and_run(args) -> None:
     if not 0 <= args.first_seed <= mipu.SEED_LIMIT - args.seeds:
         raise mipu.MIPUError(f"--first-seed must be in [0, {mipu.SEED_LIMIT - args.seeds}]")
     extra = {"preset": (args.preset, "collapse"), "lrs": (args.lrs, LRS), "horizons": (args.horizons, HORIZONS),
-             "methods": (args.methods, ",".join(METHODS)), "seeds": (args.seeds, 10), "first-seed": (args.first_seed, FIRST_SEED)}
+             "methods": (args.methods, "tis,grpo"), "seeds": (args.seeds, 10), "first-seed": (args.first_seed, FIRST_SEED)}
     command = "python -m toy.sweep" + "".join(f" --{flag} {value}" for flag, (value, default) in extra.items()
                                               if value != default)
     here = Path(__file__).resolve().parent
