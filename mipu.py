@@ -1409,14 +1409,16 @@ def rank_world() -> tuple[int, int]:
     if not (digits.fullmatch(rank) and digits.fullmatch(world) and 0 <= int(rank) < int(world)):
         raise MIPUError(f"RANK={rank!r}, WORLD_SIZE={world!r} in the environment: torchrun's whole numbers expected, "
                         "0 <= RANK < WORLD_SIZE")
-    if torchrun() and (missing := [k for k in TORCHRUN_ENV if not os.environ.get(k)]):
+    if not torchrun():
+        return int(rank), int(world)
+    if missing := [k for k in TORCHRUN_ENV if not os.environ.get(k)]:
         raise MIPUError(f"WORLD_SIZE is set but not {', '.join(missing)}: launch the ranks with torchrun")
-    if torchrun() and not all(digits.fullmatch(os.environ[k]) for k in ("LOCAL_RANK", "MASTER_PORT")):
-        raise MIPUError(f"LOCAL_RANK={os.environ['LOCAL_RANK']!r}, MASTER_PORT={os.environ['MASTER_PORT']!r} in the "
-                        "environment: torchrun's whole numbers expected")
-    if torchrun() and int(os.environ["MASTER_PORT"]) > TCP_PORT_MAX:
-        raise MIPUError(f"MASTER_PORT={os.environ['MASTER_PORT']!r} in the environment: a TCP port in "
-                        f"[0, {TCP_PORT_MAX}] expected")
+    local_rank, port = os.environ["LOCAL_RANK"], os.environ["MASTER_PORT"]
+    if not (digits.fullmatch(local_rank) and digits.fullmatch(port)):
+        raise MIPUError(f"LOCAL_RANK={local_rank!r}, MASTER_PORT={port!r} in the environment: torchrun's whole numbers "
+                        "expected")
+    if int(port) > TCP_PORT_MAX:
+        raise MIPUError(f"MASTER_PORT={port!r} in the environment: a TCP port in [0, {TCP_PORT_MAX}] expected")
     return int(rank), int(world)
 
 
@@ -1604,7 +1606,7 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
                           temperature: float, width: int, chunk: int) -> torch.Tensor:
     """Completion-token log-probs for one micro-batch, right-padded to `width`: [b, width]."""
     device = next(model.parameters()).device
-    # right padding: real tokens sit at positions 0..len-1 and, causal, never see the pads: no mask, default positions
+    # right padding, as token_logprobs': no attention mask, default positions
     ids = pad_right([p + c for p, c in zip(prompts, completions)], 0, torch.long).to(device)  # [b, L]
     # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head until backward), its lm_head
     # on one position; a hook takes the decoder's output (final norm): output_hidden_states would keep every layer's
@@ -1619,16 +1621,10 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
     return torch.zeros(len(prompts), width, device=device).index_put((b_idx, t_idx), lp)  # [b, width]
 
 
-def recompute_autocast(cfg: Config):
-    """train_autocast without the cast cache (cache_enabled=False): each weight cast at its use and freed after it,
-    for the no-grad recompute (TrainEngine.trainer_logp), where a cache would keep a bf16 copy of every weight."""
-    return torch.autocast(cfg.device, torch.bfloat16, enabled=cfg.train_dtype == "bf16-mixed", cache_enabled=False)
-
-
 def lean_token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                         temperature: float, micro_batch: int, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of completion tokens under `model`, logits / temperature as vLLM's processed_logprobs (no top-p/k):
-    logp, mask [B, T] (T = longest completion, right-padded with 0); differentiable. chunk 0: Config's default."""
+    """token_logprobs' (logp, mask), `micro_batch` responses a forward, one [chunk, V] block of logits at a time (chunk
+    0: TrainConfig's default)."""
     if any(len(p) == 0 for p in prompt_ids):
         raise MIPUError("token_logprobs: every prompt needs at least one token")
     width = max(1, max(len(c) for c in completion_ids))  # T
@@ -1757,10 +1753,14 @@ def _digest_table(device: torch.device) -> torch.Tensor:     # [65536] int64 in 
     return table.to(device)
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:     # t's 16-bit words, bytes for a 1-byte dtype
+    flat = t.detach().contiguous().view(-1)
+    return flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
+
+
 def tensor_digest(t: torch.Tensor) -> int:
     """The multiset hash of t's words; one sync with the device."""
-    flat = t.detach().contiguous().view(-1)
-    words = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
+    words = _words(t)
     table, total = _digest_table(t.device), torch.zeros((), dtype=torch.int64, device=t.device)
     for chunk in words.split(DIGEST_CHUNK):
         total += table.index_select(0, chunk.long() & 0xFFFF).sum()   # not table[...]: 7 ms of overhead on CPU
@@ -1773,12 +1773,12 @@ class Digests:
     them: a few kernel calls and one sync in all, not a few per tensor (a loaded CPU stalls at every parallel op)."""
 
     def __init__(self):
-        self.sums, self.pool, self.pooled = {}, {1: [], 2: []}, 0     # pool: by word size, (key, words)
+        self.sums, self.pool, self.pooled, self.dtypes = {}, {1: [], 2: []}, 0, {}   # pool: by word size, (key, words)
 
     def add(self, key, t: torch.Tensor) -> None:
-        words = t.detach().contiguous().view(-1)
-        words = words.view(torch.uint8) if words.element_size() == 1 else words.view(torch.int16)
+        words = _words(t)
         self.sums.setdefault(key, 0)
+        self.dtypes[key] = t.dtype
         if words.numel() >= DIGEST_CHUNK:
             self.sums[key] += tensor_digest(t)
             return
@@ -1803,14 +1803,16 @@ class Digests:
         self.flush()
         return self.sums
 
+    def typed(self) -> dict:     # {key: (digest, the dtype of the last tensor added under it)}
+        return {key: (d, self.dtypes[key]) for key, d in self.result().items()}
+
 
 def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:    # runs inside the vLLM worker
-    digests, dtypes = Digests(), {}
+    digests = Digests()
     for name, p in model.named_parameters():
         if p.numel():
             digests.add(name, p)
-            dtypes[name] = p.dtype
-    return {name: (d, dtypes[name]) for name, d in digests.result().items()}
+    return digests.typed()
 
 
 # ---- FP8: the digests of vLLM 0.32's online fp8_per_tensor (Fp8PerTensorOnlineLinearMethod) ----
@@ -1851,17 +1853,13 @@ def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gathe
                 a = gather(t.detach().abs().max()).to(dtype)
                 amax[_fused_name(n)] = torch.maximum(a, amax[_fused_name(n)]) if _fused_name(n) in amax else a
         scales = {f: vllm_fp8_scale(a) for f, a in amax.items()}
-    digests, dtypes = Digests(), {}
+    digests = Digests()
     for fused, s in scales.items():
         digests.add(fp8_scale_name(fused), s)
-        dtypes[fp8_scale_name(fused)] = s.dtype
     for name, t in pushed_tensors(named_tensors, rollout_quant, dtype, gather):
         fused = _fused_name(name)
-        if fused in scales:
-            t = vllm_fp8_quant(t, scales[fused])
-        digests.add(fused, t)
-        dtypes[fused] = t.dtype
-    return {name: (d, dtypes[name]) for name, d in digests.result().items()}
+        digests.add(fused, vllm_fp8_quant(t, scales[fused]) if fused in scales else t)
+    return digests.typed()
 
 
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t,
@@ -1956,10 +1954,12 @@ class TrainEngine(LLMEngine):
         The no-grad recompute's autocast caches no cast: a parameter (an FSDP2 unsharded one too) is a leaf that
         requires grad, cached whatever the grad mode, so a cached recompute would hold a bf16 copy of every weight
         (3.2 GiB for Qwen3-1.7B, 7.5 for 4B; memory_plan counts none) for one cast per weight less."""
-        with train_autocast(self.cfg) if torch.is_grad_enabled() else recompute_autocast(self.cfg):
+        grad = torch.is_grad_enabled()
+        with torch.autocast(self.cfg.device, torch.bfloat16, enabled=self.cfg.train_dtype == "bf16-mixed",
+                            cache_enabled=grad):
             logp = lean_token_logprobs(self.model, prompts, completions, temperature, self.micro_batch,
                                        self.cfg.logprob_chunk)[0]
-        if not torch.is_grad_enabled():
+        if not grad:
             reshard(self.model)
         return logp
 
@@ -2648,13 +2648,20 @@ def check_trainer_state(cfg: Config, state: dict, ckpt: Path, n_train: int, n_va
                 torch.isfinite(v).all() and (n != "exp_avg_sq" and n != "step" or (v >= 0).all()))]:
             raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused: {k}'s {bad[0]} is not finite" +
                             (" and >= 0" if bad[0] in ("exp_avg_sq", "step") else "") + " (a start that never trains)")
-    from safetensors import safe_open
     want = TRAIN_DTYPE_SAVED.get(cfg.train_dtype)
-    for path in sorted(ckpt.glob("*.safetensors")):
+    if bad := first_weight_not_of(ckpt, (want,)):
+        raise MIPUError(f"{bad}, the run's weights are {want} (--train-dtype {cfg.train_dtype})")
+
+
+def first_weight_not_of(folder: Path, dtypes: tuple) -> str:
+    """'<file>: refused: <tensor> is <dtype>' of the first weight in the folder's safetensors not of `dtypes`, or ""."""
+    from safetensors import safe_open
+    for path in sorted(folder.glob("*.safetensors")):
         f = safe_open(path, "pt")
-        if bad := [k for k in f.keys() if f.get_slice(k).get_dtype() != want]:
-            raise MIPUError(f"{path}: refused: {bad[0]} is {f.get_slice(bad[0]).get_dtype()}, the run's weights are "
-                            f"{want} (--train-dtype {cfg.train_dtype})")
+        for k in f.keys():
+            if (dtype := f.get_slice(k).get_dtype()) not in dtypes:
+                return f"{path}: refused: {k} is {dtype}"
+    return ""
 
 
 def check_weight_files(folder: Path) -> None:
@@ -2682,15 +2689,6 @@ MODEL_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")    # safetensors' float dtype
 CONFIG_DTYPES = ("float64", "float32", "float16", "bfloat16")   # config.json's dtype (torch_dtype): torch's names
 
 
-def _finite(value) -> bool:
-    """Every number in a JSON value finite (json.loads reads NaN and Infinity)."""
-    if isinstance(value, dict):
-        return all(map(_finite, value.values()))
-    if isinstance(value, list):
-        return all(map(_finite, value))
-    return not isinstance(value, float) or math.isfinite(value)
-
-
 def check_model_folder(folder: Path) -> None:
     """The model folder vLLM and a fresh trainer load, before either starts: config.json's numbers finite (a NaN
     rms_norm_eps makes every logit NaN) and its dtype torch's, the weights whole (check_weight_files; without
@@ -2703,8 +2701,10 @@ def check_model_folder(folder: Path) -> None:
         return
     if isinstance(config, dict):
         for key, value in config.items():
-            if not _finite(value):
-                raise MIPUError(f"{folder}: config.json's {key} holds NaN or inf: {str(value)[:60]}")
+            try:                  # json.loads reads NaN and Infinity; allow_nan=False refuses them, at any depth
+                json.dumps(value, allow_nan=False)
+            except ValueError:
+                raise MIPUError(f"{folder}: config.json's {key} holds NaN or inf: {str(value)[:60]}") from None
         for key in ("dtype", "torch_dtype"):
             if config.get(key) is not None and config[key] not in CONFIG_DTYPES:
                 raise MIPUError(f"{folder}: config.json's {key} {str(config[key])[:60]!r} is none of "
@@ -2718,13 +2718,9 @@ def check_model_folder(folder: Path) -> None:
     check_weight_files(folder)
     if isinstance(config, dict) and "quantization_config" in config:
         return
-    from safetensors import safe_open
-    for path in sorted(folder.glob("*.safetensors")):
-        f = safe_open(path, "pt")
-        if bad := [k for k in f.keys() if f.get_slice(k).get_dtype() not in MODEL_FLOAT_DTYPES]:
-            raise MIPUError(f"{path}: refused: {bad[0]} is {f.get_slice(bad[0]).get_dtype()}: without a "
-                            "quantization_config in config.json a model's weights are floats "
-                            f"({', '.join(MODEL_FLOAT_DTYPES)}); transformers would cast these")
+    if bad := first_weight_not_of(folder, MODEL_FLOAT_DTYPES):
+        raise MIPUError(f"{bad}: without a quantization_config in config.json a model's weights are floats "
+                        f"({', '.join(MODEL_FLOAT_DTYPES)}); transformers would cast these")
 
 
 def check_finite_weights(model: torch.nn.Module, weights: str) -> None:
