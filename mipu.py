@@ -1360,9 +1360,8 @@ class LLMEngine(Engine):
 
 
 # ==== HARNESS: A FIRST READ CAN STOP HERE ===========================================================================
-# The method is above and runs by itself. Below, what `train` adds through the engine interface (TrainEngine):
-# several GPUs (torchrun + FSDP2) and vLLM's sleep mode, data readers and the sandboxed reward, checkpoints and
-# metrics, the memory plan, the harness's flags and their validation, the command line.
+# The method is above and runs by itself. Below, what `train` adds through the engine interface (TrainEngine): the
+# module docstring's FILE MAP lists it.
 
 # the harness's own imports: the reference above needs none of them
 import argparse
@@ -1724,9 +1723,8 @@ def sync_in_pieces(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_q
 # 2^32 elements). Table entry 0 is 0: +0.0, vLLM's zero padding of vocabulary rows, counts for nothing.
 DIGEST_CHUNK = 2**22          # words per gather-and-sum: 32 MiB of int64 indices, the same of table entries
 DIGEST_SEED = 20260101
-# the probe after start-up, where the digests compare every tensor they can: every PROBE_EVERY-th step's sync. A
-# gross error the probe sees (a stale kernel at a large LR) persists and grows: it is seen within PROBE_EVERY steps,
-# for a tenth of the probe's cost a step (tiny model on CPU: the probe 0.017 s beside a 0.031 s push)
+# the probe after start-up: every PROBE_EVERY-th step's sync. An error only it sees persists and grows: seen within
+# PROBE_EVERY steps, for a tenth of its cost a step (tiny model on CPU: the probe 0.017 s beside a 0.031 s push)
 PROBE_EVERY = 10
 
 
@@ -1971,10 +1969,10 @@ class TrainEngine(LLMEngine):
         with torch.no_grad():
             gap = probe_gap(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), *self.probe)
         gap = self.max(gap if math.isfinite(gap) else math.inf)     # NaN counts as inf
-        if gap > tol or gap == math.inf:
-            raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights" if gap == math.inf
-                            else f"weight sync did not take effect at {self.sync_name()}: mean |vLLM - trainer| "
-                                 f"log-prob {gap:.4g} > tol {tol:.4g}")
+        if gap == math.inf:
+            raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights")
+        if gap > tol:
+            raise self.sync_failed(f"mean |vLLM - trainer| log-prob {gap:.4g} > tol {tol:.4g}")
         return gap
 
     def check_sync(self, tol: float) -> float:
@@ -1992,8 +1990,7 @@ class TrainEngine(LLMEngine):
             self.fp8_digests = False
         self.digest_coverage = d["coverage"] - d["coverage_fp8"] * (not self.fp8_digests)
         if bad := bad + bad_fp8 * self.fp8_digests:
-            raise MIPUError(f"weight sync did not take effect at {self.sync_name()}: {bad:.0f} of vLLM's weight "
-                            "tensors differ from the trainer's (their digests)")
+            raise self.sync_failed(f"{bad:.0f} of vLLM's weight tensors differ from the trainer's (their digests)")
         if not self.digest_coverage:
             raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM's engine (names or "
                             "dtypes differ): a missed sync would go unseen")
@@ -2002,8 +1999,9 @@ class TrainEngine(LLMEngine):
             return self.check_probe(tol)
         return math.nan
 
-    def sync_name(self) -> str:                    # the sync an error names
-        return f"step {self.step}" + "'s rollback" * self.rolling_back
+    def sync_failed(self, why: str) -> MIPUError:
+        return MIPUError(f"weight sync did not take effect at step {self.step}" + "'s rollback" * self.rolling_back
+                         + f": {why}")
 
     def push_weights(self) -> None:
         """sync_in_pieces, whose reload must load every layer: vLLM 0.32's only warns of one it did not (and keeps its
@@ -2015,9 +2013,9 @@ class TrainEngine(LLMEngine):
         finally:
             log.removeHandler(failed)
         if self.max(len(failed.layers)):
-            raise MIPUError(f"weight sync did not take effect at {self.sync_name()}: vLLM's reload loaded no weights "
-                            f"into {', '.join(sorted(set(failed.layers))) or 'a layer on another rank'} (their old "
-                            "weights stay)")
+            raise self.sync_failed(f"vLLM's reload loaded no weights into "
+                                   f"{', '.join(sorted(set(failed.layers))) or 'a layer on another rank'} (their old "
+                                   "weights stay)")
         if self.llm.llm_engine.is_sleeping():   # --vllm-sleep: the KV cache wakes after the sync loaded the weights
             self.llm.wake_up(tags=["kv_cache"])
 
@@ -2417,9 +2415,9 @@ def save_checkpoint(run: TrainEngine) -> Path:
         run.model, run.opt, options=full_sd)
     final = Path(run.cfg.output_dir) / f"checkpoint-{run.step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    if rank_world()[0] == 0 and (final.is_symlink() or final.exists()):   # a user's, the name a run's to come
-        raise MIPUError(f"{final} is in the way of this run's checkpoint (move it; a run replaces only its own)")
     if rank_world()[0] == 0:                  # (a temp folder of a killed save is removed at the next start)
+        if final.is_symlink() or final.exists():      # a user's, the name a run's to come
+            raise MIPUError(f"{final} is in the way of this run's checkpoint (move it; a run replaces only its own)")
         try:
             remove_run_temp(tmp)
             tmp.mkdir(parents=True)           # a folder of its own: no symlink of that name is written through
@@ -2604,7 +2602,7 @@ def check_trainer_state(cfg: Config, state: dict, ckpt: Path, n_train: int, n_va
         raise MIPUError(f"{ckpt / 'trainer_state.pt'}: refused: {bad[0][0]} = {str(s[bad[0][0]])[:60]} is not "
                         f"{bad[0][1]}")
     fresh = torch.optim.AdamW([torch.zeros(1)], lr=cfg.learning_rate, weight_decay=cfg.weight_decay).param_groups[0]
-    groups = state["optimizer"].get("param_groups", []) if isinstance(state["optimizer"], dict) else []
+    groups = state["optimizer"].get("param_groups", [])          # a dict: read_trainer_state checked
     for g in groups if isinstance(groups, list) else [groups]:
         same = isinstance(g, dict) and all(isinstance(g.get(k), (list, tuple)) and tuple(g[k]) == fresh[k] if
                                            k == "betas" else g.get(k) == fresh[k] for k in ADAMW_GROUP_KEYS)
@@ -2612,7 +2610,7 @@ def check_trainer_state(cfg: Config, state: dict, ckpt: Path, n_train: int, n_va
             shown = {k: g.get(k) for k in ADAMW_GROUP_KEYS} if isinstance(g, dict) else g
             raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused: param_groups' {str(shown)[:120]} are not the run's "
                             f"AdamW {({k: fresh[k] for k in ADAMW_GROUP_KEYS})}")
-    for k, st in state["optimizer"].get("state", {}).items() if isinstance(state["optimizer"], dict) else ():
+    for k, st in state["optimizer"].get("state", {}).items():
         values = st.items() if isinstance(st, dict) else ()
         if bad := [n for n, v in values if torch.is_tensor(v) and v.is_floating_point() and not (
                 torch.isfinite(v).all() and (n != "exp_avg_sq" and n != "step" or (v >= 0).all()))]:
@@ -2912,20 +2910,15 @@ def check_memory_plan(cfg: TrainConfig) -> float:
 # ---- THE HARNESS'S FLAGS, VALIDATION THAT TOUCHES FILES OR RANKS ---------------------------------------------------
 
 # ---- the flags' upper bounds and the host RAM their sizes need: against hostile input, not the method ----
-# Upper bounds of the flags, each with the reason (the numbers: python -m toy.limits)
-INT_FLAG_MAX = 2**62      # torch's sizes, indices and seeds are int64: 2**62 keeps a sum of two sizes, and Step 2's
-#                           rollout seed seed * 1_000_003 + 2k + 1, inside 2**63
-MIN_TEMPERATURE = 1e-2    # vLLM raises a smaller temperature to 0.01 (its _MAX_TEMP, against inf/NaN in logits / T):
-#                           the trainer, dividing by the flag's value, would score another policy than vLLM samples
-MAX_TEMPERATURE = 1e3     # an LLM's logits span well under 100 nats: at T > 1000 every token's probability is within
-#                           e^0.1 of uniform (noise, no policy to learn or evaluate); 1e308 is inf in float32
-SYNC_TOL_MIN = 1.0        # --sync-tol x the start-up gap: a correct sync's gap is the start-up's up to rounding, so
-#                           below 1x a correct sync fails (5e-324: every one)
+# Upper bounds of the flags: each reason is its limit_checks message; here what it rests on (python -m toy.limits)
+INT_FLAG_MAX = 2**62      # not 2**63: a sum of two sizes, and Step 2's seed seed * 1_000_003 + 2k + 1, stay in int64
+MIN_TEMPERATURE = 1e-2    # vLLM's _MAX_TEMP: it samples at 0.01 where the trainer would divide by less
+MAX_TEMPERATURE = 1e3     # above it: noise, no policy to learn or evaluate; 1e308 is inf in float32
+SYNC_TOL_MIN = 1.0        # x the start-up gap: 5e-324 would fail every sync
 REWARD_TIMEOUT_MIN = 1e-3  # poll() waits whole milliseconds: a shorter budget is 0 ms, every reward call times out
 TOY_MISMATCH_MAX = 100.0  # the warm start's largest |log pi - log mu| grows with alpha: 35-73 nats at 100, 75-153 at
-#                           200 (seeds 0-19); float32's exp overflows at 88.7, so w = pi/mu and rho turn inf beyond it
-TOY_LR_MAX = 1.0          # Adam moves each weight by ~lr a step and the toy's weights are O(0.5): one step at lr 0.3
-#                           takes J(mu) to ~0; from ~1e20 the logits overflow float32, at 1e38 Adam itself does
+#                           200 (seeds 0-19), past float32's exp range (88.7): w = pi/mu and rho turn inf
+TOY_LR_MAX = 1.0          # from lr ~1e20 the toy's logits overflow float32, at 1e38 Adam itself does
 FP8_SUBNORMAL_MIN = 2**-9     # float8_e4m3fn's smallest positive value (torch.finfo gives the normal one, 2**-6)
 # --toy-fp8-headroom h: the warm start's largest logit lands at fp8_max / h on the FP8 grid; above 448 / 2**-9 it is
 # below FP8's smallest positive value, so every logit of μ rounds to 0 (μ uniform)
@@ -2952,7 +2945,7 @@ def toy_bytes(cfg: Config) -> int:
 
 
 def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
-    """(ok, message) of the upper bounds (the constants above say why) and of the host RAM the sizes need:
+    """(ok, message) of the upper bounds and of the host RAM the sizes need:
     the toy's (toy_bytes) unless `command` is an LLM one, one LLM step's rollouts in `train`."""
     ints = [f.name for f in dataclasses.fields(cfg) if type(f.default) is int]
     flag = {n: "--" + n.replace("_", "-") for n in ints}
