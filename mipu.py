@@ -2943,7 +2943,6 @@ def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
     """(ok, message) of the upper bounds and of the host RAM the sizes need:
     the toy's (toy_bytes) unless `command` is an LLM one, one LLM step's rollouts in `train`."""
     ints = [f.name for f in dataclasses.fields(cfg) if type(f.default) is int]
-    flag = {n: "--" + n.replace("_", "-") for n in ints}
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")                 # physical memory
     sane = all(abs(getattr(cfg, n)) <= INT_FLAG_MAX for n in ints)     # else the sizes below overflow floats
     toy, llm = sane and command not in ("train", "eval"), sane and command == "train"
@@ -2954,8 +2953,8 @@ def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
 
     def host(tokens: float) -> str:          # the host RAM an LLM's response tokens need
         return f"at full length at least ~{tokens * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, {more}"
-    return [(getattr(cfg, n) <= INT_FLAG_MAX, f"{flag[n]} must be <= 2**62 (torch's sizes, indices and seeds "
-                                               "are int64)") for n in ints] + [
+    return [(getattr(cfg, n) <= INT_FLAG_MAX, f"--{n.replace('_', '-')} must be <= 2**62 (torch's sizes, indices and "
+                                               "seeds are int64)") for n in ints] + [
         (not 0 < cfg.temperature < MIN_TEMPERATURE, f"--temperature must be >= {MIN_TEMPERATURE:g}: vLLM raises "
          "a smaller one to it (against inf/NaN in logits / T), while the trainer divides by the flag's value"),
         (cfg.toy_mismatch <= TOY_MISMATCH_MAX, f"--toy-mismatch must be <= {TOY_MISMATCH_MAX:g}: beyond it "
@@ -3074,7 +3073,8 @@ class TrainConfig(Config):
         world = rank_world()[1]
         gpu, step2 = torch.cuda.is_available(), METHOD_SPEC.get(self.method, ("", ""))[1]
         train, llm = command == "train", command in ("train", "eval")
-        low = {"micro_batch_size": 1, "max_new_tokens": 1, "logprob_chunk": 1, "weight_decay": 0, "max_model_len": 0}
+        low = {"micro_batch_size": 1, "max_new_tokens": 1, "logprob_chunk": 1, "eval_samples": 1, "save_every": 1,
+               "weight_decay": 0, "max_model_len": 0, "eval_every": 0, "eval_temperature": 0}
         return super().checks(command, world) + [   # the LLM's ranges (Config's are the method's and the toy's)
             (getattr(self, n) >= v, f"--{n.replace('_', '-')} must be >= {v}") for n, v in low.items()] + [
             (getattr(self, n) > 0, f"--{n.replace('_', '-')} must be > 0")
@@ -3088,8 +3088,6 @@ class TrainConfig(Config):
             (self.gap_batch == "heldout" or step2 == "gap",
              f"--gap-batch next needs a method with Step 2 (step2, mipu), not {self.method}"),
         ] + limit_checks(self, command) + [
-            (self.eval_samples >= 1 and self.save_every >= 1, "--eval-samples and --save-every must be >= 1"),
-            (self.eval_every >= 0 and self.eval_temperature >= 0, "--eval-every and --eval-temperature must be >= 0"),
             (not 0 < self.eval_temperature < MIN_TEMPERATURE, f"--eval-temperature must be 0 (greedy) or >= "
              f"{MIN_TEMPERATURE:g}: vLLM raises a smaller one to it"),
             *[(t <= MAX_TEMPERATURE, f"--{name} must be <= {MAX_TEMPERATURE:g}: above it every token is within "
