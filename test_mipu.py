@@ -2664,7 +2664,7 @@ def _three_layers(weights):
     (lambda c: _edit_state(c, lambda s: {**s, "probe": ([1] * 300, s["probe"][1])}),
      "refused: probe = .* at most the 256-token context in all"),
     (lambda c: _edit_state(c, lambda s: {**s, "probe_gap0": 1e308}),
-     r"refused: probe_gap0 = 1e\+308 is not in \[0, 1\]"),
+     r"refused: probe_gap0 = 1e\+308 is not in \[0, 0\.25\]"),
     (lambda c: _edit_state(c, lambda s: {**s, "config": {k: v for k, v in s["config"].items() if k != "clip_eps"}}),
      "--resume: the run's saved config has no clip_eps .an edited trainer_state.pt.*--clip-eps could not be checked"),
     (lambda c: _edit_groups(c, betas=(1.5, 0.999)), r"optimizer.pt: refused: param_groups' \{'betas': \(1.5, 0.999\)"),
