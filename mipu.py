@@ -63,12 +63,13 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
    6. A rejection costs a second sync (`Engine.rollback`): μ_k is pushed again, unless the
       candidate was non-finite (never synced).
    7. The snapshot (`Engine.snapshot`, `copy_state`), only for methods that can reject: θ_k and
-      AdamW's state, copied and restored in place, bit for bit; state AdamW creates in its first
-      step is zeroed (AdamW's fresh state).
+      the optimizer's state (the LLM's AdamW, the toy's Adam), copied and restored in place, bit for
+      bit; state the optimizer creates in its first step is zeroed (its fresh state).
    8. Gradient clipping (`Engine.clip_grad`): the LLM clips each optimizer step to
       --max-grad-norm; the toy only reports the norm (`ToyEngine.clip_grad`).
    9. Validation prompts (`LLMEngine.next_val_rows`): --val-prompts a step, in file order,
-      wrapping round; the toy draws them uniformly with replacement (`ToyEngine`). Training
+      wrapping round; the toy draws them uniformly with replacement from its one prompt set, its
+      training prompts too (`ToyEngine`). Training
       prompts (`LLMEngine.next_rows`): shuffled passes over the rows.
   10. Batch arithmetic (`step1_minibatches`, `holdout_size`): a step samples prompts_per_step × G
       responses (16 × 8 = 128), takes epochs × ⌈(128 − held out) / mini_batch_size⌉ optimizer

@@ -344,17 +344,17 @@ def auc(pos: np.ndarray, neg: np.ndarray) -> float:
     return float((ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
 
 
-def paired_test(a: np.ndarray, b: np.ndarray) -> str:
+def paired_test(a: np.ndarray, b: np.ndarray, digits: int = 3) -> str:
     """a − b paired by seed: mean, 95% bootstrap CI, two-sided sign-flip permutation p (fixed generator)."""
     d, rng = a - b, np.random.default_rng(0)
     lo, hi = np.quantile(rng.choice(d, (SELECT_RESAMPLES, len(d))).mean(1), (0.025, 0.975))
     flipped = np.abs(rng.choice((-1.0, 1.0), (SELECT_RESAMPLES, len(d))) @ d)
     p = (np.sum(flipped >= abs(d.sum()) - 1e-12) + 1) / (SELECT_RESAMPLES + 1)
-    return f"{d.mean():+.3f} [{lo:+.3f}, {hi:+.3f}], p = {p:.3f}"
+    return f"{d.mean():+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}], p = {p:.3f}"
 
 
-def mean_se(x: np.ndarray) -> str:
-    return f"{x.mean():.3f} ± {x.std(ddof=1) / len(x) ** 0.5 if len(x) > 1 else 0:.3f}"
+def mean_se(x: np.ndarray, digits: int = 3) -> str:
+    return f"{x.mean():.{digits}f} ± {x.std(ddof=1) / len(x) ** 0.5 if len(x) > 1 else 0:.{digits}f}"
 
 
 def arm_jobs(base: dict, seeds: list[int], over: dict, probe_g: bool = False) -> list[tuple]:
