@@ -75,8 +75,9 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
       responses (16 × 8 = 128), takes epochs × ⌈(128 − held out) / mini_batch_size⌉ optimizer
       steps (1 × 2), each in micro-batches of micro_batch_size; Step 2 samples val_prompts × G
       (32 × 8 = 256); the target rule holds target_holdout × G responses (4 × 8) out of Step 1.
-  11. Seeds (`Engine.generator`, `SEED_MUL`): step k's streams are seed · M + k, a prime M per
-      stream; rollouts use 2k (phase 0) and 2k + 1 (Step 2). The toy has one generator.
+  11. Seeds (`Engine.generator`, `SEED_MUL`): step k's streams (mini-batches, random rejections,
+      data passes) are seed · M + k, a prime M per stream; rollouts use 2k (phase 0) and 2k + 1
+      (Step 2). The toy has one generator.
   12. Truncated responses score 0 unless --score-truncated (`sample_reward`); else the final
       answer is compared by math_verify (`reference_reward`).
 
@@ -146,7 +147,7 @@ TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0},
 SEED_LIMIT = 2**32
 # implementation detail 11; a prime M per stream: distinct (seed, k) give distinct seeds in a stream
 # (k < M), and one seed's streams differ
-SEED_MUL = {"rollout": 1_000_003, "minibatch": 7919, "reject": 31}
+SEED_MUL = {"rollout": 1_000_003, "minibatch": 7919, "reject": 31, "shuffle": 104_729}
 
 
 def _arg(default, help: str, group: str = "algo", choices=None):
@@ -629,7 +630,7 @@ class Engine:
         return t_post, g_k, self.cfg.c
 
     def generator(self, stream: str) -> torch.Generator:
-        """Step k's random stream ("minibatch", "reject"): implementation detail 11."""
+        """Step k's random stream ("minibatch", "reject", "shuffle"): implementation detail 11."""
         return torch.Generator().manual_seed(self.cfg.seed * SEED_MUL[stream] + self.step)
 
     def metrics(self) -> dict:                      # the engine's own, after the verdict
@@ -1208,11 +1209,12 @@ class LLMEngine(Engine):
         return sample_reward(sample, answer, self.cfg)
 
     def next_rows(self, n: int) -> list:
-        """The next n training rows; a new shuffled pass (seed + step) when one runs out."""
-        rows = []
+        """The next n training rows; a new shuffled pass (step k's "shuffle" stream) when one runs
+        out."""
+        rows, g = [], None
         while len(rows) < n:
             if self.data_pos >= len(self.order):
-                g = torch.Generator().manual_seed(self.cfg.seed + self.step)
+                g = g or self.generator("shuffle")   # two passes in one step: two orders
                 self.order = torch.randperm(len(self.train_rows), generator=g).tolist()
                 self.data_pos = 0
             rows.append(self.train_rows[self.order[self.data_pos]])
