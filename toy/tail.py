@@ -4,7 +4,7 @@ Along grpo and TIS runs of the rare-long preset (mipu.py's TOY_PRESETS), each me
 METHOD_LRS) on the claims study's seeds, it reads the exact tables of π and μ (the synced θ's) at a few steps:
 - abs dlogp, rare / rest: the mean |log μ − log π| over the rare tokens (more than RARE_NATS below their context's
   top under π) and over the others, over every context of the table;
-- saturated: the share of tokens whose logit lies below the context's top by more than the static FP8 range
+- saturated: the share of tokens whose π logit lies below the context's top by more than the static FP8 range
   (where the `tail` engine clips them, so μ gives them more mass than π);
 - excess mass on rare, path: μ's minus π's total mass on the rare tokens, in the contexts a right response visits
   (each position after the target's previous token), a mean over them;
@@ -45,7 +45,7 @@ def tail_stats(eng: mipu.ToyEngine) -> list[float]:
             (below < -eng.policy.logit_amax).float().mean().item(), excess.mean().item(), eng.J[1] - eng.J[0]]
 
 
-def tail_run(job: tuple) -> list[list[float]]:
+def tail_run(job: dict) -> list[list[float]]:
     """One run (cfg dict): tail_stats at step 0 and after every steps / CHECKS steps."""
     cfg = mipu.Config(**job)
     torch.set_num_threads(1)             # bit-for-bit: results must not depend on thread count
@@ -59,6 +59,7 @@ def tail_run(job: tuple) -> list[list[float]]:
 
 
 def tail(n_seeds: int, steps: int, first_seed: int, workers: int, path: Path, command: str) -> None:
+    """Every method's runs on n_seeds seeds, their tail_stats tables into `path`."""
     t0 = time.time()
     base = demo.preset_base(mipu.Config(), PRESET) | {"steps": steps}
     lrs, seeds = study.METHOD_LRS[PRESET], list(range(first_seed, first_seed + n_seeds))
