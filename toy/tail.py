@@ -45,15 +45,21 @@ def tail_stats(eng: mipu.ToyEngine) -> list[float]:
             (below < -eng.policy.logit_amax).float().mean().item(), excess.mean().item(), eng.J[1] - eng.J[0]]
 
 
+def checkpoints(steps: int) -> list[int]:
+    """The steps tail_stats is read at: 0, every steps / CHECKS steps, and the last."""
+    every = max(steps // CHECKS, 1)
+    return [0, *range(every, steps + 1, every)] + ([steps] if steps % every else [])
+
+
 def tail_run(job: dict) -> list[list[float]]:
-    """One run (cfg dict): tail_stats at step 0 and after every steps / CHECKS steps."""
+    """One run (cfg dict): tail_stats at each of its checkpoints."""
     cfg = mipu.Config(**job)
     torch.set_num_threads(1)             # bit-for-bit: results must not depend on thread count
     eng = mipu.ToyEngine(cfg, cfg.toy_mismatch)
-    every, rows = max(cfg.steps // CHECKS, 1), [tail_stats(eng)]
+    marks, rows = set(checkpoints(cfg.steps)), [tail_stats(eng)]
     for k in range(1, cfg.steps + 1):
         mipu.mipu_step(eng)
-        if k % every == 0 or k == cfg.steps:
+        if k in marks:
             rows.append(tail_stats(eng))
     return rows
 
@@ -71,8 +77,7 @@ def tail(n_seeds: int, steps: int, first_seed: int, workers: int, path: Path, co
     if pool:
         pool.close()
     runs = runs.reshape(len(METHODS), n_seeds, *runs.shape[1:])              # [method, seed, checkpoint, column]
-    every = max(steps // CHECKS, 1)
-    marks = [0, *range(every, steps + 1, every)] + ([steps] if steps % every else [])
+    marks = checkpoints(steps)
     rows = [{"method (own LR)": f"{m} ({lrs[m]:g})", "step": str(k),
              **{c: demo.mean_se(runs[i, :, j, n], DIGITS) for n, c in enumerate(COLUMNS)}}
             for i, m in enumerate(METHODS) for j, k in enumerate(marks)]
