@@ -41,9 +41,7 @@ DEVIATIONS FROM THE PAPER, and why
   - The paper does not state c, |D_val|, group size, learning rate or data: each is a flag whose
     help says where its default comes from.
   - The target acceptance rule is ours (3.); the paper's rule is the default.
-  - On CPU there are no FP8 kernels: --rollout-quant fp8-sim (below the banner) rounds the synced
-    weights through torch.float8_e4m3fn (one scale per fused vLLM layer, as vLLM's GPU
-    fp8_per_tensor). GPU FP8's per-token activation quantization is not simulated.
+  - FP8 rollouts on a CPU are simulated, below the banner (--rollout-quant fp8-sim).
   - The toy (TOY ENGINE) replaces the LLM by a small policy, so that J is exact.
 
 IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
@@ -67,10 +65,10 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
       bit; state the optimizer creates in its first step is zeroed (its fresh state).
    8. Gradient clipping (`Engine.clip_grad`): the LLM clips each optimizer step to
       --max-grad-norm; the toy only reports the norm (`ToyEngine.clip_grad`).
-   9. Validation prompts (`LLMEngine.next_val_rows`): --val-prompts a step, in file order,
-      wrapping round; the toy draws them uniformly with replacement from its one prompt set, its
-      training prompts too (`ToyEngine`). Training
-      prompts (`LLMEngine.next_rows`): shuffled passes over the rows.
+   9. Prompts: the LLM trains on shuffled passes over the rows (`LLMEngine.next_rows`) and
+      validates on --val-prompts a step in file order, wrapping round (`next_val_rows`); the toy
+      trains on a random subset of its one prompt set and validates on prompts drawn from it with
+      replacement (`ToyEngine.rollout`, `acceptance_rollout`).
   10. Batch arithmetic (`step1_minibatches`, `holdout_size`): a step samples prompts_per_step × G
       responses (16 × 8 = 128), takes epochs × ⌈(128 − held out) / mini_batch_size⌉ optimizer
       steps (1 × 2), each in micro-batches of micro_batch_size; Step 2 samples val_prompts × G
@@ -217,8 +215,7 @@ class Config:
     score_truncated: bool = _llm(False, "score responses cut by --max-new-tokens (else reward 0)")
     # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
     toy_preset: str = _toy("collapse", "mismatch preset (mipu.py's TOY_PRESETS): sets the toy flags"
-                                       " left at their defaults; collapse = fp8 with static-scale "
-                                       "FP8 logits", choices=tuple(TOY_PRESETS))
+                                       " left at their defaults", choices=tuple(TOY_PRESETS))
     toy_mismatch: float = _toy(-1.0, "mismatch scale alpha: mu_logits = pi + alpha*(fp8/bf16 engine"
                                      " - pi); < 0: preset")
     toy_prompts: int = _toy(32, "prompts in the toy task")
@@ -687,7 +684,6 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
 #   engine: the same network with W1, W2 rounded through FP8 E4M3 (per-tensor scale, as vLLM's
 #           online FP8 quantization) and logits rounded to bf16;
 #           μ_logits = π_logits + α (engine_logits − π_logits), so α = 0 gives μ = π bit for bit.
-#           --toy-logit-fp8: the engine's logits go through FP8 too (per row or static).
 #   task:   each prompt has a target of H tokens; reward 1 iff at most `tolerance` tokens differ,
 #           so a response needs many right tokens and per-token errors compound.
 #   J(π), J(μ) are exact (dynamic programming over (prev token, errors so far)).
@@ -1029,9 +1025,6 @@ def load_trainer(model_path: str, dtype: str, device: str, load=None):
     """HF AutoModelForCausalLM on `device` in `dtype` (bf16-mixed: fp32 weights), sdpa attention,
     eval mode, by `load` (default: from_pretrained)."""
     import transformers
-    if dtype not in ("float32", "bf16-mixed", "bfloat16", "float16"):
-        raise MIPUError("trainer dtype must be float32, bf16-mixed, bfloat16 or float16, got "
-                        f"{dtype!r}")
     load = load or transformers.AutoModelForCausalLM.from_pretrained
     weights_dtype = getattr(torch, dtype.replace("bf16-mixed", "float32"))
     model = load(model_path, attn_implementation="sdpa", dtype=weights_dtype)
@@ -1251,8 +1244,11 @@ class LLMEngine(Engine):
 
 
 # ==== HARNESS: A FIRST READ CAN STOP HERE ===========================================================================
-# The method is above and runs by itself. Below, what `train` adds through the engine interface (TrainEngine): the
-# module docstring's FILE MAP lists it.
+# The method is above and runs by itself. Below, what `train` adds through the seam (TrainConfig, TrainEngine), section
+# by section: several GPUs and sleep mode, the lean log-probs, the checked sync (probe, pieces, digests, FP8), models,
+# data and reward, checkpoints and metrics, the memory plan, the flags, main. A deviation from the paper lives here: a
+# CPU has no FP8 kernels, so --rollout-quant fp8-sim rounds the synced weights through torch.float8_e4m3fn (one scale
+# per fused vLLM layer, as vLLM's GPU fp8_per_tensor); GPU FP8's per-token activation quantization is not simulated.
 
 # the harness's own imports: the reference above needs none of them
 import argparse
