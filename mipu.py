@@ -763,11 +763,11 @@ def toy_sample(logp_table, prompts, group_size,
     """G responses per prompt from a table: (prompt [B], tokens [B, H], logp [B, H])."""
     prompt = prompts.repeat_interleave(group_size)                              # [B]
     B, H, V = prompt.numel(), logp_table.shape[1], logp_table.shape[-1]
+    probs = logp_table.exp()                                                    # [P, H, V+1, V]
     prev = torch.full((B,), V, dtype=torch.long)
     tokens = torch.empty(B, H, dtype=torch.long)
     for t in range(H):
-        probs = logp_table[prompt, t, prev].exp()                               # [B, V]
-        prev = torch.multinomial(probs, 1, generator=gen).squeeze(1)           # [B]
+        prev = torch.multinomial(probs[prompt, t, prev], 1, generator=gen).squeeze(1)  # [B]
         tokens[:, t] = prev
     return prompt, tokens, toy_token_logp(logp_table, prompt, tokens)
 
@@ -907,6 +907,8 @@ class ToyEngine(Engine):
         """Oracle rule: the target rule on the exact terms (every rule's ceiling); c + c_se·SE."""
         if self.cfg.accept_rule == "oracle":
             g_k, t_post = self.J[0] - self.prev[1][1], self.J[1] - self.J[0]
+        if not self.cfg.c_se:
+            return t_post, g_k, self.cfg.c
         se = gap_se(val.logp_train, val.logp_sampler, val.adv, val.mask)
         return t_post, g_k, self.cfg.c + self.cfg.c_se * se
 

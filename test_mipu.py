@@ -1714,8 +1714,9 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
 def two_ranks(model_dir, tmp_path_factory):
     """Runs _two_rank_worker under torchrun (2 ranks, gloo, a vLLM engine each); returns its folder."""
     out = tmp_path_factory.mktemp("two_ranks")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__,
-                        str(out), model_dir], capture_output=True, text=True, timeout=900, cwd=HERE)
+    # --standalone: a free port of its own, so two suites on one machine do not meet at 29500
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        __file__, str(out), model_dir], capture_output=True, text=True, timeout=900, cwd=HERE)
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
     return out
 
@@ -1756,7 +1757,8 @@ def test_two_ranks_stop_together_on_a_failed_sync(two_ranks):
 
 def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(HERE / "mipu.py"), "train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(HERE / "mipu.py"),
+           "train",
            "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL), "--output-dir", str(out),
            "--prompts-per-step", "4", "--num-generations", "4", "--val-prompts", "4", "--mini-batch-size", "16",
            "--max-new-tokens", "6", "--learning-rate", "1e-3", "--gap-batch", "next", "--rollout-quant", "fp8-sim",
