@@ -30,7 +30,8 @@ THE ALGORITHM, one iteration k (`mipu_step`, for the toy and an LLM alike):
          Ĝ_k = mean_i ρ_i(θ_{k+1}) A_i on a held-out slice of step k's batch (ρ = π_{k+1}/μ_k),
      estimating terms (2)+(3): the rule tests the whole target, not the gap's level alone.
   4. On rejection roll back: θ_k and the optimizer state bit for bit, then re-sync μ_k.
-     A non-finite loss, gradient or θ_{k+1} is rejected too (and never synced).
+     A non-finite loss, gradient or θ_{k+1} is rejected too (never synced); a method that
+     cannot reject (no Step 2) stops with an error instead.
 
 METHODS (--method, METHOD_SPEC): grpo (baseline), tis (Step 1 only), mis, step2 (grpo + Step 2),
 mipu (Step 1 + Step 2), random-rollback (grpo, rejected with probability --reject-rate),
@@ -46,7 +47,7 @@ DEVIATIONS FROM THE PAPER, and why
 
 IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
    1. Advantages (`group_advantages`): std with ddof=0, eps=1e-6, in float64; each group's A has
-      mean 0 and mean square 1, or is all 0 when its rewards are equal (no signal).
+      mean 0 and std std/(std + eps) ≈ 1, or is all 0 when its rewards are equal (no signal).
    2. The token mean (`policy_loss`, `step1_update`): policy_loss averages a micro-batch's
       tokens, step1_update weights it by its share of the mini-batch's tokens: the gradient is the
       token mean over the mini-batch (and over all ranks).
@@ -59,7 +60,7 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
    5. A rejected step still advances k (`mipu_step`): the LR schedule, the seeds and --steps count
       candidates; the data moves on too.
    6. A rejection costs a second sync (`Engine.rollback`): μ_k is pushed again, unless the
-      candidate was non-finite (never synced).
+      candidate was non-finite (never synced); the toy keeps μ_k's tables and restores them.
    7. The snapshot (`Engine.snapshot`, `copy_state`), only for methods that can reject: θ_k and
       the optimizer's state (the LLM's AdamW, the toy's Adam), copied and restored in place, bit for
       bit; state the optimizer creates in its first step is zeroed (its fresh state).
@@ -127,7 +128,7 @@ METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mi
 
 # Toy mismatch presets: name -> toy flags (toy_mismatch = α), by mismatch level. none: identical
 # engines; fp8: the FP8/bf16 engine as is; severe: its error x8; collapse: fp8 + logits through a
-# static FP8 scale. A preset fills in the toy flags left at their defaults (the command line's toy)
+# static FP8 scale. The `toy` command fills a preset's flags in where left at their defaults.
 TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0},
                "severe": {"toy_mismatch": 8.0},
                "collapse": {"toy_mismatch": 1.0, "toy_logit_fp8": "static",
@@ -217,7 +218,7 @@ class Config:
     toy_preset: str = _toy("collapse", "mismatch preset (mipu.py's TOY_PRESETS): sets the toy flags"
                                        " left at their defaults", choices=tuple(TOY_PRESETS))
     toy_mismatch: float = _toy(-1.0, "mismatch scale alpha: mu_logits = pi + alpha*(fp8/bf16 engine"
-                                     " - pi); < 0: preset")
+                                     " - pi); -1: the preset's")
     toy_prompts: int = _toy(32, "prompts in the toy task")
     toy_vocab: int = _toy(8, "toy vocabulary size")
     toy_horizon: int = _toy(8, "tokens per toy response")
@@ -979,7 +980,7 @@ def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temp
     from vllm import SamplingParams, TokensPrompt
 
     # vLLM seeds sample j of a request `request seed + j`: offsetting prompt i by i * n makes each
-    # (i, j)'s seed `seed + i*n + j` unique, so repeated prompts differ too
+    # (i, j)'s seed `seed + i*n + j` unique within the call, so repeated prompts differ too
     params = [SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature,
                              seed=seed + i * n, logprobs=0)  # logprobs=0: sampled token only
               for i in range(len(prompt_ids))]
