@@ -1028,6 +1028,9 @@ def load_trainer(model_path: str, dtype: str, device: str, load=None):
     """HF AutoModelForCausalLM on `device` in `dtype` (bf16-mixed: fp32 weights), sdpa attention,
     eval mode, by `load` (default: from_pretrained)."""
     import transformers
+    if dtype not in ("float32", "bf16-mixed", "bfloat16", "float16"):
+        raise MIPUError("trainer dtype must be float32, bf16-mixed, bfloat16 or float16, got "
+                        f"{dtype!r}")
     load = load or transformers.AutoModelForCausalLM.from_pretrained
     weights_dtype = getattr(torch, dtype.replace("bf16-mixed", "float32"))
     model = load(model_path, attn_implementation="sdpa", dtype=weights_dtype)
