@@ -1757,8 +1757,8 @@ def test_two_ranks_stop_together_on_a_failed_sync(two_ranks):
 
 def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(HERE / "mipu.py"),
-           "train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "mipu.py"), "train",
            "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL), "--output-dir", str(out),
            "--prompts-per-step", "4", "--num-generations", "4", "--val-prompts", "4", "--mini-batch-size", "16",
            "--max-new-tokens", "6", "--learning-rate", "1e-3", "--gap-batch", "next", "--rollout-quant", "fp8-sim",
