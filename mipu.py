@@ -75,8 +75,9 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
       steps (1 × 2), each in micro-batches of micro_batch_size; Step 2 samples val_prompts × G
       (32 × 8 = 256); the target rule holds target_holdout × G responses (4 × 8) out of Step 1.
   11. Seeds (`Engine.generator`, `SEED_MUL`): step k's streams (mini-batches, random rejections,
-      data passes) are seed · M + k, a prime M per stream; rollouts use 2k (phase 0) and 2k + 1
-      (Step 2). The toy has one generator.
+      data passes) are seed · M + k, a prime M per stream; rollouts use (2k or, in Step 2, 2k + 1)
+      times the largest call's size, to which `generate` adds i · G + j: no two samples of a run
+      share vLLM's seed. The toy has one generator.
   12. Truncated responses score 0 unless --score-truncated (`sample_reward`); else the final
       answer is compared by math_verify (`reference_reward`).
 
@@ -1188,9 +1189,10 @@ class LLMEngine(Engine):
         return self.sample(self.next_val_rows(self.cfg.val_prompts), self.rollout_seed(1))
 
     def rollout_seed(self, phase: int) -> int:
-        """vLLM's seed of step k's batch (phase 0) or Step-2 rollout (phase 1): implementation
-        detail 11."""
-        return self.cfg.seed * SEED_MUL["rollout"] + 2 * self.step + phase
+        """vLLM's base seed of step k's batch (phase 0) or Step-2 rollout (phase 1): implementation
+        detail 11; % 2**63 keeps it and the offsets within torch's seeds, [0, 2**64)."""
+        size = max(self.cfg.prompts_per_step, self.cfg.val_prompts) * self.cfg.num_generations
+        return (self.cfg.seed * SEED_MUL["rollout"] + 2 * self.step + phase) * size % 2**63
 
     def sample(self, rows: list, seed: int) -> Rollout:
         """G responses per row's prompt from μ (vLLM), rewards, group advantages."""
@@ -2833,7 +2835,7 @@ def check_memory_plan(cfg: TrainConfig) -> float:
 
 # ---- the flags' upper bounds and the host RAM their sizes need: against hostile input, not the method ----
 # Upper bounds of the flags: each reason is its limit_checks message; here what it rests on (python -m toy.limits)
-INT_FLAG_MAX = 2**62      # not 2**63: a sum of two sizes, and Step 2's seed seed * 1_000_003 + 2k + 1, stay in int64
+INT_FLAG_MAX = 2**62      # not 2**63: a sum of two sizes stays in int64
 MIN_TEMPERATURE = 1e-2    # vLLM's _MAX_TEMP: it samples at 0.01 where the trainer would divide by less
 MAX_TEMPERATURE = 1e3     # above it: noise, no policy to learn or evaluate; 1e308 is inf in float32
 SYNC_TOL_MIN = 1.0        # x the start-up gap: 5e-324 would fail every sync

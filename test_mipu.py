@@ -727,6 +727,21 @@ def test_training_rows_pass_order_per_seed_and_step():
     assert sorted(two[:20]) == sorted(two[20:]) == list(range(20)) and two[:20] != two[20:]
 
 
+def test_rollout_seeds_of_a_run_never_repeat():
+    """No two of a run's vLLM samples share a seed (implementation detail 11): generate seeds sample (i, j) of a
+    call base + i * G + j, so steps' and phases' bases must lie a call's size apart (2k + phase lay 1 apart: step k+1's
+    batch reused step k's seeds shifted by two samples). Also at a seed whose bases pass 2**63."""
+    for seed, ppd, val, G in ((0, 16, 32, 8), (7, 5, 3, 4), (mipu.SEED_LIMIT - 1, 16, 32, 8)):
+        eng = mipu.LLMEngine(mipu.Config(seed=seed, prompts_per_step=ppd, val_prompts=val, num_generations=G),
+                             None, None, None, None, [], [])
+        seeds = []
+        for k in range(40):
+            eng.step = k
+            seeds += [eng.rollout_seed(0) + i for i in range(ppd * G)]
+            seeds += [eng.rollout_seed(1) + i for i in range(val * G)]
+        assert len(set(seeds)) == len(seeds) and 0 <= min(seeds) and max(seeds) < 2**64
+
+
 # bf16 engine vs fp32 trainer on the tiny model measured max 0.0096 / mean 0.0016 (step 0);
 # the bounds leave ~5x headroom for other CPUs (AVX2 vs AVX-512 kernels)
 MAX_TOL, MEAN_TOL = 0.05, 0.01
