@@ -29,7 +29,7 @@ from toy import demo
 from toy.collapse_study import collapsed
 
 # preset -> steps. collapse: the demo's horizon (toy.demo.preset_base). collapse-long: 4 x the 250 steps in which
-# grpo collapsed in 16/20 seeds at --toy-lr 0.02, 4 x the default (not measured at the default: toy/RESULTS.md)
+# grpo collapsed in 16/20 seeds at --toy-lr 0.02, 4 x the default (at the default: 1/20, toy/study_collapse-long.md)
 STUDY_PRESETS = {"collapse": demo.preset_base(mipu.Config(), "collapse")["steps"], "collapse-long": 1000,
                  "rare-long": 300}
 # preset -> method -> Adam LR: each method at its own best of `python -m toy.sweep --preset rare-long --methods
