@@ -76,8 +76,8 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
       (32 × 8 = 256); the target rule holds target_holdout × G responses (4 × 8) out of Step 1.
   11. Seeds (`Engine.generator`, `SEED_MUL`): step k's streams (mini-batches, random rejections,
       data passes) are seed · M + k, a prime M per stream; rollouts use (2k or, in Step 2, 2k + 1)
-      times the largest call's size, to which `generate` adds i · G + j: no two samples of a run
-      share vLLM's seed. The toy has one generator.
+      times the largest call's size, to which `generate` adds i · G + j: no two rollout samples of
+      a run share vLLM's seed. The toy has one generator.
   12. Truncated responses score 0 unless --score-truncated (`sample_reward`); else the final
       answer is compared by math_verify (`reference_reward`).
 

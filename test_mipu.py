@@ -730,8 +730,10 @@ def test_training_rows_pass_order_per_seed_and_step():
 def test_rollout_seeds_of_a_run_never_repeat():
     """No two of a run's vLLM samples share a seed (implementation detail 11): generate seeds sample (i, j) of a
     call base + i * G + j, so steps' and phases' bases must lie a call's size apart (2k + phase lay 1 apart: step k+1's
-    batch reused step k's seeds shifted by two samples). Also at a seed whose bases pass 2**63."""
-    for seed, ppd, val, G in ((0, 16, 32, 8), (7, 5, 3, 4), (mipu.SEED_LIMIT - 1, 16, 32, 8)):
+    batch reused step k's seeds shifted by two samples). Also where the bases pass 2**63 and wrap: the largest seed
+    with calls of 1024 x 8."""
+    assert (mipu.SEED_LIMIT - 1) * mipu.SEED_MUL["rollout"] * 1024 * 8 > 2**63      # the last case wraps
+    for seed, ppd, val, G in ((0, 16, 32, 8), (7, 5, 3, 4), (mipu.SEED_LIMIT - 1, 1024, 1024, 8)):
         eng = mipu.LLMEngine(mipu.Config(seed=seed, prompts_per_step=ppd, val_prompts=val, num_generations=G),
                              None, None, None, None, [], [])
         seeds = []
