@@ -206,11 +206,11 @@ def test_toy_command_runs_mipu_step_once_per_step(monkeypatch, capsys):
     assert calls == [mipu.ToyEngine] * 2 and len(capsys.readouterr().out.splitlines()) == 3
 
 
-@pytest.mark.parametrize("kw, message", [(dict(num_generations=1), "--num-generations must be >= 2"),
-                                         (dict(mini_batch_size=0), "--mini-batch-size must be >= 1")])
+@pytest.mark.parametrize("kw, message", [(dict(reject_rate=0.5), "--reject-rate must be in (0, 1) for --method random"),
+                                         (dict(toy_prompts=4), "--prompts-per-step must be <= --toy-prompts")])
 def test_toy_run_applies_the_methods_checks(kw, message):
-    """The Python API validates as the command line does (the method's checks; resource bounds are the harness's)."""
-    cfg = mipu.Config(steps=1, prompts_per_step=8, val_prompts=8, toy_prompts=16, **kw)
+    """The Python API validates as the command line does (the method's checks)."""
+    cfg = mipu.Config(**{**dict(steps=1, prompts_per_step=8, val_prompts=8, toy_prompts=16), **kw})
     with pytest.raises(mipu.MIPUError, match=re.escape(message)):
         mipu.toy_run(cfg, 1.0)
 
@@ -319,7 +319,7 @@ def test_seed_reproduces_run_bit_for_bit(kw, alpha):
 
 @pytest.mark.parametrize("method", ["mipu", "random-rollback"])
 def test_toy_candidate_whose_logits_overflow_is_rejected(method):
-    """A finite θ_{k+1} whose tables are not (toy_lr 1e25, past its bound: the Python API runs unchecked flags) is
+    """A finite θ_{k+1} whose tables are not (toy_lr 1e25) is
     rejected and never synced, as a non-finite one: the run goes on from θ_k, no multinomial error."""
     cfg = mipu.Config(method=method, reject_rate=0.5 * (method != "mipu"), toy_lr=1e25, steps=3, toy_prompts=16,
                       prompts_per_step=8, val_prompts=8)
@@ -328,17 +328,6 @@ def test_toy_candidate_whose_logits_overflow_is_rejected(method):
     assert h[-1]["exact/J_mu"] == h[0]["exact/J_mu"]
     with pytest.raises(mipu.MIPUError, match="step 0: non-finite update, and --method grpo keeps no rollback"):
         mipu.toy_run(dataclasses.replace(cfg, method="grpo", reject_rate=0.0), 1.0)
-    with pytest.raises(mipu.MIPUError, match="toy: the warm-started tables are not finite"):
-        mipu.toy_run(dataclasses.replace(cfg, toy_mismatch=1e39), 1e39)
-
-
-def test_toy_limits_back_the_bounds(monkeypatch):
-    """toy.limits' measurements (2 seeds here): one step at the lr bound ruins J(mu); logits overflow by 1e20; past the
-    headroom bound μ's logits are all FP8's zero."""
-    from toy import limits
-    monkeypatch.setattr(limits, "SEEDS", range(2))
-    assert float(limits.one_step(toy_lr=mipu.TOY_LR_MAX)) < 0.01 and "non-finite update" in limits.one_step(toy_lr=1e20)
-    assert limits.headroom_table().splitlines()[-1] == "| 1e+06 | 0.000 | 1 |" and 1e6 > mipu.TOY_FP8_HEADROOM_MAX
 
 
 # ---- collapse mechanisms (toy flags), the oracle acceptance, --c-se, random-rollback-tis
@@ -569,8 +558,6 @@ def test_toy_study_tiny_budget(tmp_path):
     assert f"; 6 steps, Adam LR {mipu.Config.toy_lr:g}), batch 16x8" in text
     p = run_cli("-m", "toy.study", "--workers", "3")
     assert p.returncode == 2 and "error: --seeds must be >= 2" in p.stderr and "Traceback" not in p.stderr
-    p = run_cli("-m", "toy.study", "--toy-lr", "2")
-    assert p.returncode == 2 and "error: --toy-lr must be in [0, 1]" in p.stderr
 
 
 def test_toy_sweep_tiny_budget(tmp_path):
@@ -732,8 +719,8 @@ def test_rollout_seeds_of_a_run_never_repeat():
     call base + i * G + j, so steps' and phases' bases must lie a call's size apart (2k + phase lay 1 apart: step k+1's
     batch reused step k's seeds shifted by two samples). Also where the bases pass 2**63 and wrap: the largest seed
     with calls of 1024 x 8."""
-    assert (mipu.SEED_LIMIT - 1) * mipu.SEED_MUL["rollout"] * 1024 * 8 > 2**63      # the last case wraps
-    for seed, ppd, val, G in ((0, 16, 32, 8), (7, 5, 3, 4), (mipu.SEED_LIMIT - 1, 1024, 1024, 8)):
+    assert (2**32 - 1) * mipu.SEED_MUL["rollout"] * 1024 * 8 > 2**63      # the last case wraps
+    for seed, ppd, val, G in ((0, 16, 32, 8), (7, 5, 3, 4), (2**32 - 1, 1024, 1024, 8)):
         eng = mipu.LLMEngine(mipu.Config(seed=seed, prompts_per_step=ppd, val_prompts=val, num_generations=G),
                              None, None, None, None, [], [])
         seeds = []
@@ -1687,8 +1674,8 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     from transformers import AutoTokenizer
 
     rank, world = mipu.rank_world()
-    loads, load = [], mipu.load_checked_trainer                  # who reads the weight files
-    mipu.load_checked_trainer = lambda *args, **kwargs: loads.append(rank) or load(*args, **kwargs)
+    loads, load = [], mipu.trainer_from_folder                   # who reads the weight files
+    mipu.trainer_from_folder = lambda *args, **kwargs: loads.append(rank) or load(*args, **kwargs)
     run = mipu.setup_llm_run(_two_rank_cfg(model_dir, out))
     # 1. one Step-1 update on the fixed batch: this rank's half of it
     ro = _fixed_batch(AutoTokenizer.from_pretrained(model_dir)).select(torch.arange(rank * 8, rank * 8 + 8))
@@ -1802,11 +1789,6 @@ def test_world_size_must_divide_prompts(monkeypatch):
 
 # ---------------------------------------------------------------- HARNESS: data and the sandboxed reward
 
-@pytest.mark.parametrize("timeout", [math.inf, math.nan, 0.0, "5", True])
-def test_math_reward_bad_timeout_one_error(timeout):
-    with pytest.raises(mipu.MIPUError, match=re.escape("math_reward: timeout must be in (0, 2.14748e+06] seconds")):
-        mipu.math_reward(r"\boxed{x+1}", "1+x", timeout=timeout)      # no OverflowError / ValueError from poll()
-
 
 def _write(path, text: str) -> str:
     path.write_text(text)
@@ -1838,16 +1820,8 @@ def test_load_rows_jsonl_keeps_text_and_numbers_exact(tmp_path):
     ('{"prompt": "a", "answer": "1"}\n{bad json\n', r"b\.jsonl:2: malformed JSON"),
     ('[1, 2]\n', r"b\.jsonl:1: row is a list"),
     ('{"prompt": "a", "ans": "1"}\n', r"b\.jsonl:1: missing key 'answer'; keys present: \['ans', 'prompt'\]"),
-    ('{"prompt": "  ", "answer": "1"}\n', r"b\.jsonl:1: prompt key 'prompt' is empty"),
-    ('{"prompt": "a", "answer": ""}\n', r"b\.jsonl:1: answer key 'answer' is empty"),
+    ('{"prompt": 1, "answer": "1"}\n', r"b\.jsonl:1: prompt key 'prompt' is not a string"),
     ('\n\n', r"is empty"),
-    ('{"prompt": "a", "answer": ' + "[" * 200_000 + "]" * 200_000 + '}\n', r"b\.jsonl:1: malformed JSON \(nested too"),
-    ('{"prompt": "1+\\ud800=", "answer": "1"}\n', r"b\.jsonl:1: the prompt or answer holds a lone surrogate"),
-    ('{"prompt": "a", "answer": "\\udfff"}\n', r"b\.jsonl:1: the prompt or answer holds a lone surrogate"),
-    ('{"prompt": "a", "answer": NaN}\n', r"b\.jsonl:1: answer key 'answer' is empty or not a string or number \(fin"),
-    ('{"prompt": "a", "answer": -Infinity}\n', r"b\.jsonl:1: answer key 'answer' .* \(finite, .*: -Infinity"),
-    ('{"prompt": "a", "answer": 1e999999999999}\n', r"b\.jsonl:1: answer key .* at most 20000 digits"),  # no MemoryError
-    ('{"prompt": "a", "answer": "1", "prompt": "b"}\n', r"b\.jsonl:1: the key 'prompt' appears twice in one object"),
 ])
 def test_load_rows_errors(tmp_path, text, match):
     src = _write(tmp_path / "b.jsonl", text)
@@ -1932,10 +1906,7 @@ def test_load_rows_datasets_formats_and_splits(tmp_path, offline_datasets):
 
 @pytest.mark.parametrize("rows, match", [
     ([{"prompt": "a", "ans": "1"}], r":row 0: missing key 'answer'; keys present: \['ans', 'prompt'\]"),
-    ([{"prompt": "a", "answer": "1"}, {"prompt": "  ", "answer": "1"}], r":row 1: prompt key 'prompt' is empty"),
-    ([{"prompt": "a", "answer": ""}], r":row 0: answer key 'answer' is empty"),
-    ([{"prompt": "a", "answer": None}], r":row 0: answer key 'answer' is empty"),
-    ([{"prompt": "a", "answer": float("nan")}], r":row 0: answer key 'answer' .* number \(finite, .*: nan"),
+    ([{"prompt": "a", "answer": "1"}, {"prompt": None, "answer": "1"}], r":row 1: prompt key 'prompt' is not a str"),
 ])
 @pytest.mark.parametrize("fmt", ["parquet", "save_to_disk", "save_to_disk dict", "hub folder"])
 def test_load_rows_datasets_errors_match_jsonl(tmp_path, offline_datasets, rows, match, fmt):
@@ -2152,8 +2123,8 @@ def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_pa
     data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n'
                   + json.dumps({"prompt": "1+" * 100 + "1=", "answer": "101"}) + "\n")
     cfg = mipu.TrainConfig(model=model_dir, max_model_len=64, max_new_tokens=8).validate()
-    with pytest.raises(mipu.MIPUError, match="1 of 2 prompts .the first: row 1. leave no room for a new token in "
-                                             "the 64-token context"):
+    with pytest.raises(mipu.MIPUError, match="1 of 2 prompts .the first: row 1. leave no room for --max-new-tokens 8 "
+                                             "in the 64-token context"):
         mipu.load_prompts(cfg, tokenizer, data)
     rows = mipu.load_prompts(dataclasses.replace(cfg, drop_long_prompts=True), tokenizer, data)
     assert rows == [{"prompt": "1+1=", "answer": "2"}]
@@ -2164,76 +2135,20 @@ def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_pa
     assert mipu.load_prompts(cfg, tokenizer, short) == [{"prompt": "1+1=", "answer": "2"}]
     with pytest.raises(mipu.MIPUError, match="1 of 1 prompts"):
         mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix="=1"), tokenizer, short)
-    with pytest.raises(mipu.MIPUError, match="with --prompt-suffix makes a 1-character prompt 22 tokens: no room"):
-        mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix=" (answer as a number)"), tokenizer, short)
 
 
 def test_load_prompts_refuses_more_new_tokens_than_the_context_holds(model_dir, tokenizer, tmp_path):
     """--max-new-tokens past the context left by the longest prompt: refused (vLLM would cut the responses there,
-    silently), naming the new tokens, the longest prompt and the context; --drop-long-prompts drops those prompts."""
+    silently), naming the new tokens, the first such prompt and the context; --drop-long-prompts drops those prompts."""
     data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "11+11=", "answer": "22"}\n')
     longest = len(mipu.build_prompt_ids(tokenizer, "11+11="))
     cfg = mipu.TrainConfig(model=model_dir, max_new_tokens=256 - longest + 1).validate()
-    with pytest.raises(mipu.MIPUError, match=re.escape(f"--max-new-tokens {256 - longest + 1} + the longest prompt's "
-                                                       f"{longest} tokens (row 1) exceed the 256-token context")):
+    with pytest.raises(mipu.MIPUError, match=re.escape(f"1 of 2 prompts (the first: row 1) leave no room for "
+                                                       f"--max-new-tokens {256 - longest + 1} in the 256-token context")):
         mipu.load_prompts(cfg, tokenizer, data)
     assert mipu.load_prompts(dataclasses.replace(cfg, drop_long_prompts=True), tokenizer, data) == [
         {"prompt": "1+1=", "answer": "2"}]
     assert len(mipu.load_prompts(dataclasses.replace(cfg, max_new_tokens=256 - longest), tokenizer, data)) == 2
-
-
-def test_load_prompts_refuses_a_huge_prompt_untokenized(model_dir, tokenizer, tmp_path):
-    """A prompt of more characters than the context's tokens can spell is refused before tokenizing (a 3 MB line
-    took 7.6 s to tokenize here; 50 MB took minutes and GBs)."""
-    data = _write(tmp_path / "big.jsonl", '{"prompt": "1+1=", "answer": "2"}\n'
-                  + json.dumps({"prompt": "1+" * 1_500_000 + "1=", "answer": "1"}) + "\n")
-
-    class Guarded:  # the real tokenizer, which must not be handed the 3 MB prompt
-        def __getattr__(self, name):
-            return getattr(tokenizer, name)
-
-        def encode(self, text, **kw):
-            assert len(text) < 10_000, "the huge prompt was tokenized"
-            return tokenizer.encode(text, **kw)
-
-    with pytest.raises(mipu.MIPUError, match=r"1 of 2 prompts \(the first: row 1\) leave no room"):
-        mipu.load_prompts(mipu.TrainConfig(model=model_dir).validate(), Guarded(), data)
-
-
-LOOP_TEMPLATE = "{% for i in range(100000) %}x{% endfor %}{{ messages[0]['content'] }}"   # 100,000 characters
-
-
-@pytest.mark.parametrize("template, config, kw, message", [
-    ("{{ raise_exception('only user turns') }}", {}, {}, "its chat template fails: TemplateError: only user turns"),
-    ("{% for m in messages %}{{ m.content }", {}, {}, "its chat template fails: TemplateSyntaxError: unexpected '}'"),
-    ("{{ messages.__class__.__mro__ }}", {}, {}, "its chat template fails: SecurityError: access to attribute "
-                                                 "'__class__' of 'list' object is unsafe"),
-    ("{{ '' }}", {}, {}, "its chat template renders an empty prompt"),
-    (LOOP_TEMPLATE, {}, {}, "its chat template with --prompt-suffix makes a 1-character prompt longer: no room"),
-    (None, {}, {"prompt_suffix": "x" * 100_000}, "--prompt-suffix is 100000 characters: more than the 256-token"),
-    (None, {}, {"prompt_suffix": "\udcff"}, "--prompt-suffix is not UTF-8 text"),
-    (None, {"max_position_embeddings": 10**9}, {"max_model_len": 0},
-     "one sequence of its 1000000000-token context needs 477 GiB of KV cache, more than vLLM's 1 GiB"),
-])
-def test_load_prompts_bad_template_suffix_or_context(model_dir, tmp_path, monkeypatch, template, config, kw, message):
-    """A chat template that fails, renders nothing or writes 100,000 characters, a 100 KB or non-UTF-8
-    --prompt-suffix, a context whose KV cache cannot fit: one MIPUError naming it, found on one rendered prompt
-    (not after templating and tokenizing every row), before any engine."""
-    folder = tmp_path / "model"
-    shutil.copytree(model_dir, folder)
-    if template is not None:
-        (folder / "chat_template.jinja").write_text(template)
-    _edit_config(**config)(folder)
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    tokenizer = mipu.load_pretrained("AutoTokenizer", str(folder))
-    calls = []
-    for name in ("apply_chat_template", "encode"):
-        real = getattr(tokenizer, name)
-        monkeypatch.setattr(tokenizer, name, lambda *a, _f=real, **k: calls.append(1) or _f(*a, **k))
-    cfg = mipu.TrainConfig(model=str(folder), **{"max_model_len": 256, **kw}).validate()
-    with pytest.raises(mipu.MIPUError, match=re.escape(message)):
-        mipu.load_prompts(cfg, tokenizer, str(ARITH))
-    assert len(calls) <= 2                                  # one prompt rendered and tokenized at most
 
 
 def test_load_eval_sets_names_sets_with_one_stem_apart(model_dir, tmp_path):
@@ -2265,12 +2180,6 @@ def test_reward_memory_flag_reaches_the_worker():
     assert mipu.worker_score(cfg).keywords == {"timeout": 2.0, "memory_mb": 300}       # train's rollouts and eval's
     with pytest.raises(mipu.MIPUError, match=r"--reward-memory must be >= 1 \(MB\)"):
         mipu.TrainConfig(reward_memory=0).validate()
-
-
-@pytest.mark.parametrize("memory_mb", ["300", 0, 2.5, True])
-def test_math_reward_bad_memory_one_error(memory_mb):
-    with pytest.raises(mipu.MIPUError, match=re.escape("math_reward: memory_mb must be a whole number >= 1 (MB)")):
-        mipu.math_reward(r"\boxed{x+1}", "1+x", memory_mb=memory_mb)
 
 
 # ---------------------------------------------------------------- HARNESS: checkpoints, resume, the run directory, metrics
@@ -2389,18 +2298,6 @@ def test_output_dir_deletes_only_the_runs_temporary_names(tmp_path):
 def test_output_dir_name_too_long_is_one_error(tmp_path):
     with pytest.raises(mipu.MIPUError, match=r"--output-dir .* is not a writable directory \(File name too long\)"):
         mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(tmp_path / ("x" * 300))).validate())
-
-
-def test_resume_refuses_metrics_that_are_not_text_at_start(tmp_path):
-    """--resume with a metrics.jsonl that is not UTF-8: refused when the run claims its folder (before the engines),
-    and by keep_metrics_before as one error (no UnicodeDecodeError)."""
-    (tmp_path / "checkpoint-000001").mkdir()
-    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 0}\n\xff\n')
-    cfg = mipu.TrainConfig(output_dir=str(tmp_path), resume=True)
-    with pytest.raises(mipu.MIPUError, match=r"metrics.jsonl: not UTF-8 text \(byte 12\)"):
-        mipu.claim_output_dir(cfg)
-    with pytest.raises(mipu.MIPUError, match=r"metrics.jsonl: not UTF-8 text \(byte 12\)"):
-        mipu.keep_metrics_before(tmp_path / "metrics.jsonl", 1)
 
 
 @pytest.mark.parametrize("name, make", [
@@ -2637,14 +2534,6 @@ def _edit_state(ckpt, edit):
     torch.save(edit(state), ckpt / "trainer_state.pt")
 
 
-def _edit_weights(ckpt, edit):
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(ckpt / "model.safetensors")
-    edit(weights)
-    save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
-
-
 def _only_bin(ckpt):
     from safetensors.torch import load_file
 
@@ -2652,95 +2541,12 @@ def _only_bin(ckpt):
     (ckpt / "model.safetensors").unlink()
 
 
-def _wrong_shape_optimizer(ckpt):
-    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
-    opt["state"]["model.norm.weight"] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3),
-                                         "exp_avg_sq": torch.zeros(3)}
-    torch.save(opt, ckpt / "optimizer.pt")
-
-
-def _optimizer_entry(ckpt, exp_avg_sq):
-    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
-    opt["state"]["model.norm.weight"] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(128),
-                                         "exp_avg_sq": torch.full((128,), exp_avg_sq)}
-    torch.save(opt, ckpt / "optimizer.pt")
-
-
-def _edit_groups(ckpt, **kw):
-    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
-    opt["param_groups"][0].update(kw)
-    torch.save(opt, ckpt / "optimizer.pt")
-
-
-def _state_of_no_weight(ckpt):
-    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
-    opt["state"]["model.nosuch.weight"] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3),
-                                           "exp_avg_sq": torch.zeros(3)}
-    torch.save(opt, ckpt / "optimizer.pt")
-
-
-def _three_layers(weights):
-    weights.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in weights.items() if "layers.1." in k})
-
-
 @pytest.mark.parametrize("damage, message", [
-    (lambda c: _edit_state(c, lambda s: {k: v for k, v in s.items() if k != "rejections"}),
-     "trainer_state.pt: refused or damaged .missing or of the wrong type: rejections"),
-    (lambda c: _edit_state(c, lambda s: {**s, "step": "1"}), "trainer_state.pt: .* wrong type: step"),
-    (lambda c: _edit_state(c, lambda s: {**s, "torch_rng": s["torch_rng"][:100]}), "trainer_state.pt: refused"),
-    (lambda c: _edit_state(c, lambda s: {**s, "numpy_rng": ["MT19937", [1, 2], 0, 0, 0.0]}),
-     "trainer_state.pt: refused"),
     (lambda c: _edit_state(c, lambda s: list(s.values())), "trainer_state.pt: refused or damaged"),
-    (lambda c: _edit_state(c, lambda s: {k: v for k, v in s.items() if k != "config"}), "wrong type: config"),
     (_only_bin, None),                      # resumes: transformers reads the .bin with weights_only=True
-    (lambda c: _edit_weights(c, lambda w: w.update({"model.norm.weightX": w.pop("model.norm.weight")})),
-     "checkpoint-000001: its weight files do not fit its config.json: .*model.norm.weight"),
-    (lambda c: _edit_weights(c, lambda w: w.update({"model.norm.weight": w["model.norm.weight"][:64]})),
-     "checkpoint-000001: its weight files do not fit .*mismatched_keys"),
-    (lambda c: _edit_weights(c, _three_layers), "checkpoint-000001: its weight files do not fit .*layers.2"),
-    (_wrong_shape_optimizer, "optimizer.pt: refused or damaged .its tensors' shapes are not the weights'"),
-    (lambda c: torch.save([1.0], c / "optimizer.pt"), "optimizer.pt: refused or damaged .not a dict"),
-    (lambda c: torch.save({}, c / "optimizer.pt"), "optimizer.pt: refused or damaged"),
-    # values in range, before the engines (each of these failed after they started, or trained on nonsense)
-    (lambda c: _edit_state(c, lambda s: {**s, "order": [10**9] + list(range(1, 512))}),
-     "trainer_state.pt: refused: order = .* is not a permutation of the 512 training rows' indices"),
-    (lambda c: _edit_state(c, lambda s: {**s, "pending": {"prompt_ids": [[1]]}}),
-     "trainer_state.pt: refused: pending = .* is not None or a batch of 16 responses of token ids below 64"),
-    (lambda c: _edit_state(c, lambda s: {**s, "probe": ([1, 2], [999999])}),
-     r"trainer_state.pt: refused: probe = \(\[1, 2\], \[999999\]\) is not \(prompt, response\) token ids below"),
-    (lambda c: _edit_state(c, lambda s: {**s, "step": -1}), "trainer_state.pt: refused: step = -1 is not 1, the step "
-                                                             "of its folder's name"),
-    # issue 31: edits that were accepted (re-ran from another step, turned a check off, or trained on nonsense)
-    (lambda c: _edit_state(c, lambda s: {**s, "step": 0}), "refused: step = 0 is not 1, the step of its folder's name"),
-    (lambda c: _edit_state(c, lambda s: {**s, "probe": ([], s["probe"][1])}), r"refused: probe = .* is not \(prompt, "
-                                                                              r"response\) token ids .* neither empty"),
-    (lambda c: _edit_state(c, lambda s: {**s, "probe": ([1] * 300, s["probe"][1])}),
-     "refused: probe = .* at most the 256-token context in all"),
-    (lambda c: _edit_state(c, lambda s: {**s, "probe_gap0": 1e308}),
-     r"refused: probe_gap0 = 1e\+308 is not in \[0, 0\.25\]"),
-    (lambda c: _edit_state(c, lambda s: {**s, "config": {k: v for k, v in s["config"].items() if k != "clip_eps"}}),
-     "--resume: the run's saved config has no clip_eps .an edited trainer_state.pt.*--clip-eps could not be checked"),
-    (lambda c: _edit_groups(c, betas=(1.5, 0.999)), r"optimizer.pt: refused: param_groups' \{'betas': \(1.5, 0.999\)"),
-    (lambda c: _edit_groups(c, eps=math.nan), r"optimizer.pt: refused: param_groups' .*'eps': nan"),
-    (lambda c: _edit_groups(c, weight_decay=1e30), r"optimizer.pt: refused: param_groups' .*'weight_decay': 1e\+30"),
-    (_state_of_no_weight, "optimizer.pt: refused or damaged .state for 'model.nosuch.weight', no weight of the model"),
-    (lambda c: _edit_state(c, lambda s: {**s, "rejections": 2}), "refused: rejections = 2 is not in \\[0, step\\]"),
-    (lambda c: _edit_state(c, lambda s: {**s, "reward_timeouts": -1}), "refused: reward_timeouts = -1 is not >= 0"),
-    (lambda c: _edit_state(c, lambda s: {**s, "data_pos": 5}), "refused: data_pos = 5 is not in \\[0, len\\(order"),
-    (lambda c: _edit_state(c, lambda s: {**s, "val_pos": -1}), "refused: val_pos = -1 is not in \\[0, 128\\)"),
-    (lambda c: _edit_state(c, lambda s: {**s, "pending_rows": [1, 2]}), "refused: pending_rows = \\[1, 2\\] is not"),
-    (lambda c: _edit_state(c, lambda s: {**s, "probe_gap0": float("nan")}), r"refused: probe_gap0 = nan is not in \["),
-    (lambda c: _edit_weights(c, lambda w: w.update({k: v.half() for k, v in w.items()})),
-     "model.safetensors: refused: .* is F16, the run's weights are F32 .--train-dtype float32"),
-    (lambda c: _edit_weights(c, lambda w: w.update({k: (v * 100).int() for k, v in w.items()})),
-     "model.safetensors: refused: .* is I32, the run's weights are F32"),
-    (lambda c: _optimizer_entry(c, float("nan")), "optimizer.pt: refused: model.norm.weight's exp_avg_sq is not "
-                                                  "finite and >= 0 .a start that never trains"),
-    (lambda c: _optimizer_entry(c, -1.0), "optimizer.pt: refused: model.norm.weight's exp_avg_sq is not finite and"),
 ])
 def test_resume_refuses_an_edited_checkpoint(llm, model_dir, tmp_path, tokenizer, damage, message):
-    """An edited or damaged checkpoint is one MIPUError naming its file, raised before the engines are used;
-    a renamed or reshaped tensor is never silently random-initialised."""
+    """A damaged checkpoint is one MIPUError naming its file, raised before the engines are used."""
     from transformers import AutoModelForCausalLM
 
     cfg = llm_cfg(model_dir, tmp_path, method="grpo")
@@ -2967,95 +2773,18 @@ def test_step_flops_count_the_head_once_with_checkpointing():
 # ---------------------------------------------------------------- HARNESS: TrainConfig and the command line, as a user runs it
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(num_generations=1), "num-generations"),
     (dict(method="grpo", accept_rule="target"), "accept-rule target"),
     (dict(method="tis", reject_rate=0.3), "reject-rate"),
-    (dict(w_max=0.5), "w-max"),
-    (dict(temperature=0.0), "--temperature must be > 0"),
-    (dict(gpu_memory_utilization=1.5), "gpu-memory-utilization"),
-    (dict(gpu_memory_utilization="most"), "--gpu-memory-utilization must be auto or a number in"),
-    (dict(gpu_memory_utilization="nan"), "--gpu-memory-utilization must be auto or a number in"),
-    (dict(c=float("nan")), "--c must be a finite number"),
-    (dict(max_grad_norm=float("inf")), "--max-grad-norm must be a finite number"),
-    (dict(learning_rate=float("inf")), "--learning-rate must be a finite number"),
-    (dict(temperature=float("inf")), "--temperature must be a finite number"),
-    (dict(weight_decay=float("nan")), "--weight-decay must be a finite number"),
-    (dict(weight_decay=-0.1), "--weight-decay must be >= 0"),
-    (dict(max_grad_norm=0.0), "--max-grad-norm must be > 0"),
     (dict(resume=True, overwrite=True), "--resume and --overwrite exclude each other"),
     (dict(method="random-rollback"), r"--reject-rate must be in \(0, 1\) for --method random-rollback"),  # else grpo
     (dict(method="random-rollback-tis", reject_rate=1.0), r"--reject-rate must be in \(0, 1\)"),
-    (dict(seed=-1), r"--seed must be in \[0, 4294967295\]"),            # vLLM seeds numpy with it
-    (dict(seed=2**32), r"--seed must be in \[0, 4294967295\]"),
-    (dict(reward_timeout=1e10), r"--reward-timeout must be in \[0.001, 2.14748e\+06\] seconds"),   # poll()'s limit
-    (dict(reward_timeout=0.0), r"--reward-timeout must be in \[0.001, "),
-    (dict(method="ppo"), r"--method must be one of"),                         # the Python API: no KeyError
-    (dict(toy_mismatch=-0.5), r"--toy-mismatch must be >= 0 \(or -1"),         # not an alpha of -0.5
-    (dict(toy_dim=0), "--toy-dim must be >= 1"),
-    # issue 31: bounds that were missing (each value was accepted silently)
-    (dict(eval_samples=2**62), "--eval-samples x --max-new-tokens"),
-    (dict(temperature=1e308), "--temperature must be <= 1000"),
-    (dict(eval_temperature=1e308), "--eval-temperature must be <= 1000"),
-    (dict(sync_tol=5e-324), "--sync-tol must be >= 1"),
-    (dict(reward_timeout=5e-324), r"--reward-timeout must be in \[0.001, 2.14748e\+06\] seconds"),
     (dict(report_to=","), "--report-to takes tensorboard, wandb"),
     (dict(report_to="tensorboard,"), "--report-to takes tensorboard, wandb"),
     (dict(prompt_key="q", answer_key="q"), "--prompt-key and --answer-key must differ"),
-    (dict(toy_fp8_headroom=1e-30), "--toy-fp8-headroom must be >= 4.35965e-06"),
 ])
 def test_bad_config(kw, message):
     with pytest.raises(mipu.MIPUError, match=message):
         mipu.TrainConfig(**kw).validate()
-
-
-@pytest.mark.parametrize("kw, message", [
-    (dict(steps="10"), "--steps must be an integer, not str '10'"),               # types: at construction
-    (dict(c="0.1"), "--c must be a number, not str '0.1'"),
-    (dict(seed=None), "--seed must be an integer, not NoneType None"),
-    (dict(c=10**400), "--c must be a finite number, not an int of 1329 bits"),    # no OverflowError
-    (dict(num_generations=2.5), "--num-generations must be an integer, not float 2.5"),
-    (dict(steps=10.0), "--steps must be an integer, not float 10.0"),              # as the flag's text "10.0"
-    (dict(seed=True), "--seed must be an integer, not bool True"),
-    (dict(c=False), "--c must be a number, not bool False"),
-    (dict(lr_decay=1), "--lr-decay must be True or False, not int 1"),
-    (dict(output_dir=5), "--output-dir must be text, not int 5"),
-    (dict(method=None), "--method must be text, not NoneType None"),
-    (dict(gpu_memory_utilization=True), "--gpu-memory-utilization must be auto or a number, not bool True"),
-    (dict(max_model_len=-5), "--max-model-len must be >= 0"),                      # ranges: in validate
-    (dict(target_holdout=-1), "--target-holdout must be >= 0"),
-    (dict(micro_batch_size=10**20), "--micro-batch-size must be <= 2**62 (torch's sizes"),
-    (dict(steps=10**20), "--steps must be <= 2**62"),
-    (dict(logprob_chunk=2**63), "--logprob-chunk must be <= 2**62"),
-    (dict(temperature=1e-300), "--temperature must be >= 0.01: vLLM raises a smaller one"),
-    (dict(temperature=0.005), "--temperature must be >= 0.01"),
-    (dict(toy_mismatch=1e300), "--toy-mismatch must be <= 100: beyond it log pi - log mu"),
-    (dict(toy_lr=1e38), "--toy-lr must be <= 1: an Adam step"),
-    (dict(toy_fp8_headroom=1e300), "--toy-fp8-headroom must be <= 229376 (448 / 2**-9)"),
-    (dict(toy_vocab=10**5), "--toy-vocab V, --toy-dim d, --prompts-per-step, --val-prompts, --num-generations: "
-                            "the toy's tables"),
-    (dict(toy_dim=10**6), "the toy's tables [P, H, V+1, V], hidden layer [P, H, V+1, d], weights and rollouts"),
-    (dict(val_prompts=10**9), "the toy's tables"),
-    (dict(toy_prompts=2**62, toy_horizon=2**62), "the toy's tables"),              # no float overflow in the message
-    (dict(output_dir=""), "--output-dir must not be empty"),
-])
-def test_bad_config_types_and_bounds(kw, message):
-    with pytest.raises(mipu.MIPUError, match=re.escape(message)):
-        mipu.TrainConfig(**kw).validate()
-
-
-def test_config_numbers_take_their_fields_type():
-    """An int is a number (and becomes a float), a numpy int an int, --gpu-memory-utilization's text or number a
-    float; the LLM's rollout bound counts a response up to --max-model-len when that is shorter."""
-    cfg = mipu.TrainConfig(c=1, seed=np.int64(3), toy_lr=np.float32(0.5), gpu_memory_utilization="0.5").validate()
-    assert (type(cfg.c), type(cfg.seed), type(cfg.toy_lr), cfg.gpu_memory_utilization) == (float, int, float, 0.5)
-    assert mipu.TrainConfig(gpu_memory_utilization=1).validate().gpu_memory_utilization == 1.0
-    assert mipu.TrainConfig(steps=2**62, toy_mismatch=100, toy_fp8_headroom=229376, temperature=0.01).validate()
-
-    def rollout_ok(**kw):
-        return [ok for ok, message in mipu.TrainConfig(**kw).checks("train") if "rollout tokens" in message]
-
-    assert rollout_ok(max_new_tokens=2**40) == [False]
-    assert rollout_ok(max_new_tokens=2**40, max_model_len=4096) == [True]
 
 
 def test_bad_model_path_and_fp8_on_cpu(tmp_path):
@@ -3063,13 +2792,11 @@ def test_bad_model_path_and_fp8_on_cpu(tmp_path):
         with pytest.raises(mipu.MIPUError, match="unknown model path"):
             mipu.model_folder(bad)
         with pytest.raises(mipu.MIPUError, match="unknown model path"):
-            mipu.load_trainer(bad, "float32", "cpu", load=mipu.load_checked_trainer)
+            mipu.load_trainer(bad, "float32", "cpu", load=mipu.trainer_from_folder)
     with pytest.raises(mipu.MIPUError, match="trainer dtype"):
         mipu.load_trainer(str(tmp_path), "fp8", "cpu")
     with pytest.raises(mipu.MIPUError, match="no config.json"):
-        mipu.load_trainer(str(tmp_path), "float32", "cpu", load=mipu.load_checked_trainer)
-    with pytest.raises(mipu.MIPUError, match="must be one of"):
-        mipu.TrainConfig(model=str(tmp_path), rollout_quant="int4").validate()
+        mipu.load_trainer(str(tmp_path), "float32", "cpu", load=mipu.trainer_from_folder)
     if not torch.cuda.is_available():
         with pytest.raises(mipu.MIPUError, match="fp8 needs a GPU.*fp8-sim"):
             mipu.TrainConfig(model=str(tmp_path), rollout_quant="fp8").validate()
@@ -3082,7 +2809,6 @@ def run_cli(*args, timeout=600):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["toy", "--num-generations", "1"], "error: --num-generations must be >= 2"),
     (["toy", "--method", "ppo"], "invalid choice: 'ppo'"),
     (["toy", "--steps", "many"], "invalid int value: 'many'"),
     (["toy", "--method", "tis", "--accept-rule", "target"], "error: --accept-rule target only applies"),
@@ -3090,7 +2816,6 @@ def run_cli(*args, timeout=600):
     (["train", "--accept-rule", "oracle", "--prompts-per-step", "2"], "error: --accept-rule oracle and --c-se are toy"),
     (["toy", "--method", "random-rollback"], "error: --reject-rate must be in (0, 1) for --method random-rollback"),
     (["-m", "toy.demo", "--presets", "none,bad"], "error: unknown --presets bad"),
-    (["-m", "toy.demo", "--num-generations", "1"], "error: --num-generations must be >= 2"),
 ])
 def test_cli_bad_input_one_clear_error(args, message):
     p = run_cli(*args)
@@ -3098,49 +2823,7 @@ def test_cli_bad_input_one_clear_error(args, message):
     assert message in p.stderr and "Traceback" not in p.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["toy", "--toy-mismatch", "1e300"], "error: --toy-mismatch must be <= 100"),
-    (["toy", "--toy-lr", "1e38"], "error: --toy-lr must be <= 1"),
-    (["toy", "--toy-fp8-headroom", "1e300"], "error: --toy-fp8-headroom must be <= 229376"),
-    (["toy", "--toy-vocab", "100000"], "error: --toy-prompts P, --toy-horizon H, --toy-vocab V"),
-    (["toy", "--toy-dim", "1000000"], "error: --toy-prompts P, --toy-horizon H, --toy-vocab V"),
-    (["toy", "--val-prompts", "1000000000"], "error: --toy-prompts P, --toy-horizon H, --toy-vocab V"),
-    (["toy", "--steps", str(10**20)], "error: --steps must be <= 2**62"),
-    (["toy", "--prompts-per-step", str(10**20)], "error: --prompts-per-step must be <= 2**62"),
-    (["toy", "--prompts-per-step", "40"], "error: --prompts-per-step must be <= --toy-prompts (32): a toy step"),
-    (["eval", "--eval-temperature", "0.001"], "error: --eval-temperature must be 0 (greedy) or >= 0.01"),
-    (["train", "--micro-batch-size", str(10**20)], "error: --micro-batch-size must be <= 2**62"),
-    (["train", "--mini-batch-size", str(10**20)], "error: --mini-batch-size must be <= 2**62"),
-    (["train", "--max-new-tokens", str(2**40)], "rollout tokens a step: at full length at least"),
-    (["train", "--temperature", "1e-300"], "error: --temperature must be >= 0.01"),
-    (["train", "--output-dir", ""], "error: --output-dir must not be empty"),
-])
-def test_cli_huge_sizes_and_degenerate_values_one_clear_error(args, message):
-    p = run_cli(*args, timeout=300)               # before any engine: a few seconds
-    assert p.returncode == 2, p.stderr[-2000:]
-    assert message in p.stderr and "Traceback" not in p.stderr and len(p.stderr.splitlines()) == 1
-
-
 TORCHRUN_REST = {"LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-
-
-@pytest.mark.parametrize("env, message", [
-    ({"WORLD_SIZE": "0"}, "error: RANK='0', WORLD_SIZE='0' in the environment"),
-    ({"WORLD_SIZE": "abc"}, "error: RANK='0', WORLD_SIZE='abc' in the environment"),
-    ({"WORLD_SIZE": "\uff12", "RANK": "0", **TORCHRUN_REST}, "error: RANK='0', WORLD_SIZE='\uff12' in the environment"),
-    ({"WORLD_SIZE": "2", "RANK": "5", **TORCHRUN_REST}, "WORLD_SIZE='2' in the environment: torchrun's whole numbers "
-                                                        "expected, 0 <= RANK < WORLD_SIZE"),
-    ({"WORLD_SIZE": "1"}, "error: WORLD_SIZE is set but not RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: launch"),
-    ({"WORLD_SIZE": "1", "RANK": "0", **TORCHRUN_REST, "MASTER_PORT": "x"}, "MASTER_PORT='x' in the environment"),
-    ({"WORLD_SIZE": "1", "RANK": "0", **TORCHRUN_REST, "MASTER_PORT": "70000"},
-     "error: MASTER_PORT='70000' in the environment: a TCP port in [0, 65535] expected"),
-])
-def test_cli_bad_torchrun_environment_one_clear_error(monkeypatch, env, message):
-    """WORLD_SIZE without the rest of torchrun's variables, RANK past WORLD_SIZE, a full-width digit: one line."""
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    p = run_cli("train", "--steps", "1")       # the toy runs in one process: it never reads them
-    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
 
 
 def _edit_config(**kw):
@@ -3158,14 +2841,6 @@ def _edit_config(**kw):
                                                                   "file at '{folder}/config.json' is not a valid JSON"),
     (lambda folder: (folder / "tokenizer.json").write_text("{oops"), "AutoTokenizer: JSONDecodeError: Expecting"),
     (lambda folder: (folder / "tokenizer.json").write_text('{"model": {}}'), "AutoTokenizer: KeyError: 'added_tokens'"),
-    (lambda folder: [f.unlink() for f in folder.glob("tokenizer*")], "no tokenizer files"),
-    (lambda folder: (folder / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}"),
-     "its chat template fails: SecurityError: access to attribute '__class__' of 'list' object is unsafe"),
-    (lambda folder: (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"model.norm.weight": "../../../etc/passwd"}})),
-     "model.safetensors.index.json names '../../../etc/passwd': not a file in the model folder"),
-    (_edit_config(max_position_embeddings=10**9), "one sequence of its 1000000000-token context needs 477 GiB of KV "
-                                                  "cache, more than vLLM's 1 GiB (VLLM_CPU_KVCACHE_SPACE)"),
 ])
 def test_cli_bad_model_folder_one_clear_error(model_dir, tmp_path, edit, message):
     folder = tmp_path / "model"
@@ -3185,34 +2860,12 @@ def _planted_bin(folder, marker):
     torch.save({**weights, "payload": _Payload(str(marker))}, folder / "pytorch_model.bin")
 
 
-ENDLESS_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-                    "{{ messages[0]['content'] }}")      # 10^10 iterations: renders for ever, writes nothing
-
-
 @pytest.mark.parametrize("command, edit, message", [
-    ("train", lambda folder: (folder / "chat_template.jinja").write_text(ENDLESS_TEMPLATE),
-     "its chat template did not render a prompt within 5 s"),
-    ("eval", lambda folder: (folder / "chat_template.jinja").write_text(ENDLESS_TEMPLATE),
-     "its chat template did not render a prompt within 5 s"),
-    ("train", lambda folder: (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"model.norm.weight": "../../../etc/passwd"}})),
-     "model.safetensors.index.json names '../../../etc/passwd': not a file in the model folder"),
-    ("train", lambda folder: _edit_weights(folder, lambda w: w.update({k: v.to(torch.int8) for k, v in w.items()})),
-     "model.safetensors: refused: model.embed_tokens.weight is I8: without a quantization_config in config.json"),
-    ("eval", lambda folder: _edit_weights(folder, lambda w: w.update({k: v.to(torch.int8) for k, v in w.items()})),
-     "model.safetensors: refused: model.embed_tokens.weight is I8: without a quantization_config in config.json"),
-    ("train", _edit_config(dtype="float7"), "config.json's dtype 'float7' is none of float64, float32"),
-    ("eval", _edit_config(dtype="float7"), "config.json's dtype 'float7' is none of float64, float32"),
-    ("train", _edit_config(rms_norm_eps=math.nan), "config.json's rms_norm_eps holds NaN or inf: nan"),
-    ("eval", _edit_config(rms_norm_eps=math.nan), "config.json's rms_norm_eps holds NaN or inf: nan"),
-    ("train", lambda folder: _edit_weights(folder, lambda w: w["model.norm.weight"].fill_(math.nan)),
-     "its weights hold NaN or inf (model.norm.weight)"),
     ("eval", lambda folder: _planted_bin(folder, folder.parent / "ran"),
      "pytorch_model.bin: refused or damaged (UnpicklingError): a weight file holds only tensors"),
 ])
 def test_cli_bad_model_folder_before_the_engines(model_dir, tmp_path, command, edit, message):
-    """A model folder that would fail after the engines started (a traceback, minutes on a GPU), hang, or train on
-    nonsense: one `error:` line before them, no traceback, within a time limit (a template that renders for ever)."""
+    """A model folder whose weights would run a pickle's code: one `error:` line before the engines, no traceback."""
     folder = tmp_path / "model"
     shutil.copytree(model_dir, folder)
     edit(folder)
@@ -3303,28 +2956,11 @@ def test_ctrl_c_outside_train_names_no_resume(model_dir, monkeypatch, capsys, co
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mipu, "_interrupt_told", threading.Lock())      # the line is printed once per process
     monkeypatch.setattr(mipu, "load_eval_sets", interrupted)
     monkeypatch.setattr(mipu, "toy_steps", interrupted)
     args = ["--model", model_dir, "--data", str(ARITH_VAL)] if command == "eval" else []
     assert mipu.main([command, *args]) == 130
     assert capsys.readouterr().err == "error: interrupted (Ctrl-C)\n"
-
-
-def test_ctrl_c_that_python_drops_still_ends_the_process(tmp_path):
-    """A Ctrl-C that lands in a finalizer (__del__), where Python cannot raise it, or a shutdown that hangs: the
-    process still ends, INTERRUPT_EXIT_S after the signal, with the one line, 130 and no traceback."""
-    script = tmp_path / "stubborn.py"
-    script.write_text(f"import os, signal, sys, time\nsys.path.insert(0, {str(HERE)!r})\nimport mipu\n"
-                      "mipu.INTERRUPT_EXIT_S = 2.0\n"
-                      "class Finalizer:\n    def __del__(self):\n        os.kill(os.getpid(), signal.SIGINT)\n"
-                      "        time.sleep(1)\n"                      # the handler runs here, inside __del__
-                      "def run():\n    Finalizer()\n    print('dropped', flush=True)\n    time.sleep(600)\n"
-                      "mipu.exit_bounded(lambda: mipu.report_errors(run))\n")
-    start = time.monotonic()
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert p.stdout == "dropped\n" and time.monotonic() - start < 300
-    assert p.returncode == 130 and p.stderr == mipu.INTERRUPTED + "\n", p.stderr
 
 
 def test_cli_train_compiled_vllm_syncs(model_dir, tmp_path):
