@@ -238,7 +238,7 @@ class Config:
         self.batch_size = self.prompts_per_step * self.num_generations  # responses per step
 
     def validate(self, command: str = "") -> "Config":
-        """MIPUError, one line, at the first bad value or combination (`command` adds its needs)."""
+        """MIPUError, one line, at the first failed check (`command` adds its needs)."""
         for ok, message in self.checks(command):
             if not ok:
                 raise MIPUError(message)
@@ -256,8 +256,7 @@ class Config:
             (self.accept_rule != "target" or 1 <= self.target_holdout < self.prompts_per_step,
              "--target-holdout must be in [1, prompts_per_step) for --accept-rule target"),
             (command != "toy" or self.prompts_per_step <= self.toy_prompts,
-             "--prompts-per-step must be <= --toy-prompts: a toy step samples that many distinct "
-             "prompts of the task"),
+             "--prompts-per-step must be <= --toy-prompts (a toy step's distinct prompts)"),
         ]
 
 # ==== MIPU MATH ===================================================================================
@@ -266,8 +265,6 @@ class Config:
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """A_i, rewards group by group (implementation detail 1); TRL's ddof=1 would only rescale A by
     sqrt((G-1)/G)."""
-    if rewards.numel() % group_size:
-        raise MIPUError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.reshape(-1, group_size).to(torch.float64)                       # [B/G, G]
     adv = (r - r.mean(1, keepdim=True)) / (r.std(1, correction=0, keepdim=True) + eps)
     dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
@@ -288,8 +285,6 @@ def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: 
     term = -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
     w = torch.exp(logp_old - logp_sampler).detach()                             # [B, T]
     outside = (w < mis_low) | (w > mis_high)
-    if method not in ("grpo", "tis", "mis"):
-        raise MIPUError(f"unknown policy-loss method {method!r}; expected grpo, tis or mis")
     weight = {"grpo": torch.ones_like(w), "tis": w.clamp(max=w_max),
               "mis": torch.where(outside, 0.0, w)}[method]
     loss = masked_mean(term * weight, mask)
@@ -894,7 +889,7 @@ class ToyEngine(Engine):
 def toy_steps(cfg: Config, alpha: float) -> Iterator[dict]:
     """A toy run, a record at a time: the initial one (step -1), then each step's metrics."""
     torch.set_num_threads(1)          # bit-for-bit: results must not depend on thread count
-    # the method's own checks, as the command line applies them (no subclass's extra bounds)
+    # the method's own checks, as the command line applies them
     if bad := [message for ok, message in Config.checks(cfg, "toy") if not ok]:
         raise MIPUError(bad[0])
     eng = ToyEngine(cfg, alpha)
@@ -999,9 +994,6 @@ def load_trainer(model_path: str, dtype: str, device: str, load=None):
     """HF AutoModelForCausalLM on `device` in `dtype` (bf16-mixed: fp32 weights), sdpa attention,
     eval mode, by `load` (default: from_pretrained)."""
     import transformers
-    if dtype not in ("float32", "bf16-mixed", "bfloat16", "float16"):
-        raise MIPUError("trainer dtype must be float32, bf16-mixed, bfloat16 or float16, got "
-                        f"{dtype!r}")
     load = load or transformers.AutoModelForCausalLM.from_pretrained
     weights_dtype = getattr(torch, dtype.replace("bf16-mixed", "float32"))
     model = load(model_path, attn_implementation="sdpa", dtype=weights_dtype)
@@ -1026,8 +1018,6 @@ def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list
     processed_logprobs (no top-p/k): logp, mask [B, T] (T: the longest completion; 0-padded).
     Memory: the batch's logits, B·L·V floats (L = prompt + T): 8 responses of 2k tokens over
     Qwen3's 152k vocabulary are 10 GB in fp32."""
-    if any(len(p) == 0 for p in prompt_ids):
-        raise MIPUError("token_logprobs: every prompt needs at least one token")
     device = next(model.parameters()).device
     width = max(1, max(len(c) for c in completion_ids))                         # T
     # right padding to T: causal, the real tokens never see the pads (no attention mask needed)
@@ -1224,7 +1214,7 @@ class LLMEngine(Engine):
 # ==== HARNESS: A FIRST READ CAN STOP HERE ===========================================================================
 # The method is above and runs by itself. Below, what `train` adds through the seam (TrainConfig, TrainEngine), section
 # by section: several GPUs and sleep mode, the lean log-probs, the checked sync (probe, pieces, digests, FP8), models,
-# data and reward, checkpoints and metrics, the memory plan, the flags, main. A deviation from the paper lives here: a
+# data and reward, checkpoints and metrics, the flags, main. A deviation from the paper lives here: a
 # CPU has no FP8 kernels, so --rollout-quant fp8-sim rounds the synced weights through torch.float8_e4m3fn (one scale
 # per fused vLLM layer, as vLLM's GPU fp8_per_tensor); GPU FP8's per-token activation quantization is not simulated.
 
@@ -1456,8 +1446,6 @@ def lean_token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list
                         temperature: float, micro_batch: int, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """token_logprobs' (logp, mask), `micro_batch` responses a forward, one [chunk, V] block of logits at a time (chunk
     0: TrainConfig's default)."""
-    if any(len(p) == 0 for p in prompt_ids):
-        raise MIPUError("token_logprobs: every prompt needs at least one token")
     width = max(1, max(len(c) for c in completion_ids))  # T
     logp = torch.cat([_micro_batch_logprobs(model, prompt_ids[s:s + micro_batch], completion_ids[s:s + micro_batch],
                                             temperature, width, chunk or TrainConfig.logprob_chunk)
@@ -1801,7 +1789,7 @@ class TrainEngine(LLMEngine):
         """LLMEngine's, by the lean log-probs (micro-batches, chunked logits); after a no-grad pass, FSDP2 reshards.
         The no-grad recompute's autocast caches no cast: a parameter (an FSDP2 unsharded one too) is a leaf that
         requires grad, cached whatever the grad mode, so a cached recompute would hold a bf16 copy of every weight
-        (3.2 GiB for Qwen3-1.7B, 7.5 for 4B; memory_plan counts none) for one cast per weight less."""
+        (3.2 GiB for Qwen3-1.7B, 7.5 for 4B; toy/memory_plan.py counts none) for one cast per weight less."""
         grad = torch.is_grad_enabled()
         with torch.autocast(self.cfg.device, torch.bfloat16, enabled=self.cfg.train_dtype == "bf16-mixed",
                             cache_enabled=grad):
@@ -2442,146 +2430,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
 
 
-# ---- THE MEMORY PLAN -----------------------------------------------------------------------------------------------
-
-PLAN_PROMPT_TOKENS = 512   # prompt length the memory plan assumes when --max-model-len is 0 (math prompts: ~100-300)
-
-
-# bytes per token and layer kept for backward x (hidden, (heads + kv heads) x head_dim, MLP), saved-tensor hooks on
-# transformers 5.19's Qwen3 (7 shapes; sdpa: no seq² term). bf16-mixed: residuals, RMSNorms fp32, ~2x Korthikanti's 34·H
-ACT_BYTES = {"float32": (24, 16, 16), "bf16-mixed": (26, 10, 8), "bfloat16": (16, 10, 8)}
-
-
-# GPU memory outside torch's caching allocator in a CUDA process: the CUDA context, cuBLAS/cuDNN handles, workspaces
-# (vLLM's profiler logged non_torch_memory 1.79 GiB for Llama-3-8B on one H100, vLLM PR #10511); toy.gpu_check measures
-# it
-CUDA_CONTEXT_BYTES = 2 * 2**30
-# vLLM 0.32's sleep (level 1 or 2: the same GPU memory freed) unmaps its weights and KV cache and copies its pool's
-# runtime allocations to host RAM; what it allocated outside that pool stays on the GPU, CUDA graphs too unless
-# sleep_mode_offload_cudagraph: < 3 GiB eager by vLLM's test_deep_sleep (tests/.../test_cumem.py)
-VLLM_ASLEEP_BYTES = 3 * 2**30
-# vLLM's share besides its weights and KV cache: its profiled activation peak, non-torch memory and CUDA graphs
-# (PR #10511's log: 1.26 + 1.79 GiB; the graphs about 1 GiB more): bytes the KV cache cannot have
-VLLM_RUNTIME_BYTES = 4 * 2**30
-ALLOCATOR_SLACK = 0.10    # auto's margin: torch's caching allocator reserves more than the plan's bytes (assumed;
-#                           toy/gpu_check prints the measured reserved and allocated peaks)
-
-
-def model_sizes(c) -> dict:
-    """Element counts of a transformers decoder config `c`: n (every weight, a tied lm_head once), one decoder layer,
-    all linear layers (what vLLM's FP8 quantizes), the root FSDP2 keeps whole (embeddings, lm_head, final norm), q + kv
-    widths, and the KV cache's elements per token."""
-    H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
-    hd = getattr(c, "head_dim", None) or H // c.num_attention_heads
-    qkv = (c.num_attention_heads + c.num_key_value_heads) * hd               # q (and o), k (and v) widths
-    linear = 2 * H * qkv + 3 * H * c.intermediate_size                       # attention + MLP projections
-    layer = linear + 2 * hd + 2 * H                                          # + q/k norms, 2 norms
-    root = V * H * (1 if getattr(c, "tie_word_embeddings", False) else 2) + H   # embeddings, lm_head, norm
-    return {"n": L * layer + root, "layer": layer, "linear": L * linear, "root": root, "qkv": qkv,
-            "kv_per_token": 2 * L * c.num_key_value_heads * hd}
-
-
-def memory_plan(c, cfg: TrainConfig, gpu_bytes: float, world: int = 1) -> dict:
-    """Estimated GiB per part of a training step on one GPU (a rank's under torchrun) from a transformers config `c`
-    and the flags. peak = the largest phase: recompute (vLLM awake: rollout, log π_k, sync probe), Step 1 (vLLM asleep
-    with --vllm-sleep on), sync. *_host: host RAM (snapshot: per rank; save: rank 0; load: per rank, all at once)."""
-    H, L, V, size = c.hidden_size, c.num_hidden_layers, c.vocab_size, model_sizes(c)
-    n, layer_n, root = size["n"], size["layer"], size["root"] * (world > 1)   # FSDP2's root: only under torchrun
-    b = 2 if cfg.train_dtype == "bfloat16" else 4                            # bytes per weight, grad, Adam moment
-    mixed = cfg.train_dtype == "bf16-mixed"
-    tokens = cfg.micro_batch_size * (cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS)
-    layer = tokens * sum(k * d for k, d in zip(ACT_BYTES[cfg.train_dtype], (H, size["qkv"], c.intermediate_size)))
-    gib = {"weights": n * b / world, "grads": n * b / world, "optimizer": 2 * n * b / world,   # FSDP2: sharded
-           "bf16_copies": 2 * n * mixed,     # autocast's cache in Step 1: every weight in bf16, till it exits
-           "head_copy": 2 * V * H * mixed,   # SelectiveLogprobs' weight.to(bf16): a second [V, H], beside the cache's
-           "activations": L * tokens * H * b + layer if cfg.grad_checkpointing == "on" else L * layer,  # inputs, 1
-           "recompute": layer + tokens * H * b + 6 * cfg.logprob_chunk * V,   # no grad: <= 1 layer's, decoder, chunk
-           "logprob_head": 4 * V * H + 6 * cfg.logprob_chunk * V,           # fp32 grad_w; a chunk's fp32 + bf16 logits
-           "fsdp_gathered": (root + 2 * layer_n * (world > 1)) * b,         # FSDP2 (fp32): root + computing, next layer
-           "fsdp_root_grad": root * b,                                      # the root's unsharded grad, pre-reduce
-           "sync": SYNC_PIECE_BYTES + 2 * (V * H + 2 * layer_n),   # bf16: a piece + its last tensor, 2 vLLM layers
-           "cuda_context": CUDA_CONTEXT_BYTES, "vllm_asleep": VLLM_ASLEEP_BYTES * (cfg.vllm_sleep == "on"),
-           # host RAM per rank: θ (tied once) and AdamW's 2 moments in one pinned buffer; rollback copies back in place
-           "snapshot_host": 3 * n * b / world * (METHOD_SPEC[cfg.method][1] != "always"),
-           "save_host": 3 * n * b,           # rank 0 at each save: θ and AdamW gathered whole (full_state_dict)
-           "load_host": n * b}               # rank 0 at start-up: the whole model (the others: meta), before FSDP2
-    gib = {"params_billion": n / 1e9, **{k: v / 2**30 for k, v in gib.items()}}
-    awake, step1 = trainer_phases(gib, cfg)
-    share = cfg.gpu_memory_utilization
-    gib["vllm"] = (auto_share(max(awake.values()), gpu_bytes) if share == "auto" else share) * gpu_bytes / 2**30
-    gib["peak_recompute"] = awake["recompute"] + gib["vllm"] + gib["cuda_context"]
-    gib["peak_step1"] = step1 + gib["vllm_asleep" if cfg.vllm_sleep == "on" else "vllm"] + gib["cuda_context"]
-    gib["peak_sync"] = awake["sync"] + gib["vllm"] + gib["cuda_context"]
-    gib["peak"] = max(gib["peak_recompute"], gib["peak_step1"], gib["peak_sync"])
-    # one node of `world` ranks: rank 0 loads the model (and optimizer.pt on --resume); later snapshots + one save
-    gib["host_peak"] = max((1 + 2 * cfg.resume) * gib["load_host"], world * gib["snapshot_host"] + gib["save_host"])
-    return gib
-
-
-def trainer_phases(gib: dict, cfg: TrainConfig) -> tuple[dict, float]:
-    """From memory_plan's parts: the trainer's GiB in each phase vLLM is awake in, and in Step 1 (CUDA context apart).
-    Between Step 1s the gradients are freed (set_to_none) and autocast's cache is empty (it clears at its exit). The
-    recompute caches no cast (TrainEngine.trainer_logp): its largest, lm_head's, is freed before SelectiveLogprobs'
-    head_copy of the same size: no bf16_copies term there."""
-    def total(*keys):     # θ and AdamW are resident in every phase
-        return gib["weights"] + gib["optimizer"] + sum(gib[k] for k in keys)
-
-    awake = {"recompute": total("head_copy", "recompute", "fsdp_gathered"), "sync": total("sync")}
-    step1 = total("grads", "bf16_copies", "head_copy", "activations", "logprob_head", "fsdp_gathered", "fsdp_root_grad")
-    if cfg.vllm_sleep != "on":
-        awake["step1"] = step1
-    return awake, step1
-
-
-def auto_share(trainer_gib: float, gpu_bytes: float) -> float:
-    """--gpu-memory-utilization auto: the largest fraction of the GPU, in steps of 0.01, beside the trainer's GiB while
-    vLLM is awake (plus ALLOCATOR_SLACK) and the CUDA context; 0 when nothing is left."""
-    gpu = gpu_bytes / 2**30
-    left = gpu - trainer_gib * (1 + ALLOCATOR_SLACK) - CUDA_CONTEXT_BYTES / 2**30
-    return max(math.floor(round(100 * left / gpu, 6)) / 100, 0.0) if gpu > 0 else 0.0
-
-
-def vllm_share(c, cfg: TrainConfig, gpu_bytes: float, world: int = 1) -> tuple[float, int]:
-    """(vLLM's fraction of the GPU: the flag's number or auto's, how many full-length sequences its KV cache holds):
-    share − vLLM's weights (fp8: 1 byte per linear weight) − VLLM_RUNTIME_BYTES over one sequence's KV bytes (vLLM's
-    kv_cache_dtype auto: the rollout dtype). Full length: --max-model-len, else PLAN_PROMPT_TOKENS + max_new_tokens."""
-    size, dt = model_sizes(c), {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.rollout_dtype]
-    vllm = memory_plan(c, cfg, gpu_bytes, world)["vllm"] * 2**30
-    weights = size["n"] * dt - size["linear"] * (dt - 1) * (cfg.rollout_quant == "fp8")
-    seq = cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS
-    kv_sequences = max(vllm - weights - VLLM_RUNTIME_BYTES, 0) // (size["kv_per_token"] * dt * seq)
-    return (round(vllm / gpu_bytes, 6) if gpu_bytes > 0 else 0.0), int(kv_sequences)
-
-
-def check_memory_plan(cfg: TrainConfig) -> float:
-    """At start-up on a GPU: print the memory plan and vLLM's share; MIPUError when the peak exceeds the GPU's memory
-    or vLLM's KV cache holds no full-length sequence. Returns vLLM's fraction of the GPU (auto resolved)."""
-    gpu, world = torch.cuda.get_device_properties(0).total_memory, rank_world()[1]
-    c = load_pretrained("AutoConfig", cfg.model)
-    plan, (share, sequences) = memory_plan(c, cfg, gpu, world), vllm_share(c, cfg, gpu, world)
-    print("memory plan, GiB (estimated): " + ", ".join(f"{k} {v:.1f}" for k, v in plan.items()), flush=True)
-    seq, batch = cfg.max_model_len or cfg.max_new_tokens + PLAN_PROMPT_TOKENS, cfg.batch_size // world
-    how = "auto" if cfg.gpu_memory_utilization == "auto" else "--gpu-memory-utilization"
-    print(f"vLLM: {share:.2f} of the GPU ({how}); its KV cache holds ~{sequences} sequences of {seq} tokens "
-          f"(estimated) against {batch} per rollout" + (" per rank" if world > 1 else "")
-          + ("" if sequences >= batch else ": the rollout runs in waves"), flush=True)
-    if plan["peak"] > gpu / 2**30:
-        raise MIPUError(f"the memory plan needs ~{plan['peak']:.0f} GiB, the GPU has {gpu / 2**30:.0f}: lower "
-                        "--micro-batch-size or --gpu-memory-utilization, or use --grad-checkpointing on, "
-                        "--vllm-sleep on, --train-dtype bfloat16")
-    if sequences < 1:
-        raise MIPUError(f"vLLM's {share:.2f} of the GPU leaves no KV cache for one sequence of {seq} tokens "
-                        "(estimated): raise --gpu-memory-utilization, or lower --max-model-len or --micro-batch-size")
-    return share
-
-
 # ---- THE HARNESS'S FLAGS, VALIDATION THAT TOUCHES FILES OR RANKS ---------------------------------------------------
-
-# Host RAM a toy run's sizes need, bytes per element (fitted to the peak RSS toy.limits measures): its tables
-# [P, H, V+1, V] (float32 logits and log-probs of both engines, the float64 DP over both), its hidden layer
-# [P, H, V+1, d] (pre- and post-tanh), its weights (with gradient, Adam's moments, the snapshot), a rollout token
-TOY_TABLE_BYTES, TOY_HIDDEN_BYTES, TOY_WEIGHT_BYTES, TOY_TOKEN_BYTES = 64, 28, 24, 72
-
 
 # flags a --resume may change: length, evaluation, output, memory knobs (micro_batch_size: rounding only); no other
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_data", "eval_samples", "eval_temperature", "save_every", "output_dir",
@@ -2627,8 +2476,9 @@ class TrainConfig(Config):
     report_to: str = _train("", "metrics also to tensorboard (<output-dir>/tensorboard) and/or wandb, comma-separated")
     gap_batch: str = _train("heldout", "Step-2 prompts: heldout = --val-data (paper); next = the next step's, whose "
                             "samples become its batch if accepted (ours)", choices=("heldout", "next"))
-    gpu_memory_utilization: str = _llm("auto", "fraction of GPU memory vLLM may take, or auto: on GPU the largest "
-                                       "that fits beside the trainer's planned peak (vLLM alone, as in eval: 0.9)")
+    gpu_memory_utilization: float = _llm(0.6, "fraction of GPU memory vLLM may take (0.6: what python -m "
+                                         "toy.memory_plan --auto leaves beside the trainer for the GPU recipe, "
+                                         "rounded down; TRL's 0.3, verl's 0.5)")
     logprob_chunk: int = _train(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)")
     sync_tol: float = _train(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x its start-up value")
 
@@ -2641,11 +2491,6 @@ class TrainConfig(Config):
         for name, (cpu, gpu) in self.AUTO.items():                       # "auto": the device's value
             if getattr(self, name) == "auto":
                 setattr(self, name, gpu if self.device == "cuda" else cpu)
-        if self.gpu_memory_utilization != "auto":   # a number (a flag's text too); another word is refused by checks
-            try:
-                self.gpu_memory_utilization = float(self.gpu_memory_utilization)
-            except (TypeError, ValueError):
-                pass
 
     def validate(self, command: str = "") -> "TrainConfig":
         super().validate(command)
@@ -2693,9 +2538,9 @@ def matmul_precision(cfg: TrainConfig) -> str:     # TF32 ("high") only where bf
 def vllm_args(cfg: TrainConfig) -> dict:
     """make_sampler's engine arguments under the harness: a seed per rank, the GPU share, sleep mode, torch.compile,
     torchrun."""
-    share = {} if cfg.gpu_memory_utilization == "auto" else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
-    return dict(model=str(model_folder(cfg.model)), seed=cfg.seed + rank_world()[0],     # a local folder: offline
-                **share,  # train on a GPU resolves auto first (the memory plan); else make_sampler's default
+    share = {"gpu_memory_utilization": cfg.gpu_memory_utilization} if torch.cuda.is_available() else {}   # else
+    return dict(model=str(model_folder(cfg.model)), seed=cfg.seed + rank_world()[0],     # make_sampler's host RAM share
+                **share,                                                                 # (a local folder: offline)
                 enable_sleep_mode=cfg.vllm_sleep == "on",  # sleep mode: CUDA only
                 enforce_eager=cfg.vllm_compile == "off",      # on: torch.compile (+ CUDA graphs on GPU) at start-up
                 distributed_executor_backend="external_launcher" if torchrun() else None)  # an engine per rank
@@ -2753,7 +2598,6 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
         check_resume(cfg, state, len(train_rows))
     if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        cfg = dataclasses.replace(cfg, gpu_memory_utilization=check_memory_plan(cfg))   # auto: a number now
     # before the optimizer: it holds the shards
     model = load_sharded_trainer(weights, cfg) if torchrun() else checkpointed(load_trainer(
         weights, cfg.train_dtype, cfg.device, trainer_from_folder),

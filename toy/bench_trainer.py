@@ -5,7 +5,7 @@ only torch and transformers) and times the trainer's part of one MIPU step at a 
 response length: recompute (no-grad log-probs of π_k), one Step-1 update (forward, backward, AdamW),
 snapshot (clone_state) and rollback (restore_state, checked bit for bit). Prints seconds, tokens/s,
 achieved TFLOP/s and peak memory per phase (on a GPU: torch's allocated and reserved peaks) next to
-mipu.memory_plan's estimates. fp32 matmuls run in train's precision (mipu.matmul_precision: TF32 for bf16-mixed on
+toy.memory_plan's estimates. fp32 matmuls run in train's precision (mipu.matmul_precision: TF32 for bf16-mixed on
 a GPU).
 
 `--plan-gpu-gib 80` only prints the memory plan for a GPU of that size (no model is built) and the
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 import mipu
+from toy import memory_plan
 
 # Architecture shapes: Qwen/Qwen3-1.7B and Qwen/Qwen3-4B config.json on the Hugging Face Hub (public values;
 # both tie lm_head to the embeddings); "tiny" is a CPU-sized model with the real 151,936-token vocabulary.
@@ -158,7 +159,7 @@ def report(args, cfg: mipu.Config, times: dict, exact: bool) -> str:
                 if cfg.device == "cuda" else {"peak GiB (process RSS)": f"{times[p][1][0]:.2f}"})}
             for p in PHASES]
     gpu = torch.cuda.get_device_properties(0).total_memory if cfg.device == "cuda" else 0.0
-    plan = mipu.memory_plan(c, cfg, gpu)
+    plan = memory_plan.memory_plan(c, cfg, gpu)
     return "\n".join([
         f"`python -m toy.bench_trainer --shape {args.shape} --micro-batch {args.micro_batch} --prompt-len "
         f"{args.prompt_len} --response-len {args.response_len}` on {device_name(cfg.device)}, "
@@ -178,8 +179,8 @@ def plan_only(args) -> str:
                       gpu_memory_utilization=args.gpu_memory_utilization, rollout_quant=args.rollout_quant)
     # not validated: planning for a GPU needs none
     c = qwen3_config(args.shape)
-    plan = mipu.memory_plan(c, cfg, args.plan_gpu_gib * 2**30)
-    share, sequences = mipu.vllm_share(c, cfg, args.plan_gpu_gib * 2**30)
+    plan = memory_plan.memory_plan(c, cfg, args.plan_gpu_gib * 2**30)
+    share, sequences = memory_plan.vllm_share(c, cfg, args.plan_gpu_gib * 2**30)
     fwd, upd = step_flops(c, 1, args.prompt_len, args.response_len, cfg.grad_checkpointing == "on")
     sec = {k: v * args.responses / (args.assume_tflops * 1e12) for k, v in (("recompute", fwd), ("update", upd))}
     return (f"{args.shape} on a {args.plan_gpu_gib:g} GiB GPU, micro-batch {args.micro_batch} x ({args.prompt_len} + "
@@ -237,7 +238,8 @@ def main(argv=None) -> int:
     p.add_argument("--train-dtype", default="auto", help="as mipu.py's --train-dtype")
     p.add_argument("--grad-checkpointing", default="auto", help="as mipu.py's --grad-checkpointing")
     p.add_argument("--logprob-chunk", type=int, default=mipu.TrainConfig.logprob_chunk)
-    p.add_argument("--gpu-memory-utilization", default="auto", help="as mipu.py's (vLLM's share in the plan)")
+    p.add_argument("--gpu-memory-utilization", default="auto", type=memory_plan.share,
+                   help="vLLM's share in the plan: auto (toy.memory_plan's) or a fraction")
     p.add_argument("--rollout-quant", default="fp8", help="--plan-gpu-gib: as mipu.py's (vLLM's weights)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="also write the report to this file")

@@ -3,8 +3,8 @@
     python -m toy.fsdp_memory --one-gpu      # Qwen3-1.7B on an 80 GiB GPU, Qwen3-4B on a 141 GiB GPU
     python -m toy.fsdp_memory                # Qwen3-4B per GPU under torchrun (FSDP2), --gpus 2,4,8 --gpu-gib 80
 
-An ESTIMATE from arithmetic, not a measurement: mipu.memory_plan (the start-up check's), with vLLM's share at
---gpu-memory-utilization auto (mipu.vllm_share) unless --gpu-memory-utilization gives one. Under torchrun the weights,
+An ESTIMATE from arithmetic, not a measurement: toy.memory_plan's, with vLLM's share at
+--gpu-memory-utilization auto (its vllm_share) unless --gpu-memory-utilization gives one. Under torchrun the weights,
 gradients and AdamW states are sharded over N ranks; FSDP2 adds the gathered root (embeddings, final norm, lm_head) and
 two gathered decoder layers, and the root's unsharded gradient; autocast's bf16 copies (Step 1), the activations and
 vLLM's share are per rank as on one GPU; rank 0 alone loads the model into host RAM.
@@ -12,6 +12,7 @@ vLLM's share are per rank as on one GPU; rank 0 alone loads the model into host 
 import argparse
 
 import mipu
+from toy import memory_plan
 from toy.bench_trainer import qwen3_config
 
 GIB = 2 ** 30
@@ -43,7 +44,8 @@ COLUMNS = {"weights": "weights", "grads": "grads", "optimizer": "AdamW", "bf16_c
 def plan(shape: str, gpu_gib: float, world: int, share) -> tuple[dict, float, int]:
     cfg = mipu.TrainConfig(**RECIPE, gpu_memory_utilization=share)   # not validated: no GPU needed to plan for one
     c = qwen3_config(shape)
-    return (mipu.memory_plan(c, cfg, gpu_gib * GIB, world), *mipu.vllm_share(c, cfg, gpu_gib * GIB, world))
+    return (memory_plan.memory_plan(c, cfg, gpu_gib * GIB, world),
+            *memory_plan.vllm_share(c, cfg, gpu_gib * GIB, world))
 
 
 def one_gpu_table(share) -> str:
@@ -76,9 +78,10 @@ def main() -> None:
     parser.add_argument("--one-gpu", action="store_true", help="the recipe on one GPU (1.7B: 80 GiB, 4B: 141 GiB)")
     parser.add_argument("--gpus", default="2,4,8", help="comma-separated numbers of GPUs (torchrun ranks)")
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (80: H100)")
-    parser.add_argument("--gpu-memory-utilization", default="auto", help="vLLM's share: auto or a fraction")
+    parser.add_argument("--gpu-memory-utilization", default="auto", type=memory_plan.share,
+                        help="vLLM's share: auto or a fraction")
     args = parser.parse_args()
-    share = args.gpu_memory_utilization                          # Config reads a number from the text
+    share = args.gpu_memory_utilization
     print(one_gpu_table(share) if args.one_gpu else
           torchrun_table([int(x) for x in args.gpus.split(",")], args.gpu_gib, share))
 

@@ -8,7 +8,7 @@ log-probs, mipu.token_logprobs under the trainer's autocast), one Step-1 update 
 step), the rollback snapshot (mipu.clone_state: its host buffer pinned or not) and the rollback (mipu.restore_state,
 checked bit for bit). Measured: seconds, TFLOP/s against the GPU's dense bf16 peak (PEAK_BF16_TFLOPS), torch's
 allocated and reserved peaks, this process's GPU memory outside torch (NVML's count for this process: not what other
-processes hold); next to mipu.memory_plan's terms (estimated). Prints the versions of torch, CUDA and transformers and
+processes hold); next to toy.memory_plan's terms (estimated). Prints the versions of torch, CUDA and transformers and
 one markdown table on stdout (a GPU job usually returns only the folder it names: --out FILE writes it there too).
 
 `--vllm` (a GPU with vLLM's CUDA build): one more child, Qwen3-1.7B's shape (random weights saved to a temporary
@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 import mipu
+from toy import memory_plan
 from toy import bench_trainer
 
 # dense (no sparsity) bf16 tensor-core peaks of NVIDIA's data sheets, TFLOP/s; the first name the device's contains
@@ -127,8 +128,8 @@ def measure(shape: str, device: str, size: dict) -> dict:
     flops = dict(zip(("recompute", "update"), bench_trainer.step_flops(
         c, size["micro_batch"], size["prompt_len"], size["response_len"], cfg.grad_checkpointing == "on")))
     gpu = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 0
-    plan = mipu.memory_plan(c, cfg, gpu)
-    awake, step1 = mipu.trainer_phases(plan, cfg)
+    plan = memory_plan.memory_plan(c, cfg, gpu)
+    awake, step1 = memory_plan.trainer_phases(plan, cfg)
     return {"shape": shape, "seconds": {k: t[0] for k, t in phases.items()},
             "peaks": {k: t[1] for k, t in phases.items()}, "at_rest": at_rest, "flops": flops,
             "snapshot_bytes": snapshot[2].nbytes, "pinned": device == "cuda" and snapshot[2].is_pinned(),
@@ -188,7 +189,7 @@ def measure_vllm(device: str) -> dict:
     cfg = trainer_config(device, size)
     c = bench_trainer.qwen3_config(VLLM_SHAPE)
     gpu = torch.cuda.get_device_properties(0).total_memory
-    share = mipu.vllm_share(c, cfg, gpu)[0]
+    share = memory_plan.vllm_share(c, cfg, gpu)[0]
     with tempfile.TemporaryDirectory() as folder:
         from transformers import AutoModelForCausalLM
         torch.manual_seed(0)
@@ -203,7 +204,7 @@ def measure_vllm(device: str) -> dict:
         prompts = torch.randint(c.vocab_size, (CYCLE["prompts"], CYCLE["prompt_len"]), generator=gen).tolist()
         result = vllm_cycle(llm, model, prompts, CYCLE["new_tokens"], sleep=True,
                             awake=lambda: (process_gpu_bytes() or 0) / GIB or None)
-    plan = mipu.memory_plan(c, dataclasses.replace(cfg, gpu_memory_utilization=share), gpu)
+    plan = memory_plan.memory_plan(c, dataclasses.replace(cfg, gpu_memory_utilization=share), gpu)
     return {"shape": VLLM_SHAPE, "child": "vllm", "vllm": result, "share": share,
             "runner": "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1",
             "plan_awake": plan["weights"] + plan["vllm"] + plan["cuda_context"] + plan["sync"]}
@@ -293,7 +294,7 @@ def report(args, results: list[dict], wall: float, header: str) -> str:
         f"{first.get('checkpointing')}, matmul precision {first.get('precision')}; micro-batch {size['micro_batch']} x "
         f"({size['prompt_len']} + {size['response_len']}) tokens, random weights. Measured GiB: torch's peak "
         "allocated / reserved in the phase (θ + AdamW included); host: the snapshot's buffer. Plan: "
-        "mipu.memory_plan's trainer terms of the phase, ESTIMATED (vLLM and the CUDA context apart, except the last "
+        "toy.memory_plan's trainer terms of the phase, ESTIMATED (vLLM and the CUDA context apart, except the last "
         "row)", "",
         mipu.markdown_table([row for r in results
                              for row in (vllm_rows(r) if r.get("child") == "vllm" else shape_rows(r, peak))])])
