@@ -1168,10 +1168,10 @@ def test_nonfinite_probe_is_its_own_error(llm, trainer, prompt_ids, restore):
         _check_sync(llm, trainer, prompt_ids[0], [5, 6, 7], tol=math.inf)   # as the start-up check
 
 
-ARITH = HERE / "toy" / "arith_train.jsonl"
+ARITH = HERE / "toy" / "data" / "arith_train.jsonl"
 
 
-ARITH_VAL = HERE / "toy" / "arith_val.jsonl"
+ARITH_VAL = HERE / "toy" / "data" / "arith_val.jsonl"
 
 
 def llm_cfg(model_dir, tmp_path, **kw) -> mipu.Config:
@@ -2441,7 +2441,7 @@ def test_check_resume_names_the_flag():
         mipu.check_resume(dataclasses.replace(cfg, method="grpo"), state, 10)
     with pytest.raises(mipu.MIPUError, match="--train-data has 5 rows, the run's had 10"):
         mipu.check_resume(cfg, state, 5)
-    for spelled in (str(ARITH.parent) + "/", str(ARITH.parent / ".." / "toy")):   # the same folder, spelled otherwise
+    for spelled in (str(ARITH.parent) + "/", str(ARITH.parent / ".." / "data")):   # the same folder, spelled otherwise
         mipu.check_resume(dataclasses.replace(cfg, model=spelled),
                           {**state, "config": {**state["config"], "model": str(ARITH.parent)}}, 10)
     help_text = next(f.metadata["help"] for f in dataclasses.fields(mipu.TrainConfig) if f.name == "resume")

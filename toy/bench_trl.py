@@ -1,5 +1,5 @@
 """Our grpo step vs TRL's GRPOTrainer step, same model, batch and vLLM colocate, on CPU:
-`PYTHONPATH=/tmp/trlpkgs python -m toy.bench_trl --model toy/tiny-qwen3 --train-data toy/arith_train.jsonl
+`PYTHONPATH=/tmp/trlpkgs python -m toy.bench_trl --model toy/models/tiny-qwen3 --train-data toy/data/arith_train.jsonl
  --steps 10 --prompts-per-step 8 --mini-batch-size 64 --micro-batch-size 64 --max-new-tokens 8
  --answer-format last-number --output-dir runs/bench_trl` (from the repo root).
 

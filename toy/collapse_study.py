@@ -5,17 +5,17 @@ the oracle acceptance on the grpo update (method step2, --accept-rule oracle: ke
 exact J(μ_{k+1}) ≥ J(μ_k)) at α, and both again at α = 0 (same task, no mismatch: is the oracle just a
 better optimizer?). A run collapses when J(μ) over its last 10% of steps (at least 5) stays below half
 of the run's best J(μ); a configuration collapses when ≥ 3 of 5 grpo seeds do and α = 0 does not.
-Mismatch (k3, mean |Δlog p|) is measured on grpo's own rollouts. -> toy/collapse/search.md
+Mismatch (k3, mean |Δlog p|) is measured on grpo's own rollouts. -> toy/results/collapse/search.md
 
 Part 2, `--rules static-h1`: every acceptance rule of RULES in that configuration, each next to random
 rollback at the same rejection rate, on the grpo update (the paper's control) and on the rule's own
-update (random-rollback-tis for rules on mipu's TIS update). -> toy/collapse/rules_<config>.md
+update (random-rollback-tis for rules on mipu's TIS update). -> toy/results/collapse/rules_<config>.md
 
     python -m toy.collapse_study --list
     python -m toy.collapse_study --seeds 5 --steps 300
     python -m toy.collapse_study --rules static-h1 --seeds 5 --steps 300
 
-Runs are cached in toy/collapse/runs.jsonl (not in git; key = the full Config and α), so a rerun only
+Runs are cached in toy/results/collapse/runs.jsonl (not in git; key = the full Config and α), so a rerun only
 runs what is missing. Every run is bit-for-bit reproducible for its seed.
 """
 import argparse
@@ -31,7 +31,7 @@ import torch
 
 import mipu
 
-OUT = Path(__file__).resolve().parent / "collapse"
+OUT = Path(__file__).resolve().parent / "results" / "collapse"
 
 # name -> (mechanism, Config overrides, α). α = 1 is the FP8/bf16 engine as is (the fp8 preset).
 CONFIGS = {

@@ -436,7 +436,7 @@ def main() -> int:
                         "on grpo and random rollback on the grpo update")
     parser.add_argument("--workers", type=int, default=2, help="processes running runs in parallel "
                         "(results do not depend on it)")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent), help="folder for tables and curves")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="folder for tables and curves")
     args = vars(parser.parse_args())
     presets = list(mipu.TOY_PRESETS) if args["presets"] == "all" else args["presets"].split(",")
     return mipu.report_errors(check_and_run, args, presets)

@@ -1,7 +1,7 @@
 """Build the tiny CPU model and the arithmetic data: `python -m toy.make_tiny` (from the repo root).
 
-Writes toy/tiny-qwen3/ (a random 2-layer Qwen3 with a character tokenizer, float32 safetensors;
-no download) and toy/arith_{train,val,test}.jsonl (two-number +/- problems; validation and test
+Writes toy/models/tiny-qwen3/ (a random 2-layer Qwen3 with a character tokenizer, float32 safetensors;
+no download) and toy/data/arith_{train,val,test}.jsonl (two-number +/- problems; validation and test
 problems are disjoint from the training ones). Tests import build_tiny_model and make_arith_rows.
 """
 import argparse
@@ -90,13 +90,13 @@ def make_tiny(out: str, seed: int) -> None:
     for name, (n, data_seed) in TOY_DATA.items():
         rows = [r for r in make_arith_rows(4 * n, data_seed) if r["prompt"] not in seen][:n]
         seen |= {r["prompt"] for r in rows} if name == "arith_train.jsonl" else set()
-        write_jsonl(rows, str(HERE / name))
-    print(f"wrote {out} and toy/{', toy/'.join(TOY_DATA)}")
+        write_jsonl(rows, str(HERE / "data" / name))
+    print(f"wrote {out} and toy/data/{', toy/data/'.join(TOY_DATA)}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(HERE / "tiny-qwen3"), help="where to write the tiny model")
+    parser.add_argument("--out", default=str(HERE / "models" / "tiny-qwen3"), help="where to write the tiny model")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args()
     sys.exit(mipu.report_errors(make_tiny, args.out, args.seed))

@@ -1,6 +1,6 @@
 """The toy's claims study: `python -m toy.study [--preset collapse|collapse-long] [--seeds 20]` (from the repo root).
 
-The numbers the README's "What the toy shows" cites, on --seeds seeds of one preset, into toy/study_<preset>.md:
+The numbers the README's "What the toy shows" cites, on --seeds seeds of one preset, into toy/results/study_<preset>.md:
 1. Collapse: every arm's runs, collapsed per seed (toy.collapse_study.collapsed: J(μ) over the last 10 % of steps
    stays below half of the run's best), with a Wilson 95 % interval.
 2. Selectivity: along always-accepting mipu runs (the TIS update; T̂_post computed and ignored), how well each
@@ -29,11 +29,11 @@ from toy import demo
 from toy.collapse_study import collapsed
 
 # preset -> steps. collapse: the demo's horizon (toy.demo.preset_base). collapse-long: 4 x the 250 steps in which
-# grpo collapsed in 16/20 seeds at --toy-lr 0.02, 4 x the default (at the default: 1/20, toy/study_collapse-long.md)
+# grpo collapsed in 16/20 seeds at --toy-lr 0.02, 4 x the default (at the default: 1/20, toy/results/study_collapse-long.md)
 STUDY_PRESETS = {"collapse": demo.preset_base(mipu.Config(), "collapse")["steps"], "collapse-long": 1000,
                  "rare-long": 300}
 # preset -> method -> Adam LR: each method at its own best of `python -m toy.sweep --preset rare-long --methods
-# tis,grpo,mipu --lrs 0.007,0.005,0.0035,0.0025 --horizons 150,300` (toy/sweep_rare-long.md, 300 steps); the rules
+# tis,grpo,mipu --lrs 0.007,0.005,0.0035,0.0025 --horizons 150,300` (toy/results/sweep_rare-long.md, 300 steps); the rules
 # and their controls run at mipu's. mipu's four cells tie (it rejects almost every candidate): TIS's LR, its update.
 # A preset not named here runs every arm at --toy-lr.
 METHOD_LRS = {"rare-long": {"grpo": 0.0035, "tis": 0.005, "mipu": 0.005}}
@@ -365,7 +365,7 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=WINDOW, help="steps per window of the within-window AUC")
     ap.add_argument("--workers", type=int, default=MAX_WORKERS, help=f"processes, 1..{MAX_WORKERS} (results do not "
                     "depend on it)")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent), help="folder for study_<preset>.md")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="folder for study_<preset>.md")
     args = ap.parse_args()
     return mipu.report_errors(check_and_run, args)
 

@@ -99,8 +99,8 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=10, help="seeds per LR and method")
     ap.add_argument("--first-seed", type=int, default=FIRST_SEED, help="seeds --first-seed, --first-seed + 1, ...")
     ap.add_argument("--workers", type=int, default=MAX_WORKERS, help=f"processes, 1..{MAX_WORKERS}")
-    ap.add_argument("--out", default="", help="the table's file (default: toy/sweep_<preset>.md, or "
-                    "toy/sweep_<preset>_<first-seed>.md for other seeds)")
+    ap.add_argument("--out", default="", help="the table's file (default: toy/results/sweep_<preset>.md, or "
+                    "toy/results/sweep_<preset>_<first-seed>.md for other seeds)")
     args = ap.parse_args()
     return mipu.report_errors(check_and_run, args)
 
@@ -120,7 +120,7 @@ def check_and_run(args) -> None:
              "methods": (args.methods, "tis,grpo"), "seeds": (args.seeds, 10), "first-seed": (args.first_seed, FIRST_SEED)}
     command = "python -m toy.sweep" + "".join(f" --{flag} {value}" for flag, (value, default) in extra.items()
                                               if value != default)
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent / "results"
     suffix = "" if args.first_seed == FIRST_SEED else f"_{args.first_seed}"
     path = Path(args.out) if args.out else here / f"sweep_{args.preset}{suffix}.md"
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))

@@ -9,7 +9,7 @@ METHOD_LRS) on the claims study's seeds, it reads the exact tables of π and μ 
 - excess mass on rare, path: μ's minus π's total mass on the rare tokens, in the contexts a right response visits
   (each position after the target's previous token), a mean over them;
 - gap: the exact J(μ) − J(π).
-Writes toy/tail_rare-long.md: mean ± SE over seeds at each step, and each quantity's change from step 0 to the
+Writes toy/results/tail_rare-long.md: mean ± SE over seeds at each step, and each quantity's change from step 0 to the
 last, paired by seed (mean, 95 % bootstrap interval, sign-flip p). Bit-for-bit reproducible, whatever --workers.
 """
 import argparse
@@ -104,7 +104,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=study.STUDY_PRESETS[PRESET], help="steps per run (default: the "
                     "rare-long study's)")
     ap.add_argument("--workers", type=int, default=study.MAX_WORKERS, help=f"processes, 1..{study.MAX_WORKERS}")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent), help="folder for tail_rare-long.md")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="folder for tail_rare-long.md")
     args = ap.parse_args()
     return mipu.report_errors(check_and_run, args)
 
