@@ -2152,12 +2152,6 @@ def test_load_eval_sets_names_sets_with_one_stem_apart(model_dir, tmp_path):
     assert {name: rows[0]["answer"] for name, rows in sets.items()} == {sources[0]: "2", sources[1]: "3", "test": "4"}
 
 
-def test_load_eval_sets_of_no_source_is_one_error(model_dir):
-    """eval --data , (or --eval-data ,): no dataset named is one error, not an IndexError after vLLM starts."""
-    with pytest.raises(mipu.MIPUError, match="--eval-data .eval: --data. ',' names no dataset"):
-        mipu.load_eval_sets(mipu.TrainConfig(model=model_dir, eval_data=",").validate("eval"))
-
-
 def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monkeypatch):
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", score_truncated=True), llm=llm)
     monkeypatch.setattr(mipu, "math_reward", lambda completion, answer, boxed_only, timeout, memory_mb: None)  # timed out
@@ -2168,8 +2162,6 @@ def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monke
 def test_reward_memory_flag_reaches_the_worker():
     cfg = mipu.TrainConfig(reward_memory=300, reward_timeout=2.0).validate()
     assert mipu.worker_score(cfg).keywords == {"timeout": 2.0, "memory_mb": 300}       # train's rollouts and eval's
-    with pytest.raises(mipu.MIPUError, match=r"--reward-memory must be >= 1 \(MB\)"):
-        mipu.TrainConfig(reward_memory=0).validate()
 
 
 # ---------------------------------------------------------------- HARNESS: checkpoints, resume, the run directory, metrics
@@ -2519,11 +2511,6 @@ def test_cli_eval_truncated_checkpoint(model_dir, tmp_path):
     assert len(errors) == 1 and "model.safetensors: refused or damaged" in errors[0]
 
 
-def _edit_state(ckpt, edit):
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
-    torch.save(edit(state), ckpt / "trainer_state.pt")
-
-
 def _only_bin(ckpt):
     from safetensors.torch import load_file
 
@@ -2532,7 +2519,8 @@ def _only_bin(ckpt):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda c: _edit_state(c, lambda s: list(s.values())), "trainer_state.pt: refused or damaged"),
+    (lambda c: (c / "optimizer.pt").write_bytes((c / "optimizer.pt").read_bytes()[:100]), "optimizer.pt: refused or "
+                                                                                          "damaged"),
     (_only_bin, None),                      # resumes: transformers reads the .bin with weights_only=True
 ])
 def test_resume_refuses_an_edited_checkpoint(llm, model_dir, tmp_path, tokenizer, damage, message):
@@ -3012,25 +3000,15 @@ def test_cli_train_datasets_tensorboard_progress_plot(model_dir, tmp_path, offli
     ('{"question": "1+1=", "answer": "2"}\n', [], "bad.jsonl:1: missing key 'prompt'"),
     ('{"prompt": "1+1=", "solution": "2"}\n', [], "bad.jsonl:1: missing key 'answer'"),
     ("", [], "is empty"),
-    (None, ["--num-generations", "1"], "error: --num-generations must be >= 2"),
     (None, ["--rollout-quant", "fp8"], "--rollout-quant fp8 needs a GPU"),
     (None, ["--vllm-sleep", "on"], "--vllm-sleep on needs a GPU"),
     (None, ["--model", "no/such-model"], "unknown model path"),
     (None, ["--method", "mipu", "--val-data", ""], "train needs --val-data"),
     (None, ["--resume", "--output-dir", "/nonexistent/run"], "--resume: no checkpoint"),
     (b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff", "answer": "1"}\n', [], "bad.jsonl: not UTF-8 text"),
-    ('{"prompt": "1+1=", "answer": [2]}\n', [], "bad.jsonl:1: answer key 'answer' is empty or not a string or number"),
-    ('{"prompt": "1+1=", "answer": true}\n', [], "bad.jsonl:1: answer key 'answer' is empty or not a string or number"),
-    ('{"prompt": "1+1=", "answer": {"x": 2}}\n', [], "bad.jsonl:1: answer key"),
-    (json.dumps({"prompt": "1+" * 200 + "1=", "answer": "201"}), [], "leave no room for a new token in the 256-token"),
+    (json.dumps({"prompt": "1+" * 200 + "1=", "answer": "201"}), [], "leave no room for --max-new-tokens 1024 in the 256"),
     (None, ["--output-dir", str(ARITH)], "is not a writable directory"),
-    (None, ["--c", "nan"], "error: --c must be a finite number"),
-    (None, ["--learning-rate", "inf"], "error: --learning-rate must be a finite number"),
-    (None, ["--weight-decay", "-1"], "error: --weight-decay must be >= 0"),
-    (None, ["--temperature", "inf"], "error: --temperature must be a finite number"),
-    (None, ["--seed", "-1"], "error: --seed must be in [0, 4294967295]"),
     (None, ["--max-model-len", "100000"], "error: --max-model-len 100000 is above"),
-    (None, ["--eval-every", "1", "--eval-data", ","], "error: --eval-data (eval: --data) ',' names no dataset"),
 ])
 def test_cli_train_bad_input(tmp_path, model_dir, make_file, extra, message):
     data = str(ARITH)
