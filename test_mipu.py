@@ -2487,6 +2487,64 @@ def test_resume_equals_the_uninterrupted_run(llm, model_dir, tmp_path, restore):
     assert all(torch.equal(weights[k], v) for k, v in resumed.model.state_dict().items())
 
 
+# `python -c KILLED_RUN train ...`: mipu's command line, SIGKILLed at a fixed point of step KILL_STEP (KILL_AT):
+# "update", in Step 1 after its optimizer steps (the candidate in the trainer only), or "save", while
+# checkpoint-<KILL_STEP + 1> is half written (its weights in the temporary folder, optimizer.pt not yet)
+KILLED_RUN = """
+import os, signal, sys, torch
+import mipu
+at, k = os.environ["KILL_AT"], int(os.environ["KILL_STEP"])
+def kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+end_update, save = mipu.TrainEngine.end_update, torch.save
+def killed_update(self, finite):
+    if at == "update" and self.step == k:
+        kill()
+    return end_update(self, finite)
+def killed_save(obj, path, *args, **kwargs):
+    if at == "save" and os.path.basename(path) == "optimizer.pt" and f"checkpoint-{k + 1:06d}" in str(path):
+        kill()
+    return save(obj, path, *args, **kwargs)
+mipu.TrainEngine.end_update, torch.save = killed_update, killed_save
+sys.exit(mipu.main(sys.argv[1:]))
+"""
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_run(model_dir, tmp_path):
+    """SIGKILL during step 1's update, then (resumed) during checkpoint 2's save, then resumed to the end: the same
+    final weights and metrics.jsonl (but times) as 3 steps straight, and no temporary folder left."""
+    from safetensors.torch import load_file
+
+    def run(out, kill_at="", kill_step=-1, *extra):
+        args = ["train", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL), "--steps", "3",
+                "--output-dir", str(out), "--prompts-per-step", "4", "--num-generations", "4", "--val-prompts", "4",
+                "--mini-batch-size", "8", "--max-new-tokens", "6", "--learning-rate", "0.05", "--weight-decay", "0.1",
+                *extra]
+        env = {**os.environ, "KILL_AT": kill_at, "KILL_STEP": str(kill_step)}
+        return subprocess.run([sys.executable, "-c", KILLED_RUN, *args], capture_output=True, text=True, timeout=600,
+                              cwd=HERE, env=env, stdin=subprocess.DEVNULL)
+
+    def metrics(out):
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith(("time/", "perf/"))}
+                for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+    p = run(tmp_path / "straight")
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = tmp_path / "killed"
+    p = run(out, "update", 1)
+    assert p.returncode == -signal.SIGKILL and sorted(x.name for x in out.glob("checkpoint-*")) == ["checkpoint-000001"]
+    p = run(out, "save", 1, "--resume")
+    assert p.returncode == -signal.SIGKILL and "at step 1" in p.stdout, p.stderr[-3000:]
+    assert [x.name for x in out.glob(".tmp-checkpoint-000002-*")] and len(metrics(out)) == 2   # step 1's line logged
+    p = run(out, "", -1, "--resume")
+    assert p.returncode == 0 and "at step 1" in p.stdout, p.stderr[-3000:]
+    assert metrics(out) == metrics(tmp_path / "straight") and [m["step"] for m in metrics(out)] == [0, 1, 2]
+    assert not list(out.glob(".tmp-*")) and [x.name for x in out.glob("checkpoint-*")] == ["checkpoint-000003"]
+    weights = [load_file(d / "checkpoint-000003" / "model.safetensors") for d in (tmp_path / "straight", out)]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert not all(torch.equal(weights[0][k], v) for k, v in load_file(Path(model_dir) / "model.safetensors").items())
+
+
 @pytest.mark.parametrize("damaged", ["trainer_state.pt", "model.safetensors"])
 def test_cli_resume_damaged_checkpoint(model_dir, tmp_path, damaged):
     """A truncated checkpoint file is one `error:` line, found before any engine starts."""
