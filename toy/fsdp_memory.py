@@ -51,7 +51,7 @@ def plan(shape: str, gpu_gib: float, world: int, share) -> tuple[dict, float, in
 def one_gpu_table(share) -> str:
     """The recipe on one GPU: a row per plan part, a column per (shape, GPU)."""
     plans = [plan(shape, gib, 1, share) for shape, gib in ONE_GPU]
-    head = "| part (key printed at start-up) | " + " | ".join(f"{s}, {g:g} GiB GPU" for s, g in ONE_GPU) + " |"
+    head = "| part (key printed by toy.memory_plan) | " + " | ".join(f"{s}, {g:g} GiB GPU" for s, g in ONE_GPU) + " |"
     rows = [head, "|---" * (1 + len(ONE_GPU)) + "|",
             "| parameters, billion (`params_billion`) | " + " | ".join(f"{p['params_billion']:.2f}" for p, *_ in plans)
             + " |"]
