@@ -1220,6 +1220,7 @@ class LLMEngine(Engine):
 
 # the harness's own imports: the reference above needs none of them
 import argparse
+import atexit
 import contextlib
 import faulthandler
 import fcntl
@@ -2723,6 +2724,13 @@ def config_from(args: dict, command: str = "") -> TrainConfig:
 INTERRUPTED = "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"
 INTERRUPTED_NO_RUN = "error: interrupted (Ctrl-C)"     # eval and toy: they write no checkpoint
 _interrupt_line = [INTERRUPTED]          # main sets the command's line
+INTERRUPT_EXIT_S = 30.0    # after a Ctrl-C the command line's process is gone within this, whatever it was doing
+_interrupt_told = threading.Lock()     # held once INTERRUPTED is printed: it is printed once
+
+
+def tell_interrupted() -> None:
+    if _interrupt_told.acquire(blocking=False):
+        print(_interrupt_line[0], file=sys.stderr, flush=True)
 
 
 def report_errors(fn, *args) -> int:
@@ -2733,9 +2741,45 @@ def report_errors(fn, *args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # checkpoints are written whole or not at all
-        print(_interrupt_line[0], file=sys.stderr, flush=True)
+        tell_interrupted()
         return 130
     return 0
+
+
+def exit_bounded(main_fn) -> None:
+    """sys.exit(main_fn()), but a Ctrl-C ends the process within INTERRUPT_EXIT_S seconds, with one line and 130:
+    the atexit handlers run (vLLM's engine shutdown, wandb) and Python's teardown of the modules does not (the
+    garbage collection of torch's, vLLM's and transformers' objects: seconds, many times that on a loaded machine);
+    a Ctrl-C that landed in a finalizer, where Python cannot raise it, or a shutdown that hangs, is ended by a timer."""
+    def timer_exit():
+        tell_interrupted()
+        sys.stdout.flush()
+        os._exit(130)
+
+    def on_sigint(signum, frame):
+        if not hasattr(on_sigint, "timer"):
+            on_sigint.timer = threading.Timer(INTERRUPT_EXIT_S, timer_exit)
+            on_sigint.timer.daemon = True
+            on_sigint.timer.start()
+        raise KeyboardInterrupt
+
+    def unraisable(info):    # a KeyboardInterrupt in a __del__: dropped there, its timer ends the process instead
+        if not issubclass(info.exc_type, KeyboardInterrupt):
+            sys.__unraisablehook__(info)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    sys.unraisablehook = unraisable
+    try:
+        code = main_fn()
+    except KeyboardInterrupt:            # one outside report_errors (parsing the flags)
+        tell_interrupted()
+        code = 130
+    if hasattr(on_sigint, "timer"):
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -2751,4 +2795,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     faulthandler.enable(all_threads=False)  # a fatal signal in native code (SIGSEGV, SIGILL) is named, with where
-    sys.exit(main())
+    exit_bounded(main)

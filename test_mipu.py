@@ -2989,11 +2989,28 @@ def test_ctrl_c_outside_train_names_no_resume(model_dir, monkeypatch, capsys, co
     def interrupted(*args):
         raise KeyboardInterrupt
 
+    monkeypatch.setattr(mipu, "_interrupt_told", threading.Lock())      # the line is printed once per process
     monkeypatch.setattr(mipu, "load_eval_sets", interrupted)
     monkeypatch.setattr(mipu, "toy_steps", interrupted)
     args = ["--model", model_dir, "--data", str(ARITH_VAL)] if command == "eval" else []
     assert mipu.main([command, *args]) == 130
     assert capsys.readouterr().err == "error: interrupted (Ctrl-C)\n"
+
+
+def test_ctrl_c_that_python_drops_still_ends_the_process(tmp_path):
+    """A Ctrl-C that lands in a finalizer (__del__), where Python cannot raise it, or a shutdown that hangs: the
+    process still ends, INTERRUPT_EXIT_S after the signal, with the one line, 130 and no traceback."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(f"import os, signal, sys, time\nsys.path.insert(0, {str(HERE)!r})\nimport mipu\n"
+                      "mipu.INTERRUPT_EXIT_S = 2.0\n"
+                      "class Finalizer:\n    def __del__(self):\n        os.kill(os.getpid(), signal.SIGINT)\n"
+                      "        time.sleep(1)\n"                      # the handler runs here, inside __del__
+                      "def run():\n    Finalizer()\n    print('dropped', flush=True)\n    time.sleep(600)\n"
+                      "mipu.exit_bounded(lambda: mipu.report_errors(run))\n")
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.stdout == "dropped\n" and time.monotonic() - start < 300
+    assert p.returncode == 130 and p.stderr == mipu.INTERRUPTED + "\n", p.stderr
 
 
 def test_cli_train_compiled_vllm_syncs(model_dir, tmp_path):
