@@ -2165,16 +2165,6 @@ class RewardWorker:
 REWARD_WORKER = RewardWorker()
 
 
-def start_reward_worker(cfg: TrainConfig) -> None:
-    """REWARD_WORKER started before the engines: a --reward-memory it cannot start in fails here, not at the first
-    answer that is no plain number (minutes into a run)."""
-    with REWARD_WORKER.lock:
-        if REWARD_WORKER.proc is not None and REWARD_WORKER.memory_mb != cfg.reward_memory:
-            REWARD_WORKER._stop()
-        if REWARD_WORKER.proc is None:
-            REWARD_WORKER._start(cfg.reward_memory)
-
-
 def worker_score(cfg: TrainConfig):
     """sample_reward's score under the harness: math_reward, whose math_verify calls run in REWARD_WORKER."""
     return functools.partial(math_reward, timeout=cfg.reward_timeout, memory_mb=cfg.reward_memory)
@@ -2644,7 +2634,6 @@ def train(cfg: TrainConfig) -> None:
     lock = claim_output_dir(cfg) if rank0 else None   # held (flock) until this process ends
     writer = open_reporter(cfg) if cfg.report_to and rank0 else None   # before the engines: fails at once
     eval_sets = load_eval_sets(cfg) if cfg.eval_every else {}
-    start_reward_worker(cfg)
     run = setup_llm_run(cfg)
     metrics = Path(cfg.output_dir) / "metrics.jsonl"
     if rank0:
@@ -2688,7 +2677,6 @@ def eval_command(cfg: TrainConfig) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
     check_model_folder(model_folder(cfg.model))        # before the engine starts: bad weights or data fail fast
     eval_sets = load_eval_sets(cfg)
-    start_reward_worker(cfg)
     llm = make_sampler(cfg, **vllm_args(cfg))
     if cfg.rollout_quant == "fp8-sim":               # no sync before the first rollouts: FP8 weights now
         sync_in_pieces(llm, _checkpoint_tensors(str(model_folder(cfg.model))), "fp8-sim")
