@@ -2751,6 +2751,16 @@ def test_check_memory_plan_startup_line(monkeypatch, capsys):
         memory_plan.check_memory_plan(cfg)
 
 
+def test_memory_plan_script(model_dir):
+    """python -m toy.memory_plan: the plan and vLLM's share of a model folder under train's flags; one error line when
+    it does not fit."""
+    p = run_cli("-m", "toy.memory_plan", "--model", model_dir, "--gpu-gib", "80", "--auto")
+    assert p.returncode == 0 and "memory plan, GiB (estimated): params_billion" in p.stdout, p.stderr[-2000:]
+    assert "of the GPU (auto); its KV cache holds" in p.stdout
+    p = run_cli("-m", "toy.memory_plan", "--model", model_dir, "--gpu-gib", "1", "--micro-batch-size", "4096")
+    assert p.returncode == 2 and "error: the memory plan needs ~" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_bench_trainer_tiny_on_cpu(tmp_path):
     p = run_cli("-m", "toy.bench_trainer", "--shape", "tiny", "--micro-batch", "2", "--prompt-len", "8",
                 "--response-len", "16", "--device", "cpu", "--out", str(tmp_path / "bench.md"))

@@ -160,7 +160,7 @@ def main() -> None:
     parser.set_defaults(device="cuda")
     args = vars(parser.parse_args())
     gpu, world, auto = args.pop("gpu_gib") * 2**30, args.pop("world"), args.pop("auto")
-    cfg = mipu.TrainConfig(**args, **({"gpu_memory_utilization": "auto"} if auto else {}))
+    cfg = mipu.TrainConfig(**{**args, **({"gpu_memory_utilization": "auto"} if auto else {})})
     raise SystemExit(mipu.report_errors(check_memory_plan, cfg, gpu, world))
 
 
