@@ -969,6 +969,10 @@ def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
         enforce_eager=True,
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
+        # CPU: a chunked prefill makes vLLM rewind a seeded request's generator, which a CPU one
+        # cannot ("CPU Generator does not use offset"); unchunked, as vLLM's CPU platform does for
+        # MLA (and the token budget becomes >= max_model_len). GPU: vLLM's default, chunked
+        enable_chunked_prefill=False if not torch.cuda.is_available() else None,
     )
     args.update(engine_args)
     return LLM(**args)

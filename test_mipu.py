@@ -1012,6 +1012,19 @@ def test_generate_layout_and_determinism(llm, prompt_ids):
     assert twice[0]["completion_ids"] != twice[2]["completion_ids"]
 
 
+def test_seeded_call_past_the_token_budget_samples_as_each_request_alone(llm):
+    """24 prompts of 200 tokens pass vLLM's default per-step budget (4,096): with chunked prefill one request's
+    prefill was split, vLLM rewound its generator and the CPU one raised "CPU Generator does not use offset". Each
+    request samples the tokens it samples alone (its log-probs move with the batch's bf16 sums only)."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (200,), generator=gen).tolist() for _ in range(24)]
+    batch = mipu.generate(llm, prompts, 2, 8, TEMPERATURE, seed=5)
+    alone = [s for i, p in enumerate(prompts) for s in mipu.generate(llm, [p], 2, 8, TEMPERATURE, seed=5 + 2 * i)]
+    assert [s["completion_ids"] for s in batch] == [s["completion_ids"] for s in alone]
+    assert max(abs(x - y) for s, a in zip(batch, alone)
+               for x, y in zip(s["sampler_logprobs"], a["sampler_logprobs"])) < MAX_TOL
+
+
 AMX = "amx_tile" in Path("/proc/cpuinfo").read_text()   # Linux's flag of a CPU with AMX tile instructions
 
 
