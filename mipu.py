@@ -1591,7 +1591,7 @@ def _reload_piece_in_worker(model, weights: list, model_config, first: bool, las
         initialize_layerwise_reload(model)
     model.load_weights(iter(weights))
     if last:
-        with _quiet_reload(model_config):
+        with _quiet_reload(model, model_config):
             finalize_layerwise_reload(model, model_config)
         reprocess_tied_head(model, model_config)
 
@@ -1612,13 +1612,15 @@ class ReloadFailures(logging.Handler):
 
 
 @contextlib.contextmanager
-def _quiet_reload(model_config):
+def _quiet_reload(model, model_config):
     """vLLM 0.32's finalize_layerwise_reload warns "<layer>: Failed to load weights" for each layer no weight was
-    sent to; for two that is expected: RotaryEmbedding (its cos/sin cache is a buffer no checkpoint holds) and a tied
-    lm_head (its weight is embed_tokens', loaded through it). Those two lines are dropped; any other layer's stays,
-    and TrainEngine.push_weights (its ReloadFailures) makes it an error."""
-    expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if getattr(model_config.hf_config, "tie_word_embeddings",
-                                                                    False) else set())
+    sent to; that is expected of a layer with buffers and no parameter of its own, which no checkpoint holds (the
+    reload puts them back: RotaryEmbedding's cos/sin cache, Gemma3Model's embedding `normalizer`), and of a tied
+    lm_head (its weight is embed_tokens', loaded through it). Those lines are dropped; any other layer's stays, and
+    TrainEngine.push_weights (its ReloadFailures) makes it an error."""
+    expected = {type(m).__name__ for m in model.modules()
+                if next(m.buffers(recurse=False), None) is not None and next(m.parameters(recurse=False), None) is None}
+    expected |= {"ParallelLMHead"} if getattr(model_config.hf_config, "tie_word_embeddings", False) else set()
     log = logging.getLogger(RELOAD_LOG)
 
     def keep(record: logging.LogRecord) -> bool:

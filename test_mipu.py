@@ -1181,12 +1181,12 @@ def test_sync_drops_only_the_expected_reload_warnings(llm, trainer, restore, mon
     log.addHandler(handler)
     try:
         with monkeypatch.context() as m:
-            m.setattr(mipu, "_quiet_reload", lambda model_config: contextlib.nullcontext())
+            m.setattr(mipu, "_quiet_reload", lambda model, model_config: contextlib.nullcontext())
             mipu.sync_in_pieces(llm, list(trainer.named_parameters()), "none")
         unfiltered, seen[:] = list(seen), []
         mipu.sync_in_pieces(llm, list(trainer.named_parameters()), "none")
         filtered = list(seen)
-        with mipu._quiet_reload(llm.llm_engine.vllm_config.model_config):
+        with mipu._quiet_reload(llm.apply_model(lambda model: model)[0], llm.llm_engine.vllm_config.model_config):
             for layer in ("RotaryEmbedding", "ParallelLMHead", "Qwen3DecoderLayer"):
                 log.warning("%s: Failed to load weights", layer)
         log.warning("%s: Failed to load weights", "RotaryEmbedding")
