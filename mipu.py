@@ -934,6 +934,10 @@ def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
         enforce_eager=True,
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
+        # CPU: a chunked prefill makes vLLM rewind a seeded request's generator, which a CPU one
+        # cannot ("CPU Generator does not use offset"); unchunked, as vLLM's CPU platform does for
+        # MLA (and the token budget becomes >= max_model_len). GPU: vLLM's default, chunked
+        enable_chunked_prefill=False if not torch.cuda.is_available() else None,
     )
     args.update(engine_args)
     return LLM(**args)
@@ -1471,8 +1475,8 @@ def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
 # hit hard). Tiny model: bf16 vs fp32 0.001-0.0014, fp8-sim 0.008-0.012, a missed N(0, 0.002) change of all weights 0.05
 SYNC_GAP_FLOOR = 0.01     # mean gaps below this are rounding
 PROBE_TOKENS = 64         # probe response length: enough to see a sync that did not take effect, cheap to score
-# the start-up gap's ceiling (later tolerances are relative to it, so an error present from the start needs an
-# absolute bound): 5x the mean gap FP8 rollouts are expected to give a trained model (~0.05; bf16 ~0.01-0.02). A
+# the start-up gap's ceiling, and the running reference's (later tolerances are relative to it, so an error present
+# from the start needs an absolute bound): 5x the mean gap FP8 rollouts are expected to give a trained model (~0.05; bf16 ~0.01-0.02). A
 # layout error (q/k/v or gate/up rows exchanged: the order-free digests pass it) makes a trained model another one,
 # gaps of nats; a random model barely moves (tiny model: k/v exchanged 0.17-0.24, gate/up 0.016-0.019)
 PROBE_GAP0_MAX = 0.25
@@ -1525,7 +1529,7 @@ def _reload_piece_in_worker(model, weights: list, model_config, first: bool, las
         initialize_layerwise_reload(model)
     model.load_weights(iter(weights))
     if last:
-        with _quiet_reload(model_config):
+        with _quiet_reload(model, model_config):
             finalize_layerwise_reload(model, model_config)
         reprocess_tied_head(model, model_config)
 
@@ -1546,13 +1550,15 @@ class ReloadFailures(logging.Handler):
 
 
 @contextlib.contextmanager
-def _quiet_reload(model_config):
+def _quiet_reload(model, model_config):
     """vLLM 0.32's finalize_layerwise_reload warns "<layer>: Failed to load weights" for each layer no weight was
-    sent to; for two that is expected: RotaryEmbedding (its cos/sin cache is a buffer no checkpoint holds) and a tied
-    lm_head (its weight is embed_tokens', loaded through it). Those two lines are dropped; any other layer's stays,
-    and TrainEngine.push_weights (its ReloadFailures) makes it an error."""
-    expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if getattr(model_config.hf_config, "tie_word_embeddings",
-                                                                    False) else set())
+    sent to; that is expected of a layer with buffers and no parameter of its own, which no checkpoint holds (the
+    reload puts them back: RotaryEmbedding's cos/sin cache, Gemma3Model's embedding `normalizer`), and of a tied
+    lm_head (its weight is embed_tokens', loaded through it). Those lines are dropped; any other layer's stays, and
+    TrainEngine.push_weights (its ReloadFailures) makes it an error."""
+    expected = {type(m).__name__ for m in model.modules()
+                if next(m.buffers(recurse=False), None) is not None and next(m.parameters(recurse=False), None) is None}
+    expected |= {"ParallelLMHead"} if getattr(model_config.hf_config, "tie_word_embeddings", False) else set()
     log = logging.getLogger(RELOAD_LOG)
 
     def keep(record: logging.LogRecord) -> bool:
@@ -1739,23 +1745,19 @@ class TrainEngine(LLMEngine):
         self.reward_timeouts = 0                  # reward calls past --reward-timeout, scored 0
         self.digest_coverage = 0.0                # θ's elements the digests compare
         self.fp8_digests = False                  # FP8 layers digested? (start verifies them)
-        self.probe, self.probe_gap0 = (), 0.0     # (prompt, completion ids) scored after some syncs; its start gap
+        self.probe_ref = 0.0                      # the largest probe gap that passed (<= PROBE_GAP0_MAX): the bound
         self.rolling_back = False                 # in a rollback? (the sync check's error names it)
         self.pending_rows = self.pending = None   # --gap-batch next: step k+1's prompts; if accepted, its Rollout
 
     def start(self) -> "TrainEngine":
-        """μ from θ, and the sync probe: a response the engine itself sampled, so no token is one μ finds unlikely;
-        the first sync check verifies the FP8 digests (the weights are known equal)."""
+        """μ from θ, and the sync probe's first gap; the first sync check verifies the FP8 digests (the weights are
+        known equal)."""
         super().start()
-        prompt = prompts_of(self.tokenizer, self.train_rows[:1], self.cfg)[0]
-        sample = generate(self.llm, [prompt], 1, min(self.cfg.max_new_tokens, PROBE_TOKENS), self.cfg.temperature,
-                          self.cfg.seed)[0]
-        self.probe = (prompt, sample["completion_ids"] or [self.tokenizer.eos_token_id])
         self.fp8_digests = self.cfg.rollout_quant == "fp8"   # the FP8 layers' digests, if start-up's check agrees
-        self.probe_gap0 = self.check_sync(math.inf, starting=True)
-        if self.probe_gap0 > PROBE_GAP0_MAX:         # the same on every rank: check_probe's gap is the ranks' max
+        self.probe_ref = self.check_sync(math.inf, starting=True)
+        if self.probe_ref > PROBE_GAP0_MAX:         # the same on every rank: check_probe's gap is the ranks' max
             raise MIPUError(f"the sync probe's start-up gap, a mean |vLLM - trainer| log-prob of "
-                            f"{self.probe_gap0:.4g}, is above PROBE_GAP0_MAX = {PROBE_GAP0_MAX:g}: vLLM computes "
+                            f"{self.probe_ref:.4g}, is above PROBE_GAP0_MAX = {PROBE_GAP0_MAX:g}: vLLM computes "
                             "another model than the trainer's (a layout: exchanged q/k/v or gate/up rows; a dtype; a "
                             "quantization)")
         return self
@@ -1815,16 +1817,27 @@ class TrainEngine(LLMEngine):
         return finite
 
     def sync(self) -> dict:
-        """LLMEngine's, then the sync check: the probe's gap within --sync-tol of its start-up value, the digests."""
+        """LLMEngine's, then the sync check: the digests, the probe's gap within --sync-tol of the largest that passed."""
         super().sync()
-        gap = self.check_sync(self.cfg.sync_tol * max(self.probe_gap0, SYNC_GAP_FLOOR))
+        gap = self.check_sync(self.cfg.sync_tol * max(self.probe_ref, SYNC_GAP_FLOOR))
+        if math.isfinite(gap):      # NaN: not probed
+            self.probe_ref = min(max(self.probe_ref, gap), PROBE_GAP0_MAX)
         return {"sync/probe_mean_abs_dlogp": gap, "sync/digest_coverage": self.digest_coverage}
+
+    def probe(self) -> tuple[list[int], list[int]]:
+        """The probe: a response μ samples now to the first training prompt (the same on every rank). A fixed one,
+        sampled at start-up, grows unlikely as the policy learns, and its gap with it (SmolLM2 learning at LR 2e-5:
+        4.5x in 10 steps, a false stop); tokens μ samples now keep the mismatch the batch has."""
+        prompt = prompts_of(self.tokenizer, self.train_rows[:1], self.cfg)[0]
+        sample = generate(self.llm, [prompt], 1, min(self.cfg.max_new_tokens, PROBE_TOKENS), self.cfg.temperature,
+                          self.cfg.seed + self.step)[0]
+        return prompt, sample["completion_ids"] or [self.tokenizer.eos_token_id]
 
     def check_probe(self, tol: float) -> float:
         """The probe's gap (returned: the largest over ranks) must be <= tol, else MIPUError on every rank (none waits
         in a collective)."""
         with torch.no_grad():
-            gap = probe_gap(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), *self.probe)
+            gap = probe_gap(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), *self.probe())
         gap = self.max(gap if math.isfinite(gap) else math.inf)     # NaN counts as inf
         if gap == math.inf:
             raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights")
@@ -2188,9 +2201,8 @@ CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders
 RUN_TEMP = re.compile(r"\.tmp-(checkpoint-\d{6,}|metrics)-\d+")   # the run's temporary names (+ the writer's pid):
 # a killed save's or metrics rewrite's, deleted at the next start; no other name in --output-dir is ever deleted
 RUN_FILES = {".lock": "file", "metrics.jsonl": "file", "wandb-id": "file", "tensorboard": "folder"}  # the run writes
-# the TrainEngine fields a checkpoint keeps as they are; the sync probe too: a resumed run's syncs alike
-RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts", "probe",
-                "probe_gap0")
+# the TrainEngine fields a checkpoint keeps as they are; the sync probe's bound too: a resumed run's syncs alike
+RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts", "probe_ref")
 
 def save_checkpoint(run: TrainEngine) -> Path:
     """Atomic: a temp dir renamed to checkpoint-<step> (the commit point; the step orders them), older ones deleted
@@ -2471,7 +2483,8 @@ class TrainConfig(Config):
                                          "toy.memory_plan --auto leaves beside the trainer for the GPU recipe, "
                                          "rounded down; TRL's 0.3, verl's 0.5)")
     logprob_chunk: int = _train(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)")
-    sync_tol: float = _train(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x its start-up value")
+    sync_tol: float = _train(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x the largest that "
+                             "passed (start-up's first; 4: tiny model, a missed sync 0.05 against bf16's 0.0015)")
 
     # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
     AUTO = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"),

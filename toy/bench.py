@@ -90,7 +90,7 @@ def bench_sync_check(run: mipu.TrainEngine, repeats: int) -> tuple[float, float,
     named = list(run.model.named_parameters())
     parts = {
         "push": lambda: mipu.sync_in_pieces(run.llm, named, run.cfg.rollout_quant),
-        "probe": lambda: mipu.probe_gap(run.llm, lambda p, c: run.trainer_logp(p, c, 1.0), *run.probe),
+        "probe": lambda: mipu.probe_gap(run.llm, lambda p, c: run.trainer_logp(p, c, 1.0), *run.probe()),
         "digests": lambda: mipu.digest_gap(run.llm, named, run.cfg.rollout_quant),
     }
     times = {k: [] for k in parts}
