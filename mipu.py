@@ -934,10 +934,9 @@ def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
         enforce_eager=True,
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
-        # CPU: a chunked prefill makes vLLM rewind a seeded request's generator, which a CPU one
-        # cannot ("CPU Generator does not use offset"); unchunked, as vLLM's CPU platform does for
-        # MLA (and the token budget becomes >= max_model_len). GPU: vLLM's default, chunked
-        enable_chunked_prefill=False if not torch.cuda.is_available() else None,
+        # CPU: vLLM rewinds the generator of a seeded request whose prefill it chunks, which a CPU
+        # one cannot: unchunked, as vLLM's CPU platform does for MLA (GPU: vLLM's default)
+        enable_chunked_prefill=None if torch.cuda.is_available() else False,
     )
     args.update(engine_args)
     return LLM(**args)
@@ -1475,10 +1474,11 @@ def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
 # hit hard). Tiny model: bf16 vs fp32 0.001-0.0014, fp8-sim 0.008-0.012, a missed N(0, 0.002) change of all weights 0.05
 SYNC_GAP_FLOOR = 0.01     # mean gaps below this are rounding
 PROBE_TOKENS = 64         # probe response length: enough to see a sync that did not take effect, cheap to score
-# the start-up gap's ceiling, and the running reference's (later tolerances are relative to it, so an error present
-# from the start needs an absolute bound): 5x the mean gap FP8 rollouts are expected to give a trained model (~0.05; bf16 ~0.01-0.02). A
-# layout error (q/k/v or gate/up rows exchanged: the order-free digests pass it) makes a trained model another one,
-# gaps of nats; a random model barely moves (tiny model: k/v exchanged 0.17-0.24, gate/up 0.016-0.019)
+# the start-up gap's ceiling, and the running bound's (later tolerances are relative to it, so an error present from
+# the start needs an absolute bound): 5x the mean gap FP8 rollouts are expected to give a trained model (~0.05; bf16
+# ~0.01-0.02). A layout error (q/k/v or gate/up rows exchanged: the order-free digests pass it) makes a trained
+# model another one, gaps of nats; a random model barely moves (tiny model: k/v exchanged 0.17-0.24, gate/up
+# 0.016-0.019)
 PROBE_GAP0_MAX = 0.25
 
 
@@ -1817,7 +1817,7 @@ class TrainEngine(LLMEngine):
         return finite
 
     def sync(self) -> dict:
-        """LLMEngine's, then the sync check: the digests, the probe's gap within --sync-tol of the largest that passed."""
+        """LLMEngine's, then the sync check: the digests, the probe's gap within --sync-tol x the largest passed."""
         super().sync()
         gap = self.check_sync(self.cfg.sync_tol * max(self.probe_ref, SYNC_GAP_FLOOR))
         if math.isfinite(gap):      # NaN: not probed
