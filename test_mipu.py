@@ -1413,16 +1413,16 @@ def test_the_probe_bound_follows_the_largest_gap_that_passed(llm, model_dir, tmp
     probe's bound is --sync-tol x the largest gap that passed (floor SYNC_GAP_FLOOR, cap PROBE_GAP0_MAX), so a
     gradual growth passes and a jump past 4x the reference still stops the run; unprobed steps leave it."""
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)
-    gaps = iter([0.03, 0.1, 0.3, 0.9, 1.1])       # 0.03 <= 4 x floor, 0.1 <= 0.12, 0.3 <= 0.4, 0.9 <= 4 x cap 0.25
+    gaps = iter([0.03, 0.1, 0.3, 0.9, 2.1])       # 0.03 <= 4 x floor, 0.1 <= 0.12, 0.3 <= 0.4, 0.9 <= 1.2, 2.1 > 4 x 0.5
     monkeypatch.setattr(mipu, "probe_gap", lambda *args: next(gaps))
     refs = []
     for step in (10, 11, 20, 30, 40):
         run.step = step
         run.sync()
         refs.append(run.probe_ref)
-    assert refs == [0.03, 0.03, 0.1, 0.25, 0.25]
+    assert refs == [0.03, 0.03, 0.1, 0.3, mipu.PROBE_GAP0_MAX] and mipu.PROBE_GAP0_MAX == 0.5
     run.step = 50
-    with pytest.raises(mipu.MIPUError, match=r"at step 50: mean \|vLLM - trainer\| log-prob 1\.1 > tol 1"):
+    with pytest.raises(mipu.MIPUError, match=r"at step 50: mean \|vLLM - trainer\| log-prob 2\.1 > tol 2"):
         run.sync()
 
 
@@ -3196,7 +3196,7 @@ def test_real_model_default_batch_rejected_step_rolls_back_and_resumes(real_llm,
     weights, adam, vllm_before = _state(run), _opt_state(run), mipu.vllm_prompt_logprobs(real_llm, seq)
     m0 = mipu.mipu_step(run)
     assert m0["step2/accepted"] == 0.0 and m0["step1/grad_norm"] > 0 and math.isfinite(m0["mismatch/k3"])
-    assert m0["sync/probe_mean_abs_dlogp"] < mipu.PROBE_GAP0_MAX
+    assert math.isfinite(m0["sync/probe_mean_abs_dlogp"])         # passed: below 4 x the largest gap before
     assert _same({0: _state(run)}, {0: weights}) and _same(_opt_state(run), adam)
     assert mipu.vllm_prompt_logprobs(real_llm, seq) == vllm_before
     mipu.save_checkpoint(run)
