@@ -235,6 +235,10 @@ class Config:
                                      " max", choices=("off", "dynamic", "static", "tail"))
     toy_fp8_headroom: float = _toy(1.0, "static FP8 logits saturate at this multiple of the warm "
                                         "start's max |logit|")
+    toy_scale_bias: float = _toy(0.0, "engine logits x exp(bias + jitter * xi), before FP8 logits: an "
+                                      "engine temperature either side of 1; 0, 0: off")
+    toy_scale_jitter: float = _toy(0.0, "xi: sum/norm of W2's FP8 rounding error, ~N(0, 1) and jumpy "
+                                        "in θ")
 
     def __post_init__(self):
         self.batch_size = self.prompts_per_step * self.num_generations  # responses per step
@@ -284,6 +288,7 @@ class Config:
             (0 <= self.toy_tolerance < self.toy_horizon,
              "--toy-tolerance must be in [0, toy_horizon)"),
             (0 < self.toy_init_prob < 1, "--toy-init-prob must be in (0, 1)"),
+            (self.toy_scale_jitter >= 0, "--toy-scale-jitter must be >= 0"),
         ]
 
 # ==== MIPU MATH ===================================================================================
@@ -708,6 +713,7 @@ class ToyPolicy(torch.nn.Module):
         self.w_out = torch.nn.Parameter(torch.randn(d, V, generator=gen) / math.sqrt(d))
         # static amax: set by toy_init
         self.logit_fp8, self.logit_amax = cfg.toy_logit_fp8, None
+        self.log_scale = (cfg.toy_scale_bias, cfg.toy_scale_jitter)
 
     def below_top(self, logits: torch.Tensor) -> torch.Tensor:
         """tail: the logits minus their row's max (the same softmax); else the logits."""
@@ -716,9 +722,13 @@ class ToyPolicy(torch.nn.Module):
     def logits(self, engine: bool = False, prompt=None, prev=None) -> torch.Tensor:
         """Logits [P, H, V+1, V] of every context (the engines' tables), or [B, H, V] of the
         contexts of a batch: prompt [B], previous tokens prev [B, H]. engine=True: FP8/bf16."""
-        w1, w2 = self.w_hidden, self.w_out
+        w1, w2, temp = self.w_hidden, self.w_out, 1.0
         if engine:
             w1, w2 = fp8_roundtrip(w1, per_row=False), fp8_roundtrip(w2, per_row=False)
+            if self.log_scale != (0.0, 0.0):  # xi ~ N(0, 1) over θ, jumpy as W2's FP8 codes
+                r = w2 - self.w_out
+                xi = (r.sum() / r.norm().clamp(min=1e-30)).item()
+                temp = math.exp(self.log_scale[0] + self.log_scale[1] * xi)
         # (E_p + E_t + E_v) W1 computed as E_p W1 + E_t W1 + E_v W1: same value, fewer FLOPs
         hp, ht, hv = self.emb_prompt @ w1, self.emb_pos @ w1, self.emb_prev @ w1  # [P|H|V+1, d]
         if prompt is None:
@@ -726,6 +736,8 @@ class ToyPolicy(torch.nn.Module):
         else:
             h = hp[prompt][:, None] + ht[None] + hv[prev]  # [B, H, d]
         out = torch.tanh(h) @ w2
+        if temp != 1.0:
+            out = out * temp
         # dynamic: per-row scale; static: fixed, saturating; tail: static, of the logits below
         # the row's top (a low-precision normalizer: the top exact, rare tokens coarse, mu >> pi)
         if engine and self.logit_fp8 != "off":
@@ -2966,6 +2978,10 @@ class TrainConfig(Config):
     # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
     AUTO = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"),
             "vllm_compile": ("off", "on")}     # not a field itself: no annotation
+    toy_scale_bias: float = _toy(0.0, "engine logits x exp(bias + jitter * xi), before FP8 logits: an "
+                                      "engine temperature either side of 1; 0, 0: off")
+    toy_scale_jitter: float = _toy(0.0, "xi: sum/norm of W2's FP8 rounding error, ~N(0, 1) and jumpy "
+                                        "in θ")
 
     def __post_init__(self):
         self.check_types()                                               # before any arithmetic on the fields
