@@ -235,10 +235,10 @@ class Config:
                                      " max", choices=("off", "dynamic", "static", "tail"))
     toy_fp8_headroom: float = _toy(1.0, "static FP8 logits saturate at this multiple of the warm "
                                         "start's max |logit|")
-    toy_scale_bias: float = _toy(0.0, "engine logits x exp(bias + jitter * xi), before FP8 logits: an "
-                                      "engine temperature either side of 1; 0, 0: off")
-    toy_scale_jitter: float = _toy(0.0, "xi: sum/norm of W2's FP8 rounding error, ~N(0, 1) and jumpy "
-                                        "in θ")
+    toy_scale_bias: float = _toy(0.0, "engine logits x exp(bias + jitter * xi), before FP8 "
+                                      "logits: an engine temperature either side of 1; 0: off")
+    toy_scale_jitter: float = _toy(0.0, "xi: sum/norm of W2's FP8 rounding error, ~N(0, 1), "
+                                        "jumpy in θ")
 
     def __post_init__(self):
         self.batch_size = self.prompts_per_step * self.num_generations  # responses per step
@@ -2978,10 +2978,6 @@ class TrainConfig(Config):
     # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
     AUTO = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"),
             "vllm_compile": ("off", "on")}     # not a field itself: no annotation
-    toy_scale_bias: float = _toy(0.0, "engine logits x exp(bias + jitter * xi), before FP8 logits: an "
-                                      "engine temperature either side of 1; 0, 0: off")
-    toy_scale_jitter: float = _toy(0.0, "xi: sum/norm of W2's FP8 rounding error, ~N(0, 1) and jumpy "
-                                        "in θ")
 
     def __post_init__(self):
         self.check_types()                                               # before any arithmetic on the fields
