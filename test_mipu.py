@@ -254,7 +254,8 @@ def test_same_gradients_at_zero_mismatch():
 
 @pytest.mark.parametrize("kw, n", [({}, 400),          # the test size, then a long horizon over a wide vocabulary
                                   (dict(toy_vocab=64, toy_horizon=16, toy_tolerance=4, toy_init_prob=0.7, toy_prompts=8),
-                                   500)])
+                                   500),
+                                  (dict(toy_scale_bias=0.1, toy_scale_jitter=0.1), 400)])   # the engine scale on
 def test_exact_J_matches_monte_carlo(kw, n):
     cfg = small_cfg(**kw)
     run = mipu.ToyEngine(cfg, 8.0)

@@ -28,10 +28,13 @@ OUT = Path(__file__).resolve().parent / "results"
 # scale: toy_scale_bias b, toy_scale_jitter tau (engine logits x exp(b + tau xi)); h: toy_fp8_headroom
 CONFIGS = {f"h{h:g}-b{b:g}-t{t:g}": {"toy_fp8_headroom": h, "toy_scale_bias": b, "toy_scale_jitter": t}
            for h, b, t in ((1.0, 0, 0), (1.0, 0.1, 0.1), (1.1, 0, 0), (1.25, 0, 0.1), (1.1, 0.1, 0.1),
-                           (1.0, 0.2, 0.1), (1.25, 0.2, 0.1))}
+                           (1.0, 0.2, 0.1), (1.25, 0.05, 0.1), (1.25, 0.1, 0.1), (1.25, 0.2, 0.1))}
 # no FP8 logits: the FP8 weights and the engine scale alone
 CONFIGS.update({f"off-b{b:g}-t{t:g}": {"toy_logit_fp8": "off", "toy_scale_bias": b, "toy_scale_jitter": t}
                 for b, t in ((0, 0.2), (0.1, 0.1), (0, 0.1))})
+# FP8 weights' error x alpha (no FP8 logits), with and without the jitter
+CONFIGS.update({f"a{a:g}-t{t:g}": {"toy_logit_fp8": "off", "toy_mismatch": a, "toy_scale_jitter": t}
+                for a, t in ((3, 0), (3, 0.05), (4, 0.05))})
 ARMS = {"tis": {"method": "tis"}, "grpo": {"method": "grpo"}, "mipu": {"method": "mipu"},
         "step2": {"method": "step2"}}
 T95 = {5: 2.776, 6: 2.571, 8: 2.365, 10: 2.262, 20: 2.093}   # t quantile at n - 1 df
@@ -124,7 +127,8 @@ def main() -> int:
     a0 = runs([({**base, "method": "grpo", "seed": s}, 0.0) for s in seeds], cache)
     rows, loads = [], [load0]
     for name in names:
-        res = {arm: runs([({**base, **CONFIGS[name], **ARMS[arm], "seed": s}, 1.0) for s in seeds], cache)
+        alpha = {**base, **CONFIGS[name]}["toy_mismatch"]
+        res = {arm: runs([({**base, **CONFIGS[name], **ARMS[arm], "seed": s}, alpha) for s in seeds], cache)
                for arm in a.arms.split(",")}
         rows.append({"config": name, **bands(res, a0)})
         loads.append(os.getloadavg()[0])
