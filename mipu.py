@@ -690,7 +690,8 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
 #           (W1, W2 shared, like an LLM's layers)
 #   engine: the same network with W1, W2 rounded through FP8 E4M3 (per-tensor scale, as vLLM's
 #           online FP8 quantization) and logits rounded to bf16;
-#           μ_logits = π_logits + α (engine_logits − π_logits), so α = 0 gives μ = π bit for bit.
+#           μ_logits = π_logits + α (engine_logits − π_logits), so α = 0 gives μ = π bit for bit;
+#           --toy-scale-*: engine logits x exp(b + τ ξ(θ)), a temperature either side of 1.
 #   task:   each prompt has a target of H tokens; reward 1 iff at most `tolerance` tokens differ,
 #           so a response needs many right tokens and per-token errors compound.
 #   J(π), J(μ) are exact (dynamic programming over (prev token, errors so far)).
@@ -722,13 +723,13 @@ class ToyPolicy(torch.nn.Module):
     def logits(self, engine: bool = False, prompt=None, prev=None) -> torch.Tensor:
         """Logits [P, H, V+1, V] of every context (the engines' tables), or [B, H, V] of the
         contexts of a batch: prompt [B], previous tokens prev [B, H]. engine=True: FP8/bf16."""
-        w1, w2, temp = self.w_hidden, self.w_out, 1.0
+        w1, w2, scale = self.w_hidden, self.w_out, 1.0
         if engine:
             w1, w2 = fp8_roundtrip(w1, per_row=False), fp8_roundtrip(w2, per_row=False)
             if self.log_scale != (0.0, 0.0):  # xi ~ N(0, 1) over θ, jumpy as W2's FP8 codes
                 r = w2 - self.w_out
                 xi = (r.sum() / r.norm().clamp(min=1e-30)).item()
-                temp = math.exp(self.log_scale[0] + self.log_scale[1] * xi)
+                scale = math.exp(self.log_scale[0] + self.log_scale[1] * xi)  # 1/temperature
         # (E_p + E_t + E_v) W1 computed as E_p W1 + E_t W1 + E_v W1: same value, fewer FLOPs
         hp, ht, hv = self.emb_prompt @ w1, self.emb_pos @ w1, self.emb_prev @ w1  # [P|H|V+1, d]
         if prompt is None:
@@ -736,8 +737,8 @@ class ToyPolicy(torch.nn.Module):
         else:
             h = hp[prompt][:, None] + ht[None] + hv[prev]  # [B, H, d]
         out = torch.tanh(h) @ w2
-        if temp != 1.0:
-            out = out * temp
+        if scale != 1.0:
+            out = out * scale
         # dynamic: per-row scale; static: fixed, saturating; tail: static, of the logits below
         # the row's top (a low-precision normalizer: the top exact, rare tokens coarse, mu >> pi)
         if engine and self.logit_fp8 != "off":
