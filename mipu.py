@@ -233,6 +233,10 @@ class Config:
                                      " max", choices=("off", "dynamic", "static", "tail"))
     toy_fp8_headroom: float = _toy(1.0, "static FP8 logits saturate at this multiple of the warm "
                                         "start's max |logit|")
+    toy_scale_bias: float = _toy(0.0, "engine logits x exp(bias + jitter * xi), before FP8 "
+                                      "logits: an engine temperature either side of 1; 0: off")
+    toy_scale_jitter: float = _toy(0.0, "xi: sum/norm of W2's FP8 rounding error, ~N(0, 1), "
+                                        "jumpy in θ")
 
     def __post_init__(self):
         self.batch_size = self.prompts_per_step * self.num_generations  # responses per step
@@ -654,7 +658,8 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
 #           (W1, W2 shared, like an LLM's layers)
 #   engine: the same network with W1, W2 rounded through FP8 E4M3 (per-tensor scale, as vLLM's
 #           online FP8 quantization) and logits rounded to bf16;
-#           μ_logits = π_logits + α (engine_logits − π_logits), so α = 0 gives μ = π bit for bit.
+#           μ_logits = π_logits + α (engine_logits − π_logits), so α = 0 gives μ = π bit for bit;
+#           --toy-scale-*: engine logits x exp(b + τ ξ(θ)), a temperature either side of 1.
 #   task:   each prompt has a target of H tokens; reward 1 iff at most `tolerance` tokens differ,
 #           so a response needs many right tokens and per-token errors compound.
 #   J(π), J(μ) are exact (dynamic programming over (prev token, errors so far)).
@@ -677,6 +682,7 @@ class ToyPolicy(torch.nn.Module):
         self.w_out = torch.nn.Parameter(torch.randn(d, V, generator=gen) / math.sqrt(d))
         # static amax: set by toy_init
         self.logit_fp8, self.logit_amax = cfg.toy_logit_fp8, None
+        self.log_scale = (cfg.toy_scale_bias, cfg.toy_scale_jitter)
 
     def below_top(self, logits: torch.Tensor) -> torch.Tensor:
         """tail: the logits minus their row's max (the same softmax); else the logits."""
@@ -685,9 +691,13 @@ class ToyPolicy(torch.nn.Module):
     def logits(self, engine: bool = False, prompt=None, prev=None) -> torch.Tensor:
         """Logits [P, H, V+1, V] of every context (the engines' tables), or [B, H, V] of the
         contexts of a batch: prompt [B], previous tokens prev [B, H]. engine=True: FP8/bf16."""
-        w1, w2 = self.w_hidden, self.w_out
+        w1, w2, scale = self.w_hidden, self.w_out, 1.0
         if engine:
             w1, w2 = fp8_roundtrip(w1, per_row=False), fp8_roundtrip(w2, per_row=False)
+            if self.log_scale != (0.0, 0.0):  # xi ~ N(0, 1) over θ, jumpy as W2's FP8 codes
+                r = w2 - self.w_out
+                xi = (r.sum() / r.norm().clamp(min=1e-30)).item()
+                scale = math.exp(self.log_scale[0] + self.log_scale[1] * xi)  # 1/temperature
         # (E_p + E_t + E_v) W1 computed as E_p W1 + E_t W1 + E_v W1: same value, fewer FLOPs
         hp, ht, hv = self.emb_prompt @ w1, self.emb_pos @ w1, self.emb_prev @ w1  # [P|H|V+1, d]
         if prompt is None:
@@ -695,6 +705,8 @@ class ToyPolicy(torch.nn.Module):
         else:
             h = hp[prompt][:, None] + ht[None] + hv[prev]  # [B, H, d]
         out = torch.tanh(h) @ w2
+        if scale != 1.0:
+            out = out * scale
         # dynamic: per-row scale; static: fixed, saturating; tail: static, of the logits below
         # the row's top (a low-precision normalizer: the top exact, rare tokens coarse, mu >> pi)
         if engine and self.logit_fp8 != "off":

@@ -244,7 +244,8 @@ def test_same_gradients_at_zero_mismatch():
 
 @pytest.mark.parametrize("kw, n", [({}, 400),          # the test size, then a long horizon over a wide vocabulary
                                   (dict(toy_vocab=64, toy_horizon=16, toy_tolerance=4, toy_init_prob=0.7, toy_prompts=8),
-                                   500)])
+                                   500),
+                                  (dict(toy_scale_bias=0.1, toy_scale_jitter=0.1), 400)])   # the engine scale on
 def test_exact_J_matches_monte_carlo(kw, n):
     cfg = small_cfg(**kw)
     run = mipu.ToyEngine(cfg, 8.0)
@@ -403,6 +404,34 @@ def test_toy_logit_fp8_error_grows_with_logit_magnitude():
         run.policy.w_out.mul_(3)                                               # a sharper policy ...
         assert run.policy.logits(engine=True).abs().max().item() <= amax * 1.01  # ... saturates in the engine
         assert toy_k3(*mipu.toy_tables(run.policy, 1.0)) > 10 * k3_before     # and the mismatch grows
+
+
+def test_toy_engine_scale_either_side_of_one():
+    """--toy-scale-bias b, --toy-scale-jitter tau: the engine's logits x exp(b + tau xi(θ)). b > 0 sharpens μ and
+    raises J(μ) above J(π) (target tokens on top after the warm start), b < 0 flattens it and lowers J(μ); xi, the
+    normalized sum of W2's FP8 rounding error, takes both signs over θ's; both 0 (the default) is the old engine."""
+    assert mipu.Config().toy_scale_bias == 0 and mipu.Config().toy_scale_jitter == 0
+    gaps = {}
+    for b in (-0.3, 0.3):
+        run = mipu.ToyEngine(small_cfg(toy_logit_fp8="off", toy_scale_bias=b), 1.0)
+        with torch.no_grad():
+            ze = run.policy.logits(engine=True)
+            run.policy.log_scale = (0.0, 0.0)
+            ze0 = run.policy.logits(engine=True)
+        assert torch.allclose(ze, ze0 * math.exp(b), rtol=2e-2, atol=1e-2)
+        gaps[b] = run.J[1] - run.J[0]
+    assert gaps[0.3] > 0.01 and gaps[-0.3] < -0.01, gaps
+    xis = []
+    for seed in range(12):
+        run = mipu.ToyEngine(small_cfg(toy_logit_fp8="off", toy_scale_jitter=1.0, seed=seed), 1.0)
+        with torch.no_grad():
+            ze = run.policy.logits(engine=True)
+            run.policy.log_scale = (0.0, 0.0)
+            ze0 = run.policy.logits(engine=True)
+        xis.append(math.log((ze * ze0).sum().item() / (ze0 * ze0).sum().item()))   # ~ tau xi
+    assert min(xis) < -0.2 and max(xis) > 0.2, xis
+    with pytest.raises(mipu.MIPUError, match="toy-scale-jitter"):
+        small_cfg(toy_scale_jitter=-1.0)
 
 
 def test_oracle_rule_keeps_J_mu_monotone_and_is_toy_only():
