@@ -430,8 +430,6 @@ def test_toy_engine_scale_either_side_of_one():
             ze0 = run.policy.logits(engine=True)
         xis.append(math.log((ze * ze0).sum().item() / (ze0 * ze0).sum().item()))   # ~ tau xi
     assert min(xis) < -0.2 and max(xis) > 0.2, xis
-    with pytest.raises(mipu.MIPUError, match="toy-scale-jitter"):
-        small_cfg(toy_scale_jitter=-1.0)
 
 
 def test_oracle_rule_keeps_J_mu_monotone_and_is_toy_only():
@@ -1231,8 +1229,9 @@ def _check_sync(llm, model, probe_prompt, probe_completion, tol):
 
 
 def _probe_logprobs(run):
-    prompt, completion = run.probe()
-    return mipu.vllm_prompt_logprobs(run.llm, prompt + completion)
+    """vLLM's log-probs of a fixed sequence (the first training prompt and 6 tokens): the engine's weights, seen."""
+    prompt = mipu.prompts_of(run.tokenizer, run.train_rows[:1], run.cfg)[0]
+    return mipu.vllm_prompt_logprobs(run.llm, prompt + [5, 6, 7, 8, 9, 10])
 
 
 def _opt_state(run):
@@ -3226,7 +3225,9 @@ def test_real_model_default_batch_rejected_step_rolls_back_and_resumes(real_llm,
     m0 = mipu.mipu_step(run)
     assert m0["step2/accepted"] == 0.0 and m0["step1/grad_norm"] > 0 and math.isfinite(m0["mismatch/k3"])
     assert math.isfinite(m0["sync/probe_mean_abs_dlogp"])         # passed: below 4 x the largest gap before
-    assert _same({0: _state(run)}, {0: weights}) and _same(_opt_state(run), adam)
+    after = _opt_state(run)        # AdamW's state before its first step: empty, or restored as zeros at step 0
+    assert _same({0: _state(run)}, {0: weights}) and (_same(after, adam) or not adam and all(
+        not v.any() for st in after.values() for v in st.values()))
     assert mipu.vllm_prompt_logprobs(real_llm, seq) == vllm_before
     mipu.save_checkpoint(run)
     rng = torch.get_rng_state()
