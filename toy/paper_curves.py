@@ -44,16 +44,10 @@ def smooth(x: np.ndarray, w: int) -> np.ndarray:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m toy.paper_curves", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True, choices=list(paper_search.CONFIGS))
-    ap.add_argument("--seeds", type=int, default=20)
-    ap.add_argument("--first-seed", type=int, default=6200)
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--toy-lr", type=float, default=0.005)
+    ap = paper_search.study_parser("python -m toy.paper_curves", __doc__)
     ap.add_argument("--window", type=int, default=20)
     a = ap.parse_args()
-    t0, loads = time.time(), [os.getloadavg()[0]]
-    cfg = {**paper_search.base_cfg(a.steps, a.toy_lr), **paper_search.CONFIGS[a.config]}
+    t0, loads, cfg = time.time(), [os.getloadavg()[0]], paper_search.study_cfg(a)
     seeds = range(a.first_seed, a.first_seed + a.seeds)
     res = curves(cfg, seeds)
     loads.append(os.getloadavg()[0])

@@ -44,6 +44,21 @@ def base_cfg(steps: int, lr: float) -> dict:
     return {**demo.preset_base(mipu.Config(toy_lr=lr), "collapse"), "steps": steps}
 
 
+def study_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The flags paper_study and paper_curves share: one config of CONFIGS on the study seeds."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    ap.add_argument("--config", required=True, choices=list(CONFIGS))
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--first-seed", type=int, default=6200)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--toy-lr", type=float, default=0.005)
+    return ap
+
+
+def study_cfg(a: argparse.Namespace) -> dict:
+    return {**base_cfg(a.steps, a.toy_lr), **CONFIGS[a.config]}
+
+
 def run_job(job: tuple) -> dict:
     """One run (cfg dict, alpha) reduced to its per-step series."""
     cfg, alpha = job

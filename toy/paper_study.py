@@ -45,16 +45,10 @@ def row(label: str, runs: list[dict], ref: list[dict] | None = None) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m toy.paper_study", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True, choices=list(paper_search.CONFIGS))
-    ap.add_argument("--seeds", type=int, default=20)
-    ap.add_argument("--first-seed", type=int, default=6200)
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--toy-lr", type=float, default=0.005)
+    ap = paper_search.study_parser("python -m toy.paper_study", __doc__)
     ap.add_argument("--cache", default="/tmp/toy_paper_runs.jsonl")
     a = ap.parse_args()
-    t0, loads = time.time(), [os.getloadavg()[0]]
-    cfg = {**paper_search.base_cfg(a.steps, a.toy_lr), **paper_search.CONFIGS[a.config]}
+    t0, loads, cfg = time.time(), [os.getloadavg()[0]], paper_search.study_cfg(a)
     seeds, cache = range(a.first_seed, a.first_seed + a.seeds), paper_search.Path(a.cache)
     run = lambda over: arm_runs(cfg, over, seeds, cache)          # noqa: E731
     step2, mipu_runs, grpo, tis = (run({"method": m}) for m in ("step2", "mipu", "grpo", "tis"))
