@@ -2624,7 +2624,7 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     llm = llm or make_sampler(cfg, **vllm_args(cfg))
     torch.set_float32_matmul_precision(matmul_precision(cfg))     # after vLLM, whose worker sets "highest"
     run = TrainEngine(cfg, llm, model, tokenizer, opt, train_rows, val_rows).start()   # μ from the (resumed?) θ
-    if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe replaces this one
+    if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe bound replaces this one
         for k in RUN_COUNTERS:
             setattr(run, k, state[k])
         run.pending = state["pending"] and Rollout(**state["pending"])   # --gap-batch next

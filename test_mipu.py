@@ -2522,8 +2522,8 @@ def test_resume_is_bit_exact(llm, model_dir, tmp_path, restore, gap_batch):
 
 
 def test_resume_equals_the_uninterrupted_run(llm, model_dir, tmp_path, restore):
-    """3 steps, checkpoint, resume, 1 step against 4 steps straight: the same step-3 metrics (the sync probe
-    and its start-up gap travel in the checkpoint) and the same torch RNG after (the start-up's vLLM calls draw
+    """3 steps, checkpoint, resume, 1 step against 4 steps straight: the same step-3 metrics (the sync probe's
+    bound travels in the checkpoint) and the same torch RNG after (the start-up's vLLM calls draw
     from it), besides the weights."""
     cfg = llm_cfg(model_dir, tmp_path / "a", method="mipu", c=1e9, weight_decay=0.1, learning_rate=0.05)
     torch.manual_seed(cfg.seed)                    # what a new engine does (vLLM seeds torch): a run's RNG start
@@ -3189,8 +3189,6 @@ REAL_SUFFIX = " Answer with the number only."
 @pytest.fixture(scope="session")
 def real_dir() -> str:
     """toy/models/smollm2-135m-instruct (git-ignored), built once by toy.make_real if missing."""
-    from toy import make_real
-
     out = HERE / "toy" / "models" / "smollm2-135m-instruct"
     if not (out / "model.safetensors").is_file():
         p = run_cli("-m", "toy.make_real", timeout=1200)
