@@ -1856,7 +1856,7 @@ class TrainEngine(LLMEngine):
 # ---- MODELS: local folders only, one error line -------------------------------------------------------------------
 
 def model_folder(model_path: str) -> Path:
-    """The local folder of a model: a directory with a config.json, or a hub id's folder in the HF cache (offline)."""
+    """A directory with a config.json, or a hub id's folder in the HF cache (offline)."""
     path = Path(model_path)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -1865,7 +1865,7 @@ def model_folder(model_path: str) -> Path:
     # "org/name" whose "org" is no local folder (e.g. not runs/<missing run>) may be a hub id
     hub_id = model_path.count("/") == 1 and not model_path.startswith((".", "/")) and not path.parent.is_dir()
     if hub_id:
-        from huggingface_hub import try_to_load_from_cache  # looks at the cache only
+        from huggingface_hub import try_to_load_from_cache
         cached = try_to_load_from_cache(model_path, "config.json")
         if isinstance(cached, str):  # else None or a "known missing" sentinel
             return Path(cached).parent
@@ -1874,8 +1874,8 @@ def model_folder(model_path: str) -> Path:
 
 
 def load_pretrained(auto_class: str, model_path: str, **kwargs):
-    """transformers' `auto_class` ("AutoConfig", "AutoTokenizer", ...).from_pretrained of the model folder: no
-    download, and never code the folder ships (trust_remote_code=False); a failure is one error naming the folder."""
+    """transformers' `auto_class`.from_pretrained of the model folder: no download, never code the folder ships; a
+    failure is one error naming the folder."""
     import transformers
     folder = model_folder(model_path)
     try:     # OSError: missing or broken files; ValueError: unknown model_type or custom code; tokenizers: Exception
@@ -1887,19 +1887,18 @@ def load_pretrained(auto_class: str, model_path: str, **kwargs):
 
 
 def trainer_from_folder(model_path: str, **kwargs):
-    """load_trainer's `load` under the harness: load_pretrained (the local folder, no code it ships, one error)."""
+    """load_trainer's `load` under the harness."""
     return load_pretrained("AutoModelForCausalLM", model_path, **kwargs)
 
 
 def trainer_from_config(model_path: str, **kwargs):
-    """load_trainer's `load` for a model without its weights (under torch.device("meta"): its structure only)."""
+    """load_trainer's `load` without the weights (for torch.device("meta"))."""
     import transformers
     return transformers.AutoModelForCausalLM.from_config(load_pretrained("AutoConfig", model_path), **kwargs)
 
 
 def checkpointed(model: torch.nn.Module, on: bool) -> torch.nn.Module:
-    """--grad-checkpointing on: each layer recomputed in backward. It acts in train mode only, which Step 1 sets
-    (Qwen3 has no dropout)."""
+    """--grad-checkpointing on. It acts in train mode only, which Step 1 sets (Qwen3 has no dropout)."""
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -1921,12 +1920,11 @@ def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dic
     return {"prompt": prompt, "answer": plain.strip()}
 
 
-# JSONL by hand, not by `datasets` (used for the other formats): its JSON reader rounds decimals (1.10 -> 1.1), cannot
-# hold a 5,000-digit integer and names no line of a bad row
+# JSONL by hand, not by `datasets`: its JSON reader rounds decimals (1.10 -> 1.1), cannot hold a 5,000-digit integer
+# and names no line of a bad row
 def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
-    """Parse a .jsonl file (UTF-8, a BOM allowed) into (location, row) pairs; blank lines are skipped. Lines end at
-    "\n" only: JSON strings may hold U+2028 or U+0085, where str.splitlines splits. Numbers become Decimal: exact
-    text, and no digit limit (int's is 4,300)."""
+    """(location, row) pairs of a .jsonl file (UTF-8, a BOM allowed). Lines end at "\n" only: JSON strings may hold
+    U+2028 or U+0085, where str.splitlines splits. Numbers become Decimal: exact, no digit limit (int's is 4,300)."""
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -1940,17 +1938,17 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
-    """(location, row) pairs of a .parquet file, a save_to_disk or hub-layout folder, or an HF id, via `datasets`;
-    split "" is the default, train (a Dataset saved without splits: its rows, and no other split)."""
+    """(location, row) pairs of a .parquet file, a save_to_disk or hub-layout folder, or an HF id; split "" is train
+    (a Dataset saved without splits: its rows, and no other split)."""
     asked, split, on_disk = split, split or "train", False
-    import datasets                               # here: importing it takes seconds, JSONL runs skip it
+    import datasets                               # here: it takes seconds to import, JSONL runs skip it
     from huggingface_hub import errors, snapshot_download
     try:
         if Path(name).suffix == ".parquet":
             ds = datasets.load_dataset("parquet", data_files=name, split=split)
         elif on_disk := any((Path(name) / f).is_file() for f in ("state.json", "dataset_dict.json")):  # save_to_disk
             ds = datasets.load_from_disk(name)
-        else:   # a hub-layout folder, or a hub id's from the local HF cache only, as models (offline: no retries)
+        else:   # a hub-layout folder, or a hub id's from the local HF cache only (offline: no retries)
             src = name if Path(name).is_dir() else snapshot_download(name, repo_type="dataset", local_files_only=True)
             ds = datasets.load_dataset(src, split=split)
     # IndexError: a 0-row save_to_disk; RuntimeError: a folder with a loading script (datasets 4 runs none)
@@ -1983,13 +1981,13 @@ def load_rows(source: str, prompt_key: str, answer_key: str) -> list[dict]:
     return rows
 
 
-# plain numbers compare exactly in-process (math_verify's floats cannot hold big integers; ~1 ms faster than sympy)
+# plain numbers compare exactly in-process (math_verify's floats cannot hold big integers; ~1 ms faster)
 _PLAIN_NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?:/[0-9]+)?")
 NUMBER_MAX_CHARS = 20_000  # longer ones go to math_verify (time-bounded): Decimal is quadratic (20k: 16 ms, 300k: 5 s)
 
 
 def _to_number(s: str) -> Fraction | None:
-    """"3", "-1.5", "3/4", "1,000" as an exact Fraction via Decimal (int() refuses over 4,300 digits), else None."""
+    """"3", "-1.5", "3/4", "1,000" as an exact Fraction, else None (Decimal: int() refuses over 4,300 digits)."""
     s = s.strip().rstrip(".")
     if len(s) > NUMBER_MAX_CHARS or not _PLAIN_NUMBER.fullmatch(s):
         return None
@@ -1998,8 +1996,8 @@ def _to_number(s: str) -> Fraction | None:
 
 
 def _simple_equal(pred: str, answer: str) -> bool:
-    """Same string, or same number: integers exactly; decimals and fractions within 1e-6 relative (a
-    rounded 0.333333 for 1/3) but never more than 1e-3, so no different integer is ever accepted."""
+    """Same string, or same number: integers exactly; else within 1e-6 relative (0.333333 for 1/3) but never more
+    than 1e-3, so no different integer is ever accepted."""
     if pred.strip() == answer.strip():
         return True
     a, b = _to_number(pred), _to_number(answer)
@@ -2127,14 +2125,14 @@ REWARD_WORKER = RewardWorker()
 
 
 def worker_score(cfg: TrainConfig):
-    """sample_reward's score under the harness: math_reward, whose math_verify calls run in REWARD_WORKER."""
+    """sample_reward's score under the harness."""
     return functools.partial(math_reward, timeout=cfg.reward_timeout, memory_mb=cfg.reward_memory)
 
 
 def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout: float = 5.0,
                 memory_mb: int = REWARD_MEMORY_MB) -> float | None:
-    """reference_reward with plain numbers compared in-process (_simple_equal), the rest in REWARD_WORKER (in
-    `memory_mb` MB): None past `timeout` seconds; a gold answer found hostile scores 0.0 from then on, uncalled."""
+    """reference_reward with plain numbers compared in-process, the rest in REWARD_WORKER: None past `timeout`
+    seconds; a gold answer found hostile scores 0.0 from then on."""
     pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
@@ -2145,11 +2143,11 @@ def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout:
 
 # ---- CHECKPOINTS, METRICS, EVALUATION ------------------------------------------------------------------------------
 
-CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders: this name only (not checkpoint-best)
+CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders (not checkpoint-best)
 RUN_TEMP = re.compile(r"\.tmp-(checkpoint-\d{6,}|metrics)-\d+")   # the run's temporary names (+ the writer's pid):
 # a killed save's or metrics rewrite's, deleted at the next start; no other name in --output-dir is ever deleted
 RUN_FILES = {".lock": "file", "metrics.jsonl": "file", "wandb-id": "file", "tensorboard": "folder"}  # the run writes
-# the TrainEngine fields a checkpoint keeps as they are; the sync probe's bound too: a resumed run's syncs alike
+# the TrainEngine fields a checkpoint keeps; the probe's bound too: a resumed run's syncs alike
 RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts", "probe_ref")
 
 def save_checkpoint(run: TrainEngine) -> Path:
@@ -2190,7 +2188,7 @@ def save_checkpoint(run: TrainEngine) -> Path:
 
 
 def run_checkpoints(out: Path) -> list[Path]:
-    """The run's checkpoints, oldest first (a user's copy, e.g. checkpoint-best or checkpoint-000001-keep, is none)."""
+    """Oldest first (a user's copy, e.g. checkpoint-best or checkpoint-000001-keep, is none)."""
     found = [p for p in out.glob("checkpoint-*") if CHECKPOINT.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
@@ -2202,8 +2200,8 @@ def latest_checkpoint(output_dir: str) -> Path:
 
 
 def remove_run_temp(path: Path) -> None:
-    """Delete one of the run's temporary names (RUN_TEMP), if there: a folder with its contents, else the name
-    itself (a file, or a symlink: never what it points to)."""
+    """Delete one of the run's RUN_TEMP names, if there: a folder with its contents, else the name itself (never what
+    a symlink points to)."""
     assert RUN_TEMP.fullmatch(path.name), path
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)                   # rmtree follows no symlink inside
@@ -2246,16 +2244,10 @@ def claim_output_dir(cfg: TrainConfig):
     return lock
 
 
-def metrics_lines(path: Path) -> list[str]:
-    """metrics.jsonl's whole lines (a torn last line dropped), [] if none."""
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    return [x for x in text.splitlines(keepends=True) if x.endswith("\n")]
-
-
 def keep_metrics_before(path: Path, step: int) -> None:
     """Cut metrics.jsonl's records of steps >= step (a user's line stays) and a torn last line, atomically."""
     if path.exists():
-        lines = metrics_lines(path)
+        lines = [x for x in path.read_text(encoding="utf-8").splitlines(keepends=True) if x.endswith("\n")]
         keep = [x for x in lines if not (r := re.match(r'\{"step": (\d+)[,}]', x)) or int(r[1]) < step]
         tmp = path.with_name(f".tmp-metrics-{os.getpid()}")   # RUN_TEMP: a kill's leftover goes at the next start
         try:
@@ -2268,8 +2260,7 @@ def keep_metrics_before(path: Path, step: int) -> None:
 
 
 def check_resume(cfg: TrainConfig, state: dict, n_train: int) -> None:
-    """Refuse to continue a run under other flags (but RESUME_MAY_CHANGE) or other training data, or a run already
-    past --steps (it would end having done nothing)."""
+    """Refuse to continue a run under other flags (but RESUME_MAY_CHANGE), other training data, or past --steps."""
     if state["step"] > cfg.steps:
         raise MIPUError(f"--resume: the run is at step {state['step']}, past --steps {cfg.steps} (nothing to do: "
                         "raise --steps to continue it)")
@@ -2294,8 +2285,8 @@ def check_weight_files(folder: Path) -> None:
 
 
 def check_model_folder(folder: Path) -> None:
-    """The model folder vLLM and a fresh trainer load, before either starts: the safetensors whole; without them, each
-    pytorch_model*.bin plain tensors (vLLM would run another pickle's code); else one error."""
+    """Before vLLM or a fresh trainer loads it: the safetensors whole; without them, each pytorch_model*.bin plain
+    tensors (vLLM would run another pickle's code); else one error."""
     for path in [] if any(folder.glob("*.safetensors")) else sorted(folder.glob("pytorch_model*.bin")):
         try:                                              # mmap: the header and pickle only, no tensor data read
             torch.load(path, weights_only=True, mmap=True, map_location="cpu")
@@ -2306,8 +2297,8 @@ def check_model_folder(folder: Path) -> None:
 
 
 def read_trainer_state(ckpt: Path) -> dict:
-    """trainer_state.pt (+ optimizer.pt on rank 0, which sends it) read with weights_only=True: tensors and plain
-    containers only, so a planted pickle payload is refused, never run."""
+    """trainer_state.pt (+ optimizer.pt on rank 0, which sends it) with weights_only=True: a planted pickle payload
+    is refused, never run."""
     check_weight_files(ckpt)
     try:
         state = torch.load(path := ckpt / "trainer_state.pt", weights_only=True)     # `path`: the file an error names
@@ -2319,7 +2310,7 @@ def read_trainer_state(ckpt: Path) -> dict:
 
 
 def open_reporter(cfg: TrainConfig):
-    """--report-to, imported only when asked: a SummaryWriter in <output-dir>/tensorboard, mirrored by wandb."""
+    """--report-to: a SummaryWriter in <output-dir>/tensorboard, mirrored by wandb."""
     try:
         from torch.utils.tensorboard import SummaryWriter
         if "wandb" in cfg.report_to:
@@ -2340,7 +2331,7 @@ LINE_KEYS = ("rollout/reward", "mismatch/k3", "step1/loss", "step1/clip_frac", "
 
 
 def progress(done: int, total: int, first: int, start: float) -> str:
-    """'step k/N elapsed H:MM:SS eta H:MM:SS' (k steps done; the ETA assumes this process's mean step time)."""
+    """'step k/N elapsed H:MM:SS eta H:MM:SS' (the ETA at this process's mean step time)."""
     elapsed = time.time() - start
     eta = elapsed / max(done - first, 1) * (total - done)
     hms = [f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" for s in (round(elapsed), round(eta))]
@@ -2348,7 +2339,7 @@ def progress(done: int, total: int, first: int, start: float) -> str:
 
 
 def log_metrics(path: Path | None, m: dict, head: str = "") -> None:
-    """Print one compact line (after `head`, default 'step k'); append the record (NaN, inf: null) to JSONL `path`."""
+    """Print one compact line; append the record (NaN, inf: null) to JSONL `path`."""
     if path is not None:
         with open(path, "a") as f:
             f.write(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
@@ -2359,7 +2350,7 @@ def log_metrics(path: Path | None, m: dict, head: str = "") -> None:
 
 
 def evaluate(llm, tokenizer, datasets: dict, cfg: TrainConfig) -> list[dict]:
-    """pass@1 per dataset, averaged over cfg.eval_samples samples per problem, from vLLM (μ)."""
+    """pass@1 of vLLM (μ) per dataset, over cfg.eval_samples samples per problem."""
     rows = []
     for name, data in datasets.items():
         mine = data[rank_world()[0]::rank_world()[1]]      # under torchrun each rank scores every world-th problem
@@ -2397,8 +2388,8 @@ class TrainConfig(Config):
     rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = rounded through FP8 at "
                                       "each sync (CPU)", choices=("none", "fp8", "fp8-sim"))
     train_dtype: str = _train("auto", "float32 = exact (CPU default); bf16-mixed = fp32 weights + AdamW, bf16 "
-                                      "autocast (GPU default, as TRL/verl); bfloat16 = pure bf16: less memory, tiny "
-                                      "updates round away", choices=("auto", "float32", "bf16-mixed", "bfloat16"))
+                                      "autocast (GPU default, as TRL/verl); bfloat16 = pure bf16 (tiny updates round "
+                                      "away)", choices=("auto", "float32", "bf16-mixed", "bfloat16"))
     train_data: str = _train("", "training prompts: .jsonl, .parquet, dataset folder (save_to_disk or hub layout) or "
                                  "HF dataset id; all but .jsonl take :split (default train)")
     val_data: str = _train("", "Step-2 acceptance prompts (same formats); required by step2/mipu")
@@ -2420,19 +2411,17 @@ class TrainConfig(Config):
     overwrite: bool = _train(False, "start afresh in an --output-dir that holds a run, deleting that run")
     drop_long_prompts: bool = _llm(False, "drop (and count) prompts that leave no room for --max-new-tokens in the "
                                    "context, not refuse them")
-    reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default); a "
-                                 "gold answer that cannot be compared with 0 within it scores 0 from then on, uncalled")
-    reward_memory: int = _llm(REWARD_MEMORY_MB, "MB of address space of the math_verify reward worker (RLIMIT_AS); "
-                              "past it a comparison fails and scores 0 (1024: math_verify loaded takes under 1/4)")
+    reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default)")
+    reward_memory: int = _llm(REWARD_MEMORY_MB, "MB of address space (RLIMIT_AS) of the math_verify reward worker, "
+                              "else reward 0 (1024: math_verify loaded takes under 1/4)")
     report_to: str = _train("", "metrics also to tensorboard (<output-dir>/tensorboard) and/or wandb, comma-separated")
     gap_batch: str = _train("heldout", "Step-2 prompts: heldout = --val-data (paper); next = the next step's, whose "
                             "samples become its batch if accepted (ours)", choices=("heldout", "next"))
-    gpu_memory_utilization: float = _llm(0.6, "fraction of GPU memory vLLM may take (0.6: what python -m "
-                                         "toy.memory_plan --auto leaves beside the trainer for the GPU recipe, "
-                                         "rounded down; TRL's 0.3, verl's 0.5)")
+    gpu_memory_utilization: float = _llm(0.6, "fraction of GPU memory vLLM may take (0.6: toy.memory_plan --auto's "
+                                         "room beside the trainer, rounded down; TRL's 0.3, verl's 0.5)")
     logprob_chunk: int = _train(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)")
-    sync_tol: float = _train(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x the largest that "
-                             "passed (start-up's first; 4: tiny model, a missed sync 0.05 against bf16's 0.0015)")
+    sync_tol: float = _train(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x the largest passed "
+                             "(4: tiny model, a missed sync 0.05 against bf16's 0.0015)")
 
     # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
     AUTO = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"),
@@ -2488,18 +2477,16 @@ def matmul_precision(cfg: TrainConfig) -> str:     # TF32 ("high") only where bf
 
 
 def vllm_args(cfg: TrainConfig) -> dict:
-    """make_sampler's engine arguments under the harness: a seed per rank, the GPU share, sleep mode, torch.compile,
-    torchrun."""
-    share = {"gpu_memory_utilization": cfg.gpu_memory_utilization} if torch.cuda.is_available() else {}   # else
-    return dict(model=str(model_folder(cfg.model)), seed=cfg.seed + rank_world()[0],     # make_sampler's host RAM share
-                **share,                                                                 # (a local folder: offline)
-                enable_sleep_mode=cfg.vllm_sleep == "on",  # sleep mode: CUDA only
-                enforce_eager=cfg.vllm_compile == "off",      # on: torch.compile (+ CUDA graphs on GPU) at start-up
+    """make_sampler's engine arguments under the harness: a local folder (offline), a seed per rank, on CPU
+    make_sampler's host RAM share."""
+    share = {"gpu_memory_utilization": cfg.gpu_memory_utilization} if torch.cuda.is_available() else {}
+    return dict(model=str(model_folder(cfg.model)), seed=cfg.seed + rank_world()[0], **share,
+                enable_sleep_mode=cfg.vllm_sleep == "on", enforce_eager=cfg.vllm_compile == "off",
                 distributed_executor_backend="external_launcher" if torchrun() else None)  # an engine per rank
 
 
 # ---- MAIN ----------------------------------------------------------------------------------------------------------
-# `toy` (one toy run), `train`, `eval`. Demos, benchmarks, the tiny model builder: toy/ scripts (python -m toy.demo).
+# Demos, benchmarks, the tiny model builder: toy/ scripts (python -m toy.demo).
 
 def context_length(cfg: TrainConfig) -> int:
     """vLLM's context: --max-model-len, else the model's max_position_embeddings (vLLM's default and maximum)."""
@@ -2535,12 +2522,12 @@ def load_eval_sets(cfg: TrainConfig) -> dict:
 
 
 def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
-    """Data, training engine, optimizer, vLLM engine (resumed from the latest checkpoint with --resume).
-    llm: an existing engine of cfg.model to reuse (tests run one engine per session)."""
+    """Data, trainer, optimizer, vLLM engine (resumed with --resume). llm: an engine of cfg.model to reuse (tests run
+    one per session)."""
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
     state = read_trainer_state(ckpt) if ckpt else None          # everything is checked before the engines start
     weights = str(ckpt) if ckpt else cfg.model
-    check_model_folder(model_folder(cfg.model))        # vLLM's weights (and a fresh trainer's)
+    check_model_folder(model_folder(cfg.model))
     tokenizer = load_pretrained("AutoTokenizer", weights)
     train_rows = load_prompts(cfg, tokenizer, cfg.train_data)
     val_rows = load_prompts(cfg, tokenizer, cfg.val_data) if cfg.val_data else []
@@ -2554,12 +2541,12 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
         cfg.grad_checkpointing == "on")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
-    if state:                         # rank 0 sends the shards
+    if state:
         set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)
     llm = llm or make_sampler(cfg, **vllm_args(cfg))
     torch.set_float32_matmul_precision(matmul_precision(cfg))     # after vLLM, whose worker sets "highest"
-    run = TrainEngine(cfg, llm, model, tokenizer, opt, train_rows, val_rows).start()   # μ from the (resumed?) θ
+    run = TrainEngine(cfg, llm, model, tokenizer, opt, train_rows, val_rows).start()
     if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe bound replaces this one
         for k in RUN_COUNTERS:
             setattr(run, k, state[k])
@@ -2582,17 +2569,16 @@ def toy_command(cfg: Config) -> None:
         log_metrics(None, {k: v for k, v in m.items() if not k.startswith("time/")})
 
 
-# A run stops when this many candidates in a row were non-finite (NaN/inf loss, gradient or weights, each rolled
-# back): every one came from the same θ_k on fresh rollouts and mini-batches, so the cause is the state (weights,
-# AdamW's moments, the flags), not a batch; a rare bad batch seldom repeats 5 times in a row, and 5 steps is the
-# compute a stuck run wastes before it says so
+# A run stops after this many non-finite candidates in a row (each rolled back): all came from the same θ_k on fresh
+# rollouts and mini-batches, so the cause is the state (weights, AdamW's moments, the flags), not a batch, which
+# seldom repeats 5 times; 5 steps is what a stuck run wastes before it says so
 NONFINITE_STOP_STEPS = 5
 
 
 def train(cfg: TrainConfig) -> None:
     """`python mipu.py train`: the MIPU loop, one function per phase."""
     rank0 = rank_world()[0] == 0
-    lock = claim_output_dir(cfg) if rank0 else None   # held (flock) until this process ends
+    lock = claim_output_dir(cfg) if rank0 else None
     writer = open_reporter(cfg) if cfg.report_to and rank0 else None   # before the engines: fails at once
     eval_sets = load_eval_sets(cfg) if cfg.eval_every else {}
     run = setup_llm_run(cfg)
@@ -2625,7 +2611,6 @@ def train(cfg: TrainConfig) -> None:
 
 
 def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
-    """All (HF name, tensor) pairs of a model folder's safetensors checkpoint."""
     from safetensors.torch import load_file
     folder = Path(model_path)
     files = sorted(folder.glob("*.safetensors"))
@@ -2636,7 +2621,7 @@ def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
 
 def eval_command(cfg: TrainConfig) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
-    check_model_folder(model_folder(cfg.model))        # before the engine starts: bad weights or data fail fast
+    check_model_folder(model_folder(cfg.model))        # bad weights or data fail before the engine starts
     eval_sets = load_eval_sets(cfg)
     llm = make_sampler(cfg, **vllm_args(cfg))
     if cfg.rollout_quant == "fp8-sim":               # no sync before the first rollouts: FP8 weights now
@@ -2655,7 +2640,7 @@ FLAG_ALIASES = {("eval", "eval_data"): ["--data"]}
 # Hand-written, not transformers.HfArgumentParser: it passes each field's metadata to add_argument ("group" is a
 # TypeError) and makes one flag set per dataclass, where each subcommand takes only its groups' flags; tyro boxes errors
 def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: str = "") -> None:
-    """One flag per Config field of the given groups (`learning_rate` -> `--learning-rate`)."""
+    """One flag per Config field of the given groups."""
     for f in [f for f in dataclasses.fields(TrainConfig) if f.metadata["group"] in groups]:
         flags = ["--" + f.name.replace("_", "-")] + FLAG_ALIASES.get((command, f.name), [])
         kind = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {  # it adds the default
@@ -2665,7 +2650,7 @@ def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: st
 
 
 def config_from(args: dict, command: str = "") -> TrainConfig:
-    """The config of parsed flags, validated for `command` with the harness's checks (other keys are ignored)."""
+    """The config of parsed flags (other keys ignored), validated for `command`."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in args.items() if k in names}).validate(command)
 
@@ -2674,7 +2659,7 @@ INTERRUPTED = "error: interrupted (Ctrl-C); saved checkpoints are intact (`train
 INTERRUPTED_NO_RUN = "error: interrupted (Ctrl-C)"     # eval and toy: they write no checkpoint
 _interrupt_line = [INTERRUPTED]          # main sets the command's line
 INTERRUPT_EXIT_S = 30.0    # after a Ctrl-C the command line's process is gone within this, whatever it was doing
-_interrupt_told = threading.Lock()     # held once INTERRUPTED is printed: it is printed once
+_interrupt_told = threading.Lock()     # held once INTERRUPTED is printed: once
 
 
 def tell_interrupted() -> None:
