@@ -1260,7 +1260,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-# ---- SEVERAL GPUS, SLEEP MODE ---------------------------------------------------------------------------------------
+# ---- SEVERAL GPUS, SLEEP MODE ----
 # Under torchrun FSDP2 shards the trainer, each rank's vLLM engine samples an equal share of whole prompt groups,
 # decisions use global means. Else all are no-ops.
 
@@ -1396,7 +1396,7 @@ def warn_once(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-# ---- THE LEAN LOG-PROBS: micro-batches, one [chunk, V] block of logits at a time -------------------------------
+# ---- THE LEAN LOG-PROBS: micro-batches, one [chunk, V] block of logits at a time ----
 
 class SelectiveLogprobs(torch.autograd.Function):
     """log softmax(h W^T / temperature)[target], `chunk` rows at a time: hidden [N, H], head_weight [V, H],
@@ -1466,7 +1466,7 @@ def lean_token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list
     return logp.masked_fill(mask == 0, 0.0), mask
 
 
-# ---- THE SYNC PROBE: vLLM's and the trainer's log-probs of one fixed response after every sync --------------------
+# ---- THE SYNC PROBE: vLLM's and the trainer's log-probs of a response μ samples ----
 
 def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
     """vLLM's log-prob of each token of `token_ids` given its prefix (first is None). vLLM 0.32 computes them
@@ -1586,7 +1586,7 @@ def sync_in_pieces(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_q
             piece, first = [], False
 
 
-# ---- THE SYNC CHECK'S DIGESTS: vLLM's weights are θ's, bit for bit, at any learning rate -----------------------
+# ---- THE SYNC CHECK'S DIGESTS: vLLM's weights are θ's, bit for bit, at any learning rate ----
 # A multiset hash: Σ over a tensor's 16-bit words (bytes for 1-byte dtypes) of a fixed random table's entry. Integer
 # sums are exact and order-free, so vLLM's fused qkv_proj's digest is the sum of q's, k's and v's, whatever the layout;
 # any changed word changes it (entries < 2^31: a chunk's sum, 2^22 × 2^31, fits int64, as any tensor's up to 2^32
@@ -1850,7 +1850,7 @@ class TrainEngine(LLMEngine):
     gather, shard, reduce_metrics = staticmethod(full), staticmethod(local), staticmethod(global_metrics)
 
 
-# ---- MODELS: local folders only, one error line -------------------------------------------------------------------
+# ---- MODELS: local folders only, one error line ----
 
 def model_folder(model_path: str) -> Path:
     """A directory with a config.json, or a hub id's folder in the HF cache (offline)."""
@@ -1901,7 +1901,7 @@ def checkpointed(model: torch.nn.Module, on: bool) -> torch.nn.Module:
     return model
 
 
-# ---- DATA & REWARD -------------------------------------------------------------------------------------------------
+# ---- DATA & REWARD ----
 
 
 def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dict:
@@ -2137,7 +2137,7 @@ def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout:
     return None if equal is None else float(equal)
 
 
-# ---- CHECKPOINTS, METRICS, EVALUATION ------------------------------------------------------------------------------
+# ---- CHECKPOINTS, METRICS, EVALUATION ----
 
 CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders (not checkpoint-best)
 RUN_TEMP = re.compile(r"\.tmp-(checkpoint-\d{6,}|metrics)-\d+")   # the run's temporary names (+ the writer's pid):
@@ -2368,7 +2368,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
 
 
-# ---- THE HARNESS'S FLAGS, VALIDATION THAT TOUCHES FILES OR RANKS ---------------------------------------------------
+# ---- THE HARNESS'S FLAGS, VALIDATION THAT TOUCHES FILES OR RANKS ----
 
 # flags a --resume may change: length, evaluation, output, memory knobs (micro_batch_size: rounding only); no other
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_data", "eval_samples", "eval_temperature", "save_every", "output_dir",
@@ -2481,7 +2481,7 @@ def vllm_args(cfg: TrainConfig) -> dict:
                 distributed_executor_backend="external_launcher" if torchrun() else None)  # an engine per rank
 
 
-# ---- MAIN ----------------------------------------------------------------------------------------------------------
+# ---- MAIN ----
 # Demos, benchmarks, the tiny model builder: toy/ scripts (python -m toy.demo).
 
 def context_length(cfg: TrainConfig) -> int:
