@@ -1499,7 +1499,7 @@ def probe_gap(llm, trainer_logp, probe_prompt_ids: list[int], probe_completion_i
     return (vllm_lp - hf_lp[0].float().cpu()).abs().mean().item()
 
 
-# ---- THE SYNC IN PIECES: a bounded copy of θ at a time (fp8-sim: FP8-rounded), vLLM's expected reload warnings dropped
+# ---- THE SYNC IN PIECES: a bounded copy of θ at a time, vLLM's expected reload warnings dropped ----
 def _fused_name(name: str) -> str:
     """The vLLM layer an HF weight is loaded into (vLLM fuses q/k/v and gate/up)."""
     name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
@@ -1818,8 +1818,8 @@ class TrainEngine(LLMEngine):
                          + f": {why}")
 
     def push_weights(self) -> None:
-        """sync_in_pieces, whose reload must load every layer: vLLM 0.32's only warns of one it did not (and keeps its
-        old weights), an error here on every rank at once."""
+        """sync_in_pieces, whose reload must load every layer: vLLM 0.32's only warns of one it did not (keeping its old
+        weights), an error here on every rank at once."""
         log, failed = logging.getLogger(RELOAD_LOG), ReloadFailures()
         log.addHandler(failed)           # a handler: it sees what _quiet_reload's filter lets through
         try:
