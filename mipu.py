@@ -1605,74 +1605,32 @@ def _digest_table(device: torch.device) -> torch.Tensor:     # [65536] int64
     return table.to(device)
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().contiguous().view(-1)
-    return flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
-
-
 def tensor_digest(t: torch.Tensor) -> int:
     """The multiset hash of t's words; one sync with the device."""
-    words = _words(t)
+    flat = t.detach().contiguous().view(-1)
+    words = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
     table, total = _digest_table(t.device), torch.zeros((), dtype=torch.int64, device=t.device)
     for chunk in words.split(DIGEST_CHUNK):
         total += table.index_select(0, chunk.long() & 0xFFFF).sum()   # not table[...]: 7 ms of overhead on CPU
     return int(total)
 
 
-class Digests:
-    """tensor_digest of many tensors, summed by key. A tensor of DIGEST_CHUNK words or more gets its own passes; the
-    smaller ones (norms, scales, a tiny model's all) are pooled, one gather and cumsum per DIGEST_CHUNK words: one
-    sync in all, not a few per tensor (a loaded CPU stalls at every parallel op)."""
-
-    def __init__(self):
-        self.sums, self.pool, self.pooled, self.dtypes = {}, {1: [], 2: []}, 0, {}   # pool: by word size, (key, words)
-
-    def add(self, key, t: torch.Tensor) -> None:
-        words = _words(t)
-        self.sums.setdefault(key, 0)
-        self.dtypes[key] = t.dtype
-        if words.numel() >= DIGEST_CHUNK:
-            self.sums[key] += tensor_digest(t)
-            return
-        self.pool[words.element_size()].append((key, words))
-        self.pooled += words.numel()
-        if self.pooled >= DIGEST_CHUNK:
-            self.flush()
-
-    def flush(self) -> None:
-        for size, items in self.pool.items():
-            if items:
-                words = torch.cat([w for _, w in items])
-                running = _digest_table(words.device).index_select(0, words.long() & 0xFFFF).cumsum(0)
-                ends = torch.tensor([w.numel() for _, w in items]).cumsum(0) - 1
-                totals = running[ends.to(words.device)].tolist()                     # the one sync
-                for (key, _), total, before in zip(items, totals, [0] + totals[:-1]):
-                    self.sums[key] += total - before
-                self.pool[size] = []
-        self.pooled = 0
-
-    def result(self) -> dict:
-        self.flush()
-        return self.sums
-
-    def typed(self) -> dict:     # {key: (digest, the last dtype added under it)}
-        return {key: (d, self.dtypes[key]) for key, d in self.result().items()}
+def digests(named_tensors) -> dict:
+    """{key: (the sum of its tensors' tensor_digest, the last one's dtype)} of (key, tensor) pairs. One tensor at a
+    time, not pooled: on SmolLM2-135M 0.33 s against a pooled gather-and-cumsum's 1.15 (2-core CPU, idle)."""
+    out = {}
+    for key, t in named_tensors:
+        out[key] = (out.get(key, (0,))[0] + tensor_digest(t), t.dtype)
+    return out
 
 
 def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:
-    digests = Digests()
-    for name, p in model.named_parameters():
-        if p.numel():
-            digests.add(name, p)
-    return digests.typed()
+    return digests((name, p) for name, p in model.named_parameters() if p.numel())
 
 
 def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gather) -> dict:
     """{vLLM name: (digest, dtype)} of θ as pushed_tensors sends it, fused as vLLM's."""
-    digests = Digests()
-    for name, t in pushed_tensors(named_tensors, rollout_quant, dtype, gather):
-        digests.add(_fused_name(name), t)
-    return digests.typed()
+    return digests((_fused_name(n), t) for n, t in pushed_tensors(named_tensors, rollout_quant, dtype, gather))
 
 
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> dict:

@@ -1562,19 +1562,19 @@ def _fp8_run(llm, model_dir, tmp_path, monkeypatch, engine_kernel, drop: str = "
     return mipu.setup_llm_run(cfg, llm=fake)
 
 
-def test_pooled_digests_equal_each_tensors_digest(monkeypatch):
-    """Digests pools small tensors (one gather and cumsum per DIGEST_CHUNK words, 1- and 2-byte words apart) and
-    digests large ones alone: the sums by key are tensor_digest's, across flushes (a small chunk here) and dtypes."""
-    monkeypatch.setattr(mipu, "DIGEST_CHUNK", 1000)
+def test_digests_of_a_fused_layer_are_its_parts_in_any_layout():
+    """vLLM fuses q, k, v into one qkv_proj: the digest of q, k and v added under one key equals the fused tensor's,
+    whatever the order of their rows; one changed bit changes it."""
     gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype in [
-        ((3,), torch.bfloat16), ((40, 20), torch.bfloat16), ((7,), torch.float32), ((300,), torch.float8_e4m3fn),
-        ((5, 7), torch.bfloat16), ((2000,), torch.bfloat16), ((1,), torch.float32), ((900,), torch.float8_e4m3fn)]]
-    digests, expected = mipu.Digests(), {}
-    for i, t in enumerate(tensors):
-        digests.add(i % 3, t)
-        expected[i % 3] = expected.get(i % 3, 0) + mipu.tensor_digest(t)
-    assert digests.result() == expected and len(set(expected.values())) == 3
+    q, k, v = (torch.randn(n, 8, generator=gen).to(torch.bfloat16) for n in (8, 4, 4))
+    parts = mipu.digests([("qkv", q), ("qkv", k), ("qkv", v), ("norm", q[0])])
+    assert parts["qkv"] == (mipu.tensor_digest(torch.cat([v, q, k]).flip(0)), torch.bfloat16)
+    assert parts["norm"][0] == mipu.tensor_digest(q[0])
+    changed = q.clone()
+    changed.view(torch.int16)[3, 5] ^= 1                        # the last bit of one bf16 word
+    assert mipu.digests([("qkv", changed), ("qkv", k), ("qkv", v)])["qkv"][0] != parts["qkv"][0]
+    # a float32 copy of bf16 weights holds their words plus zero words (which count 0): only the dtype tells it apart
+    assert mipu.digests([("q", q.float())])["q"] == (mipu.tensor_digest(q), torch.float32)
 
 
 def test_fp8_train_digests_the_rest_and_probes_every_sync_and_gpu_check_digests_the_fp8_layers(
