@@ -1562,19 +1562,24 @@ def _fp8_run(llm, model_dir, tmp_path, monkeypatch, engine_kernel, drop: str = "
     return mipu.setup_llm_run(cfg, llm=fake)
 
 
-def test_digests_of_a_fused_layer_are_its_parts_in_any_layout():
+def test_digests_of_a_fused_layer_are_its_parts_in_any_layout(monkeypatch):
     """vLLM fuses q, k, v into one qkv_proj: the digest of q, k and v added under one key equals the fused tensor's,
-    whatever the order of their rows; one changed bit changes it."""
+    whatever the order of their rows, with the last dtype added; one changed bit changes it, past the first
+    DIGEST_CHUNK words too, and FP8 counts bytes, not 16-bit words."""
+    monkeypatch.setattr(mipu, "DIGEST_CHUNK", 16)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, 8, generator=gen).to(torch.bfloat16) for n in (8, 4, 4))
     parts = mipu.digests([("qkv", q), ("qkv", k), ("qkv", v), ("norm", q[0])])
     assert parts["qkv"] == (mipu.tensor_digest(torch.cat([v, q, k]).flip(0)), torch.bfloat16)
     assert parts["norm"][0] == mipu.tensor_digest(q[0])
     changed = q.clone()
-    changed.view(torch.int16)[3, 5] ^= 1                        # the last bit of one bf16 word
+    changed.view(torch.int16)[7, 5] ^= 1                        # the last bit of a word in the fourth chunk
     assert mipu.digests([("qkv", changed), ("qkv", k), ("qkv", v)])["qkv"][0] != parts["qkv"][0]
     # a float32 copy of bf16 weights holds their words plus zero words (which count 0): only the dtype tells it apart
-    assert mipu.digests([("q", q.float())])["q"] == (mipu.tensor_digest(q), torch.float32)
+    assert mipu.digests([("q", q), ("q", q.float())])["q"] == (2 * mipu.tensor_digest(q), torch.float32)
+    f8 = torch.randn(64, generator=gen).to(torch.float8_e4m3fn)
+    table = mipu._digest_table(torch.device("cpu"))
+    assert mipu.tensor_digest(f8) == int(table[f8.view(torch.uint8).long()].sum())
 
 
 def test_fp8_train_digests_the_rest_and_probes_every_sync_and_gpu_check_digests_the_fp8_layers(

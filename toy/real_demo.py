@@ -21,7 +21,7 @@ import mipu
 
 HERE = Path(__file__).resolve().parent
 # The demo's settings: the README's learning run (24 new tokens: a sum and its stop fit; the suffix asks for a bare
-# number, which last-number scores), under fp8-sim, at the LR --tune chose (toy/results/real_demo_tune.md)
+# number, which last-number scores; fp8-sim), at the LR --tune chose (toy/results/real_demo_tune.md)
 REAL_DEMO = dict(model=str(HERE / "models" / "smollm2-135m-instruct"), train_data=str(HERE / "data" / "sums_train.jsonl"),
                  val_data=str(HERE / "data" / "sums_val.jsonl"), eval_data=str(HERE / "data" / "sums_test.jsonl"),
                  rollout_quant="fp8-sim", prompts_per_step=8, max_new_tokens=24, steps=20, learning_rate=1e-5,
