@@ -1518,20 +1518,20 @@ def pushed_tensors(named_tensors: list[tuple[str, torch.Tensor]], rollout_quant:
                    dtype: torch.dtype, gather=lambda t: t, cols=None) -> Iterator[tuple[str, torch.Tensor]]:
     """θ as sync_in_pieces sends it: (HF name, the whole tensor in the engine's dtype), one at a time; fp8-sim
     rounds linear weights through FP8 first, one absmax per fused vLLM layer. `gather` makes a tensor whole; cols:
-    of a matrix only the digests' columns (digests' cols), taken first."""
+    only digest_columns', taken first."""
     amax = {}
     for name, t in named_tensors:     # the weights vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
         if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
             layer = _fused_name(name)
             amax[layer] = max(gather(t.detach().abs().max()).float().cpu(), amax.get(layer, 0))
     for name, t in named_tensors:
-        late = cols is not None and t.dim() == 2 and isinstance(t, DTensor)    # a DTensor: sliced once gathered
-        t = t[:, cols % t.shape[1]::DIGEST_STRIDE] if cols is not None and t.dim() == 2 and not late else t
+        late = isinstance(t, DTensor)    # a DTensor: sliced once gathered
+        t = t if late else digest_columns(t, cols)
         # elementwise given amax: on this rank's shard, before the gather
         if _fused_name(name) in amax:
             t = fp8_roundtrip(t.detach(), per_row=False, amax=amax[_fused_name(name)].to(t.device))
         t = gather(t.detach().to(dtype))
-        yield name, t[:, cols % t.shape[1]::DIGEST_STRIDE] if late else t
+        yield name, digest_columns(t, cols) if late else t
 
 
 SYNC_PIECE_BYTES = 512 * 2**20   # weights per load_weights call: verl's default bucket (vLLM 0.32's transfer: 1 GiB)
@@ -1632,13 +1632,17 @@ def tensor_digest(t: torch.Tensor) -> int:
     return int(total)
 
 
+def digest_columns(t: torch.Tensor, cols: int | None) -> torch.Tensor:
+    """A matrix's every DIGEST_STRIDE-th column from offset cols (as its fused layer's: they share them); else t."""
+    return t if cols is None or t.dim() != 2 else t[:, cols % t.shape[1]::DIGEST_STRIDE]
+
+
 def digests(named_tensors, cols: int | None = None) -> dict:
     """{key: (the sum of its tensors' tensor_digest, the last one's dtype)} of (key, tensor) pairs, one tensor at a
-    time (pooled: no faster, toy/BENCHMARKS.md); cols: a matrix's DIGEST_STRIDE-th columns from there (as its fused
-    layer's: they share them)."""
+    time (pooled: no faster, toy/BENCHMARKS.md); cols: digest_columns'."""
     out = {}
     for key, t in named_tensors:
-        t = t if cols is None or t.dim() != 2 else t[:, cols % t.shape[1]::DIGEST_STRIDE]
+        t = digest_columns(t, cols)
         out[key] = (out.get(key, (0,))[0] + tensor_digest(t), t.dtype)
     return out
 
