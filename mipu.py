@@ -2004,9 +2004,9 @@ REWARD_START_TRIES = 3    # a worker that dies during its start-up imports (the 
 
 
 def _verify_worker(parent: int, memory_bytes: int) -> None:
-    """RewardWorker's process, given this function's and math_verify_equal's source only: answers each JSON line
-    [pred, answer] on stdin with math_verify_equal's verdict, true/false/null (past the address-space limit, a
-    MemoryError math_verify reports as not equal or not parsed). It ends with its parent, even a SIGKILLed one."""
+    """RewardWorker's process (VERIFY_WORKER_CODE): math_verify_equal's verdict, true/false/null, on each JSON line
+    [pred, answer] of stdin (past the memory limit, math_verify reports its MemoryError as either). It ends with its
+    parent, even a SIGKILLed one."""
     import ctypes, importlib, json, logging, os, resource, signal, sys
     if sys.platform == "linux":   # PR_SET_PDEATHSIG (1): the kernel kills this process when its parent thread ends
         ctypes.CDLL(None).prctl(1, ctypes.c_ulong(signal.SIGKILL), 0, 0, 0)
@@ -2031,8 +2031,8 @@ VERIFY_WORKER_CODE = inspect.getsource(math_verify_equal) + "\n\n" + inspect.get
 
 @functools.cache
 def _lasting_thread():
-    """A thread that lives as long as this process (idle between tasks): the reward worker's parent thread, so its
-    PR_SET_PDEATHSIG fires when this process ends, not when the caller's thread (a short-lived one) does."""
+    """The reward worker's parent thread, lasting as this process does: its PR_SET_PDEATHSIG fires when the process
+    ends, not when a short-lived caller thread does."""
     from concurrent.futures import ThreadPoolExecutor
     return ThreadPoolExecutor(1, thread_name_prefix="mipu-reward-start")
 
@@ -2041,10 +2041,9 @@ def _lasting_thread():
 # (a hung sympy call keeps its worker), and pebble, which can, would be a dependency for one class
 class RewardWorker:
     """math_verify in a worker process, from any thread, with a time budget per call and a memory limit: a call past
-    the budget (or killing the worker) scores None; a gold answer that cannot be compared with 0 within it scores
-    False from then on, uncalled. The worker is a fresh interpreter running _verify_worker: never a fork of this
-    process (unsafe once it holds vLLM and torch threads), never an import of the caller's __main__ (a script
-    without a main guard would rerun)."""
+    the budget (or killing the worker) scores None; a gold answer not comparable with 0 within it scores False from
+    then on, uncalled. The worker is a fresh interpreter running _verify_worker: no fork (unsafe once this process
+    holds vLLM's and torch's threads), no import of the caller's __main__ (a script without a main guard reruns)."""
     def __init__(self):
         self.proc, self.lock, self.slow, self.memory_mb = None, threading.RLock(), {}, 0   # slow: answer -> budget
 
@@ -2085,8 +2084,8 @@ class RewardWorker:
             raise
 
     def _start(self, memory_mb: int) -> None:
-        """The worker, in a session of its own (a Ctrl-C at a terminal reaches this process only), once its imports
-        are done: the time budget times the verification only. One that dies in its imports is started again."""
+        """The worker, in a session of its own (a Ctrl-C at a terminal reaches this process only), once "ready"; one
+        that dies in its imports is started again."""
         code = VERIFY_WORKER_CODE + f"_verify_worker({os.getpid()}, {memory_mb * 2**20})"
         popen = functools.partial(subprocess.Popen, [sys.executable, "-c", code], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -2121,8 +2120,7 @@ def worker_score(cfg: TrainConfig):
 
 def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout: float = 5.0,
                 memory_mb: int = REWARD_MEMORY_MB) -> float | None:
-    """reference_reward with plain numbers compared in-process, the rest in REWARD_WORKER: None past `timeout`
-    seconds; a gold answer found hostile scores 0.0 from then on."""
+    """reference_reward with plain numbers compared in-process, the rest by REWARD_WORKER (None past `timeout` s)."""
     pred = extract_answer(completion, boxed_only)
     if pred is None:
         return 0.0
