@@ -1571,10 +1571,10 @@ class ReloadFailures(logging.Handler):
 
 @contextlib.contextmanager
 def _quiet_reload(model, model_config):
-    """vLLM 0.32's finalize_layerwise_reload warns "<layer>: Failed to load weights" for each layer no weight was
-    sent to; expected of a layer with buffers and no parameter, which no checkpoint holds (the reload puts them back:
-    RotaryEmbedding's cos/sin cache, Gemma3Model's embedding `normalizer`), and of a tied lm_head (loaded through
-    embed_tokens). Those lines are dropped; any other stays, an error in TrainEngine.push_weights."""
+    """vLLM 0.32's finalize_layerwise_reload warns "<layer>: Failed to load weights" of each layer sent no weight
+    (it keeps its old ones); expected of a layer with buffers and no parameter, in no checkpoint (the reload puts them
+    back: RotaryEmbedding's cos/sin cache, Gemma3Model's `normalizer`), and of a tied lm_head (loaded through
+    embed_tokens). Those lines are dropped; any other is an error in TrainEngine.push_weights."""
     expected = {type(m).__name__ for m in model.modules()
                 if next(m.buffers(recurse=False), None) is not None and next(m.parameters(recurse=False), None) is None}
     expected |= {"ParallelLMHead"} if getattr(model_config.hf_config, "tie_word_embeddings", False) else set()
@@ -1794,8 +1794,8 @@ class TrainEngine(LLMEngine):
         return gap, beta
 
     def check_sync(self, starting: bool = False) -> dict:
-        """The digests at every sync (what each layer received, bit for bit: a missed or partial sync at any LR), then
-        check_probe at start-up and every PROBE_EVERY-th step (a layout, a dtype, a stale kernel: not in the bytes)."""
+        """The digests at every sync, then check_probe at start-up and every PROBE_EVERY-th step (a layout, a dtype,
+        a stale kernel: not in the bytes)."""
         with torch.no_grad():
             d = digest_gap(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
             self.digest_coverage = d["coverage"]
@@ -1812,8 +1812,7 @@ class TrainEngine(LLMEngine):
                          + f": {why}")
 
     def push_weights(self) -> None:
-        """sync_in_pieces, whose reload must load every layer: vLLM 0.32's only warns of one it did not (keeping its old
-        weights), an error here on every rank at once."""
+        """sync_in_pieces; a layer _quiet_reload lets a warning through for is an error, on every rank at once."""
         log, failed = logging.getLogger(RELOAD_LOG), ReloadFailures()
         log.addHandler(failed)           # a handler: it sees what _quiet_reload's filter lets through
         try:
