@@ -1869,16 +1869,13 @@ def load_pretrained(auto_class: str, model_path: str, **kwargs):
     import transformers
     folder = model_folder(model_path)
     try:     # OSError: missing or broken files; ValueError: unknown model_type or custom code; tokenizers: Exception
-        loaded = getattr(transformers, auto_class).from_pretrained(folder, trust_remote_code=False, **kwargs)
+        return getattr(transformers, auto_class).from_pretrained(folder, trust_remote_code=False, **kwargs)
     except Exception as e:
         first_line = str(e).strip().split("\n")[0]                  # transformers' messages run over several lines
         raise MIPUError(f"{folder}: {auto_class}: {type(e).__name__}: {first_line}") from e
-    return loaded
 
 
-def trainer_from_folder(model_path: str, **kwargs):
-    """load_trainer's `load` under the harness."""
-    return load_pretrained("AutoModelForCausalLM", model_path, **kwargs)
+trainer_from_folder = functools.partial(load_pretrained, "AutoModelForCausalLM")   # load_trainer's `load`
 
 
 def trainer_from_config(model_path: str, **kwargs):
