@@ -2446,8 +2446,8 @@ class TrainConfig(Config):
              f"--prompts-per-step, --val-prompts, --mini-batch-size, --target-holdout: each must divide by the "
              f"{world} torchrun ranks (each rank takes an equal share of whole prompt groups)"),
             (gpu or self.device == "cpu", "--device cuda but no GPU is visible"),
-            (gpu or self.rollout_quant != "fp8", "--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only); "
-                                                 "use --rollout-quant fp8-sim to simulate FP8 weights on CPU"),
+            (gpu or self.rollout_quant != "fp8", "--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only; "
+                                                 "fp8-sim simulates them on CPU)"),
             (gpu or self.vllm_sleep == "off", "--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)"),
             (not llm or self.model, f"{command} needs --model"),
             (not train or self.train_data, "train needs --train-data"),
@@ -2542,7 +2542,7 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
 
 
 def toy_command(cfg: Config) -> None:
-    """`python mipu.py toy`: one toy run, a metrics line per step (the demo is `python -m toy.demo`)."""
+    """`python mipu.py toy`: one toy run, a metrics line per step."""
     preset = {k: v for k, v in TOY_PRESETS[cfg.toy_preset].items() if getattr(cfg, k) == getattr(Config, k)}
     cfg = dataclasses.replace(cfg, **preset)       # the preset fills in only the toy flags left at their defaults
     steps = toy_steps(cfg, cfg.toy_mismatch)
@@ -2577,9 +2577,8 @@ def startup_gap(run: TrainEngine) -> tuple[float, float]:
     return t, se
 
 
-# A run stops after this many non-finite candidates in a row (each rolled back): all came from the same θ_k on fresh
-# rollouts and mini-batches, so the cause is the state (weights, AdamW's moments, the flags), not a batch, which
-# seldom repeats 5 times; 5 steps is what a stuck run wastes before it says so
+# non-finite candidates in a row (each rolled back) that stop a run: all from the same θ_k on fresh batches, so the
+# cause is the state (weights, AdamW's moments, the flags), not a batch; 5 steps: what a stuck run wastes first
 NONFINITE_STOP_STEPS = 5
 
 
@@ -2691,10 +2690,10 @@ def report_errors(fn, *args) -> int:
 
 
 def exit_bounded(main_fn) -> None:
-    """sys.exit(main_fn()), but a Ctrl-C ends the process within INTERRUPT_EXIT_S seconds, with one line and 130:
-    the atexit handlers run (vLLM's engine shutdown, wandb) and Python's teardown of the modules does not (the
-    garbage collection of torch's, vLLM's and transformers' objects: seconds, many times that on a loaded machine);
-    a Ctrl-C that landed in a finalizer, where Python cannot raise it, or a shutdown that hangs, is ended by a timer."""
+    """sys.exit(main_fn()), but after a Ctrl-C the process ends within INTERRUPT_EXIT_S seconds, one line and 130:
+    the atexit handlers run (vLLM's engine shutdown, wandb), Python's teardown of the modules does not (collecting
+    torch's, vLLM's, transformers' objects: seconds, more on a loaded machine); a timer ends a shutdown that hangs or
+    a Ctrl-C that landed in a finalizer, where Python cannot raise it."""
     def timer_exit():
         tell_interrupted()
         sys.stdout.flush()
