@@ -1734,9 +1734,9 @@ class TrainEngine(LLMEngine):
         return score or 0.0
 
     def trainer_logp(self, prompts: list, completions: list, temperature: float) -> torch.Tensor:
-        """LLMEngine's, by the lean log-probs. The no-grad recompute's autocast caches no cast: a parameter (an FSDP2
-        unsharded one too) is a leaf that requires grad, cached whatever the grad mode, so a cached recompute would
-        hold a bf16 copy of every weight (3.2 GiB for Qwen3-1.7B, 7.5 for 4B; toy/memory_plan.py counts none)."""
+        """LLMEngine's, by the lean log-probs. The no-grad recompute's autocast caches no cast: autocast caches a leaf
+        that requires grad (a parameter, FSDP2's unsharded ones too) whatever the grad mode, a bf16 copy of every
+        weight (3.2 GiB for Qwen3-1.7B, 7.5 for 4B; toy/memory_plan.py counts none)."""
         grad = torch.is_grad_enabled()
         with torch.autocast(self.cfg.device, torch.bfloat16, enabled=self.cfg.train_dtype == "bf16-mixed",
                             cache_enabled=grad):
@@ -2135,8 +2135,8 @@ RUN_FILES = {".lock": "file", "metrics.jsonl": "file", "wandb-id": "file", "tens
 RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts", "probe_last")
 
 def save_checkpoint(run: TrainEngine) -> Path:
-    """Atomic: a temp dir renamed to checkpoint-<step> (the commit point; the step orders them), older ones deleted
-    after. Under torchrun rank 0 writes the full weights and optimizer state: any number of ranks resumes."""
+    """Atomic: a temp dir renamed to checkpoint-<step> (the commit point), older ones deleted after. Under torchrun
+    rank 0 writes the full weights and optimizer state: any number of ranks resumes."""
     full_sd = StateDictOptions(full_state_dict=True, cpu_offload=True)       # collectives: every rank calls them
     weights, opt_state = get_model_state_dict(run.model, options=full_sd), get_optimizer_state_dict(
         run.model, run.opt, options=full_sd)
@@ -2184,8 +2184,7 @@ def latest_checkpoint(output_dir: str) -> Path:
 
 
 def remove_run_temp(path: Path) -> None:
-    """Delete one of the run's RUN_TEMP names, if there: a folder with its contents, else the name itself (never what
-    a symlink points to)."""
+    """Delete a RUN_TEMP name, if there: a folder with its contents, else the name (never what a symlink points to)."""
     assert RUN_TEMP.fullmatch(path.name), path
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)                   # rmtree follows no symlink inside
@@ -2194,9 +2193,9 @@ def remove_run_temp(path: Path) -> None:
 
 
 def claim_output_dir(cfg: TrainConfig):
-    """Make --output-dir this run's: writable, locked while the run lives (flock: the kernel releases a killed run's
-    lock), without temp folders of a killed save, holding no other run unless --resume or --overwrite; the lock.
-    The names the run writes (RUN_FILES) must be its own kind: no symlink is followed, no user's file truncated."""
+    """Make --output-dir this run's and return its lock (flock: the kernel releases a killed run's): writable, without
+    RUN_TEMP names, holding no other run unless --resume or --overwrite, RUN_FILES of their kind (no symlink
+    followed, no user's file truncated)."""
     out = Path(cfg.output_dir)
     try:                                      # OSError: a name too long, a folder not searchable
         for name, kind in RUN_FILES.items():
