@@ -2663,8 +2663,8 @@ def config_from(args: dict, command: str = "") -> TrainConfig:
     return TrainConfig(**{k: v for k, v in args.items() if k in names}).validate(command)
 
 
-INTERRUPTED = "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"
 INTERRUPTED_NO_RUN = "error: interrupted (Ctrl-C)"     # eval and toy: they write no checkpoint
+INTERRUPTED = INTERRUPTED_NO_RUN + "; saved checkpoints are intact (`train --resume` continues)"
 _interrupt_line = [INTERRUPTED]          # main sets the command's line
 INTERRUPT_EXIT_S = 30.0
 _interrupt_told = threading.Lock()     # held once INTERRUPTED is printed: once
