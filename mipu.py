@@ -1358,8 +1358,7 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
             weakref.finalize(flat, cudart.cudaHostUnregister, flat.data_ptr()).atexit = False
         else:       # e.g. a locked-memory limit (ulimit -l): the copies still work, at pageable speed
             warn_once(f"warning: cudaHostRegister of the {flat.nbytes / 2**30:.1f} GiB rollback snapshot failed "
-                      f"({cudart.cudaGetErrorString(rc)}): snapshots and rollbacks copy through pageable host "
-                      "memory (slower)")
+                      f"({cudart.cudaGetErrorString(rc)}): it copies through pageable memory (slower)")
     return flat
 
 
