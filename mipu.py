@@ -1671,8 +1671,8 @@ def _received_digests_in_worker(model) -> tuple[dict, int]:
 
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> dict:
     """vLLM's digests (llm.apply_model, one worker) against θ's as pushed_tensors sends it, over the engine's tensors
-    of θ's names and dtypes: {"bad": how many differ, "compared": how many, "coverage": θ's elements' share compared}.
-    toy/gpu_check.py --vllm checks FP8 bytes."""
+    of θ's names and dtypes (the same on every rank): {"bad": how many differ, "compared": how many, "coverage": θ's
+    elements' share compared}. toy/gpu_check.py --vllm checks FP8 bytes."""
     [(engine, cols)] = llm.apply_model(_received_digests_in_worker)
     sizes = {}                      # a DTensor's numel is the global one
     for n, t in named_tensors:
