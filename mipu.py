@@ -1671,15 +1671,14 @@ def _received_digests_in_worker(model) -> tuple[dict, int]:
 
 def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> dict:
     """vLLM's digests (llm.apply_model, one worker) against θ's as pushed_tensors sends it, over the engine's tensors
-    of θ's names and dtypes (the same on every rank): {"bad": how many differ, "compared": how many, "coverage": θ's
+    of θ's names and dtypes: {"bad": how many differ, "compared": how many, "coverage": θ's
     elements' share compared}. toy/gpu_check.py --vllm checks FP8 bytes."""
     [(engine, cols)] = llm.apply_model(_received_digests_in_worker)
     sizes = {}                      # a DTensor's numel is the global one
     for n, t in named_tensors:
         sizes[_fused_name(n)] = sizes.get(_fused_name(n), 0) + t.numel()
-    pushed = digests((_fused_name(n), t) for n, t in pushed_tensors(
-        [(n, t) for n, t in named_tensors if _fused_name(n) in engine], rollout_quant,
-        llm.llm_engine.vllm_config.model_config.dtype, gather, cols))
+    pushed = digests((_fused_name(n), t) for n, t in pushed_tensors(   # all of θ: gather's collectives, every rank
+        named_tensors, rollout_quant, llm.llm_engine.vllm_config.model_config.dtype, gather, cols))
     same = {n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt}
     return {"bad": sum(engine[n][0] != pushed[n][0] for n in same), "compared": len(same),
             "coverage": sum(sizes.get(n, 0) for n in same) / sum(sizes.values())}
