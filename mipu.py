@@ -1517,14 +1517,14 @@ def pushed_tensors(named_tensors: list[tuple[str, torch.Tensor]], rollout_quant:
                    dtype: torch.dtype, gather=lambda t: t, cols=None) -> Iterator[tuple[str, torch.Tensor]]:
     """θ as sync_in_pieces sends it: (HF name, the whole tensor in the engine's dtype), one at a time; fp8-sim
     rounds linear weights through FP8 first, one absmax per fused vLLM layer. `gather` makes a tensor whole; cols:
-    only digest_columns', taken first."""
+    only digest_columns', taken first (a DTensor's once gathered)."""
     amax = {}
     for name, t in named_tensors:     # the weights vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
         if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
             layer = _fused_name(name)
             amax[layer] = max(gather(t.detach().abs().max()).float().cpu(), amax.get(layer, 0))
     for name, t in named_tensors:
-        late = isinstance(t, DTensor)    # a DTensor: sliced once gathered
+        late = isinstance(t, DTensor)
         t = t if late else digest_columns(t, cols)
         # elementwise given amax: on this rank's shard, before the gather
         if _fused_name(name) in amax:
@@ -1774,8 +1774,7 @@ class TrainEngine(LLMEngine):
         """The last probe's response again: where the trainer's log-probs moved (mean |Δ| >= SYNC_GAP_FLOOR), vLLM's
         moved with them (probe_share's β + 2 SE >= --sync-share on every rank); then a fresh one, the next reference.
         Returns its gap and β (NaN: not compared); MIPUError on every rank (none waits in a collective)."""
-        def score(prompt, completion):
-            return probe_logprobs(self.llm, lambda p, c: self.trainer_logp(p, c, 1.0), prompt, completion)
+        score = functools.partial(probe_logprobs, self.llm, lambda p, c: self.trainer_logp(p, c, 1.0))
         beta = math.nan
         if self.probe_last:
             beta, se, moved = probe_share(self.probe_last[2], score(*self.probe_last[:2]))
@@ -1800,8 +1799,8 @@ class TrainEngine(LLMEngine):
             if bad := self.max(d["bad"]):                                 # every rank takes the same branch
                 raise self.sync_failed(f"{bad:.0f} of vLLM's weight tensors differ from the trainer's (their digests)")
             if not self.digest_coverage:
-                raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM's engine (names "
-                                "or dtypes differ): a missed sync would go unseen")
+                raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM (names or "
+                                "dtypes differ): a missed sync would go unseen")
             gap, beta = self.check_probe() if starting or self.step % PROBE_EVERY == 0 else (math.nan, math.nan)
         return {"sync/probe_mean_abs_dlogp": gap, "sync/probe_share": beta, "sync/digest_coverage": d["coverage"]}
 

@@ -112,18 +112,17 @@ def gap_row(args: dict, argv: list) -> None:
     seeds = [run.rollout_seed(-1 - j) for j in range(2 * batches)]  # blocks below step 0's: fresh, none a step's
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    def keep(measured: str, values: list) -> list:                  # one jsonl line per measured set, as it goes
-        with open(out.with_suffix(".jsonl"), "a") as f:
-            f.write(json.dumps({"command": command, "set": measured, "values": values}) + "\n")
+    def kept(measured: str, values: list) -> list:                  # one jsonl line per measured set, as it goes
+        keep(out, {"command": command, "set": measured, "values": values})
         return values
 
-    mu = keep("pass mu", pass_rates(run, problems, 12345))
-    pi = keep("pass pi", trainer_pass_rates(run, problems, 12345))
+    mu = kept("pass mu", pass_rates(run, problems, 12345))
+    pi = kept("pass pi", trainer_pass_rates(run, problems, 12345))
     t_post, k3 = t_post_batches(run, seeds[:batches])
-    keep("t_post theta", t_post)
-    keep("k3 theta", k3)
+    kept("t_post theta", t_post)
+    kept("k3 theta", k3)
     step = mipu.mipu_step(run)                                       # one candidate update from θ, synced
-    after = keep("t_post after update", t_post_batches(run, seeds[batches:])[0])
+    after = kept("t_post after update", t_post_batches(run, seeds[batches:])[0])
     row = {"rollout, trainer": f"{cfg.rollout_quant}, {cfg.train_dtype}", "θ": "/".join(Path(cfg.model).parts[-2:]),
            "T_post at θ ± SE": mean_se(t_post), "after 1 update ± SE": mean_se(after),
            "update: method, LR, grad norm": f"{cfg.method}, {cfg.learning_rate:g}, {step['step1/grad_norm']:.3g}",
@@ -198,7 +197,7 @@ def real_demo(args: dict, argv: list) -> None:
 
 
 def keep(out: Path, line: dict) -> None:
-    """One per-problem line appended to <out>.jsonl as each run ends: a cut-off demo keeps what it measured."""
+    """One line appended to <out>.jsonl as each measurement ends: a cut-off demo keeps what it measured."""
     with open(out.with_suffix(".jsonl"), "a") as f:
         f.write(json.dumps(line) + "\n")
 
