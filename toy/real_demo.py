@@ -163,7 +163,7 @@ def real_demo(args: dict, argv: list) -> None:
                                       accept_rule=base.accept_rule if step2 == "gap" else "paper",
                                       output_dir=f"{base.output_dir}/{method}-lr{lr:g}-s{seed}")
             run = mipu.setup_llm_run(cfg, llm=llm)                 # θ_0 from the model folder, synced to μ
-            gap0 = mipu.probe_gap(run.probe_last[2])               # the probe's start-up gap
+            gap0 = mipu.probe_gap(run.probe_ref[2])               # the probe's start-up gap
             if before is None:
                 before = pass_rates(run, scored, eval_seed)
                 keep(out, {"run": "before", "pass": before})
