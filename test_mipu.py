@@ -731,12 +731,36 @@ def test_training_rows_pass_order_per_seed_and_step():
     assert sorted(two[:20]) == sorted(two[20:]) == list(range(20)) and two[:20] != two[20:]
 
 
+def test_random_rollback_decisions_differ_across_seeds_and_steps():
+    """The LLM engine's per-step streams (implementation detail 11): seed s + 1's random-rollback draws are not
+    seed s's shifted by some steps (seed * 31 + k made them so past step 31), and no (seed, stream, step) of 21
+    seeds x 3 streams x 300 steps shares a torch seed."""
+    def draws(seed: int, steps: int, stream: str = "reject") -> list:
+        eng = mipu.LLMEngine(mipu.Config(seed=seed), None, None, None, None, [], [])
+        out = []
+        for k in range(steps):
+            eng.step = k
+            out.append(torch.rand((), generator=eng.generator(stream)).item())
+        return out
+    for s in range(3):
+        a, b = draws(s, 100), draws(s + 1, 100)
+        assert not any(a[shift:] == b[:100 - shift] for shift in range(1, 70))
+    seeds = set()
+    for s in range(21):
+        eng = mipu.LLMEngine(mipu.Config(seed=s), None, None, None, None, [], [])
+        for stream in mipu.STREAMS:
+            for k in range(300):
+                eng.step = k
+                seeds.add(eng.generator(stream).initial_seed())
+    assert len(seeds) == 21 * len(mipu.STREAMS) * 300
+
+
 def test_rollout_seeds_of_a_run_never_repeat():
     """No two of a run's vLLM samples share a seed (implementation detail 11): generate seeds sample (i, j) of a
     call base + i * G + j, so steps' and phases' bases must lie a call's size apart (2k + phase lay 1 apart: step k+1's
     batch reused step k's seeds shifted by two samples). Also where the bases pass 2**63 and wrap: the largest seed
     with calls of 1024 x 8."""
-    assert (2**32 - 1) * mipu.SEED_MUL["rollout"] * 1024 * 8 > 2**63      # the last case wraps
+    assert (2**32 - 1) * mipu.ROLLOUT_SEED_MUL * 1024 * 8 > 2**63      # the last case wraps
     for seed, ppd, val, G in ((0, 16, 32, 8), (7, 5, 3, 4), (2**32 - 1, 1024, 1024, 8)):
         eng = mipu.LLMEngine(mipu.Config(seed=seed, prompts_per_step=ppd, val_prompts=val, num_generations=G),
                              None, None, None, None, [], [])
@@ -1568,8 +1592,8 @@ def test_a_reload_past_the_digests_hook_is_caught_and_its_wrappers_never_stay(pa
     monkeypatch.setattr(mipu, "_digest_on_receipt", hook)
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)
     assert run.digest_coverage == 1.0
-    with pytest.raises(mipu.MIPUError, match=r"at step 0: its digests compared \d+\.\d% of θ's elements, 100\.0% at "
-                                             r"start-up: a layer reloaded past the digests' hook"):
+    with pytest.raises(mipu.MIPUError, match=r"at step 0: its digests compared \d+\.\d% of θ, 100\.0% at start-up: "
+                                             r"a layer reloaded past the digests' hook"):
         mipu.mipu_step(run)
     monkeypatch.setattr(mipu, "_digest_on_receipt", real)
     monkeypatch.setattr(mipu, "_reload_piece_in_worker", lambda model, weights, model_config, first, last: (

@@ -123,7 +123,7 @@ def study_run(job: tuple) -> dict:
         lp_mu_k, gap_k = eng.tables[1], s["J_mu"][-1] - s["J_pi"][-1]
         m = mipu.mipu_step(eng)
         for key, v in (("J_pi", m["exact/J_pi"]), ("J_mu", m["exact/J_mu"]), ("accepted", m["step2/accepted"]),
-                       ("stat", m["step2/t_post"]), ("gap", m["exact/cand_gap"]), ("dJ_pi", m["exact/cand_dJ_pi"]),
+                       ("stat", m["step2/stat"]), ("gap", m["exact/cand_gap"]), ("dJ_pi", m["exact/cand_dJ_pi"]),
                        ("dJ_mu", m["exact/cand_dJ_mu"]), ("dgap", m["exact/cand_gap"] - gap_k)):
             s[key].append(v)
         for i, n in enumerate(GMU_PROMPTS if kind == "probe" else ()):    # after the step: μ_{k+1} is accepted
