@@ -42,6 +42,9 @@ DEVIATIONS FROM THE PAPER, and why
   - The paper does not state c, |D_val|, group size, learning rate or data: each is a flag whose
     help says where its default comes from.
   - The target acceptance rule is ours (3.); the paper's rule is the default.
+  - Step 1 weights and clips per token (token-level TIS, as verl and most LLM trainers) where the
+    paper writes ρ_i = w_i · r_i per response: a product over hundreds of tokens' ratios explodes
+    or vanishes, and one clipped token then no longer silences the whole response.
   - FP8 rollouts on a CPU are simulated, below the banner (--rollout-quant fp8-sim).
   - The toy (TOY ENGINE) replaces the LLM by a small policy, so that J is exact.
 
@@ -2438,7 +2441,7 @@ class TrainConfig(Config):
                                          "room beside the trainer, rounded down; TRL's 0.3, verl's 0.5)")
     logprob_chunk: int = _train(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)")
     sync_share: float = _train(0.5, "sync failed: vLLM's log-probs of the probe moved < sync_share x the trainer's "
-                               "(the slope's upper 97.5% bound; 1 synced, 0 stale; 0.5: halfway)")
+                               "(the slope + t SE; 1 synced, 0 stale; 0.5: halfway)")
 
     # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
     AUTO = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"),

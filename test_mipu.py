@@ -2737,6 +2737,14 @@ def test_metrics_lines_are_json(tmp_path):
         {"step": 0, "a": None, "b": None, "c": 1.5}
 
 
+@pytest.mark.parametrize("command", list(mipu.SUBCOMMANDS))
+def test_every_subcommand_prints_its_help(command, capsys):
+    """argparse formats each flag's help with %: a bare % in a help string crashed `--help` (ValueError)."""
+    with pytest.raises(SystemExit) as e:
+        mipu.main([command, "--help"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage:")
+
+
 def test_check_resume_names_the_flag():
     cfg = mipu.TrainConfig(seed=0, steps=5).validate()
     state = {"config": dataclasses.asdict(cfg), "order": list(range(10)), "step": 5}
