@@ -144,8 +144,9 @@ TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0},
                "rare-long": {"toy_mismatch": 1.0, "toy_logit_fp8": "tail", "toy_fp8_headroom": 0.3,
                              "toy_horizon": 64, "toy_prompts": 16, "toy_tolerance": 2,
                              "toy_init_prob": 0.95}}
-# implementation detail 11: vLLM's seeds (seed · M + 2k + phase) · size, distinct for k < M / 2; step k's other
-# streams from numpy's SeedSequence of (seed, stream, k): a hash, distinct for every seed, stream and step
+# implementation detail 11: vLLM's seeds (seed · M + 2k + phase) · size, distinct for k < M / 2;
+# step k's other streams from numpy's SeedSequence of (seed, stream, k): a hash, distinct for every
+# seed, stream and step
 ROLLOUT_SEED_MUL = 1_000_003
 STREAMS = ("minibatch", "reject", "shuffle")
 
@@ -407,7 +408,8 @@ def mipu_step(eng: Engine) -> dict:
     sync = eng.sync() if finite else {}
     lap("sync")
     # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule)
-    step2, (t_post, g_k, c) = dict.fromkeys(("step2/t_post", "step2/g_k"), math.nan), (math.nan, math.nan, cfg.c)
+    step2, (t_post, g_k, c) = (dict.fromkeys(("step2/t_post", "step2/g_k"), math.nan),
+                               (math.nan, math.nan, cfg.c))
     if finite and accept_kind == "gap":
         step2, (t_post, g_k, c) = step2_estimates(eng, ro, held)
     accepted = decide(cfg, finite, t_post, g_k, c, eng.generator("reject"))
@@ -423,10 +425,13 @@ def mipu_step(eng: Engine) -> dict:
     eng.step += 1                   # accepted or not (implementation detail 5)
     band = (cfg.mis_low, cfg.mis_high)
     return eng.reduce_metrics({
-        "step": k, "rollout/reward": ro.rewards.mean().item(), "rollout/response_len": ro.mask.sum(1).mean().item(),
+        "step": k, "rollout/reward": ro.rewards.mean().item(),
+        "rollout/response_len": ro.mask.sum(1).mean().item(),
         "rollout/truncated": ro.truncated.mean().item(),
-        **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask, band), "mismatch"), **step1, **sync, **step2,
-        "step2/stat": t_post if cfg.accept_rule == "paper" else g_k + t_post,    # what the rule compares with -c
+        **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask, band), "mismatch"),
+        **step1, **sync, **step2,
+        # what the rule compares with -c
+        "step2/stat": t_post if cfg.accept_rule == "paper" else g_k + t_post,
         "step2/accepted": float(accepted),
         "step2/rejections": eng.rejections, "lr": lr, **eng.metrics(), **lap.times()})
 
@@ -474,8 +479,9 @@ def step2_estimates(eng: Engine, ro: Rollout, held: int) -> tuple[dict, tuple[fl
         gain = surrogate_gain(eng.logp(heldout), heldout.logp_sampler, heldout.adv, heldout.mask)
         g_k = eng.mean(gain.item())
     post = mismatch_metrics(logp_new, val.logp_sampler, val.mask, (cfg.mis_low, cfg.mis_high))
-    return ({"step2/t_post": t_post, "step2/g_k": g_k, "step2/val_reward": val.rewards.mean().item(),
-             **prefixed(post, "mismatch_post")}, eng.accept_inputs(t_post, g_k, val))
+    return ({"step2/t_post": t_post, "step2/g_k": g_k,
+             "step2/val_reward": val.rewards.mean().item(), **prefixed(post, "mismatch_post")},
+            eng.accept_inputs(t_post, g_k, val))
 
 
 def decide(cfg: Config, finite: bool, t_post: float, g_k: float, c: float,
