@@ -147,8 +147,9 @@ TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0},
                "rare-long": {"toy_mismatch": 1.0, "toy_logit_fp8": "tail", "toy_fp8_headroom": 0.3,
                              "toy_horizon": 64, "toy_prompts": 16, "toy_tolerance": 2,
                              "toy_init_prob": 0.95}}
-# implementation detail 11: vLLM's seeds (seed · M + 2k + phase) · size, distinct for k < M / 2; step k's other
-# streams from numpy's SeedSequence of (seed, stream, k): a hash, distinct for every seed, stream and step
+# implementation detail 11: vLLM's seeds (seed · M + 2k + phase) · size, distinct for k < M / 2;
+# step k's other streams from numpy's SeedSequence of (seed, stream, k): a hash, distinct for every
+# seed, stream and step
 ROLLOUT_SEED_MUL = 1_000_003
 STREAMS = ("minibatch", "reject", "shuffle")
 
@@ -410,7 +411,8 @@ def mipu_step(eng: Engine) -> dict:
     sync = eng.sync() if finite else {}
     lap("sync")
     # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule)
-    step2, (t_post, g_k, c) = dict.fromkeys(("step2/t_post", "step2/g_k"), math.nan), (math.nan, math.nan, cfg.c)
+    step2, (t_post, g_k, c) = (dict.fromkeys(("step2/t_post", "step2/g_k"), math.nan),
+                               (math.nan, math.nan, cfg.c))
     if finite and accept_kind == "gap":
         step2, (t_post, g_k, c) = step2_estimates(eng, ro, held)
     accepted = decide(cfg, finite, t_post, g_k, c, eng.generator("reject"))
@@ -426,10 +428,13 @@ def mipu_step(eng: Engine) -> dict:
     eng.step += 1                   # accepted or not (implementation detail 5)
     band = (cfg.mis_low, cfg.mis_high)
     return eng.reduce_metrics({
-        "step": k, "rollout/reward": ro.rewards.mean().item(), "rollout/response_len": ro.mask.sum(1).mean().item(),
+        "step": k, "rollout/reward": ro.rewards.mean().item(),
+        "rollout/response_len": ro.mask.sum(1).mean().item(),
         "rollout/truncated": ro.truncated.mean().item(),
-        **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask, band), "mismatch"), **step1, **sync, **step2,
-        "step2/stat": t_post if cfg.accept_rule == "paper" else g_k + t_post,    # what the rule compares with -c
+        **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask, band), "mismatch"),
+        **step1, **sync, **step2,
+        # what the rule compares with -c
+        "step2/stat": t_post if cfg.accept_rule == "paper" else g_k + t_post,
         "step2/accepted": float(accepted),
         "step2/rejections": eng.rejections, "lr": lr, **eng.metrics(), **lap.times()})
 
@@ -471,14 +476,15 @@ def step2_estimates(eng: Engine, ro: Rollout, held: int) -> tuple[dict, tuple[fl
     val.logp_train = logp_new = eng.logp(val)  # log π_{k+1}, kept: an engine may reuse val
     # the same on every rank
     t_post = eng.mean(gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item())
-    g_k = float("nan")
+    g_k = math.nan
     if held:
         heldout = ro.select(torch.arange(held))
         gain = surrogate_gain(eng.logp(heldout), heldout.logp_sampler, heldout.adv, heldout.mask)
         g_k = eng.mean(gain.item())
     post = mismatch_metrics(logp_new, val.logp_sampler, val.mask, (cfg.mis_low, cfg.mis_high))
-    return ({"step2/t_post": t_post, "step2/g_k": g_k, "step2/val_reward": val.rewards.mean().item(),
-             **prefixed(post, "mismatch_post")}, eng.accept_inputs(t_post, g_k, val))
+    return ({"step2/t_post": t_post, "step2/g_k": g_k,
+             "step2/val_reward": val.rewards.mean().item(), **prefixed(post, "mismatch_post")},
+            eng.accept_inputs(t_post, g_k, val))
 
 
 def decide(cfg: Config, finite: bool, t_post: float, g_k: float, c: float,
@@ -499,7 +505,8 @@ class Laps:
     """Stopwatch: lap(name) adds the seconds since the last lap to `name`."""
 
     def __init__(self):
-        self.last, self.start, self.seconds = time.perf_counter(), time.perf_counter(), {}
+        self.last = self.start = time.perf_counter()
+        self.seconds = {}
 
     def __call__(self, name: str) -> None:
         now = time.perf_counter()
@@ -682,7 +689,7 @@ class ToyPolicy(torch.nn.Module):
         self.emb_prev = torch.nn.Parameter(torch.randn(V + 1, d, generator=gen) * TOY_INIT_SCALE)
         self.w_hidden = torch.nn.Parameter(torch.randn(d, d, generator=gen) / math.sqrt(d))
         self.w_out = torch.nn.Parameter(torch.randn(d, V, generator=gen) / math.sqrt(d))
-        # static amax: set by toy_init
+        # static amax: ToyEngine sets it
         self.logit_fp8, self.logit_amax = cfg.toy_logit_fp8, None
         self.log_scale = (cfg.toy_scale_bias, cfg.toy_scale_jitter)
 
@@ -1018,8 +1025,9 @@ def load_trainer(model_path: str, dtype: str, device: str, load=None):
 
 
 # the trainer's compute precision: bf16 autocast for bf16-mixed, else a no-op
-def train_autocast(cfg: Config):
-    return torch.autocast(cfg.device, torch.bfloat16, enabled=cfg.train_dtype == "bf16-mixed")
+def train_autocast(cfg: Config, **kwargs):
+    return torch.autocast(cfg.device, torch.bfloat16, enabled=cfg.train_dtype == "bf16-mixed",
+                          **kwargs)
 
 
 def pad_right(rows: list, value, dtype=torch.float32) -> torch.Tensor:
@@ -1242,7 +1250,7 @@ import faulthandler
 import fcntl
 import inspect
 import json
-import logging
+import logging.handlers
 import shutil
 import signal
 import subprocess
@@ -1290,22 +1298,10 @@ def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     return t.tolist()
 
 
-def all_mean(x: float) -> float:  # equal shares per rank: the global mean of per-response means
-    return all_reduce([x])[0] / rank_world()[1]
-
-
-def all_true(flag: bool) -> bool:
-    return all_reduce([float(flag)], dist.ReduceOp.MIN)[0] == 1.0
-
-
-def all_max(x: float) -> float:
-    return all_reduce([x], dist.ReduceOp.MAX)[0]
-
-
 def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module:
-    """Rank 0 loads the model on the host (a refusal is every rank's error), the others build it on the meta device;
-    FSDP2 shards it, then rank 0 broadcasts each weight and buffer (the rotary tables: not in a state dict) into the
-    shards. One host copy of the full model, not one per rank."""
+    """Rank 0 loads the model on the host (a refusal is every rank's error), the others on the meta device; FSDP2
+    shards it, then rank 0 broadcasts each weight and buffer (the rotary tables: not in a state dict) into the
+    shards: one host copy of the model, not one per rank."""
     dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
     rank, load, error = rank_world()[0], functools.partial(load_trainer, model_path, cfg.train_dtype), [None]
     if rank == 0:
@@ -1349,23 +1345,23 @@ def global_metrics(m: dict) -> dict:
                                   for i, k in enumerate(keys)}}
 
 
-def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+def host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
     """A flat host buffer for the rollback snapshot; `pin`: page-locked by cudaHostRegister, exactly its size (torch's
     pinned allocator rounds up to 2^k), as torch's DCP stager does: GPU copies at full speed."""
     flat = torch.empty(nbytes, dtype=torch.uint8)
     if pin:
         cudart = torch.cuda.cudart()
-        rc = cudart.cudaHostRegister(flat.data_ptr(), flat.nbytes, 0)    # a cudaError: 0 = success
+        rc = cudart.cudaHostRegister(flat.data_ptr(), nbytes, 0)    # a cudaError: 0 = success
         if int(rc) == 0:
             weakref.finalize(flat, cudart.cudaHostUnregister, flat.data_ptr()).atexit = False
         else:       # e.g. a locked-memory limit (ulimit -l): the copies still work, at pageable speed
-            warn_once(f"warning: cudaHostRegister of the {flat.nbytes / 2**30:.1f} GiB rollback snapshot failed "
+            warn_once(f"warning: cudaHostRegister of the {nbytes / 2**30:.1f} GiB rollback snapshot failed "
                       f"({cudart.cudaGetErrorString(rc)}): it copies through pageable memory (slower)")
     return flat
 
 
 def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list | None = None, shard=lambda t: t,
-                alloc=lambda n: torch.empty(n, dtype=torch.uint8)) -> list:
+                alloc=host_buffer) -> list:
     """copy_state's snapshot + [the buffer]: views of one flat host buffer of `alloc`(bytes), refilled in place in
     `into` step to step."""
     live, snap = state_tensors(model, opt, shard), into or [{}, None, None]
@@ -1391,10 +1387,14 @@ def set_expandable_segments(on: bool) -> None:
 _WARNED = set()
 
 
+def eprint(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
-        print(message, file=sys.stderr, flush=True)
+        eprint(message)
 
 
 # ---- THE LEAN LOG-PROBS: micro-batches, one [chunk, V] block of logits at a time ----
@@ -1408,7 +1408,8 @@ class SelectiveLogprobs(torch.autograd.Function):
     def forward(ctx, h, weight, targets, temperature: float, chunk: int) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else weight.dtype
         hc, wc = h.to(dtype), weight.to(dtype)                                      # [N, H], [V, H]
-        lse, out = torch.empty(h.shape[0], device=h.device), torch.empty(h.shape[0], device=h.device)   # [N] fp32
+        lse = torch.empty(h.shape[0], device=h.device)                              # [N] fp32
+        out = torch.empty_like(lse)
         for s in range(0, h.shape[0], chunk):
             logits = (hc[s:s + chunk] @ wc.T).float().div_(temperature)             # [c, V]
             out[s:s + chunk], m = logits.gather(1, targets[s:s + chunk, None])[:, 0], logits.amax(1)   # [c]
@@ -1436,35 +1437,29 @@ class SelectiveLogprobs(torch.autograd.Function):
 selective_logprobs = SelectiveLogprobs.apply   # (hidden, head_weight, targets, temperature, chunk) -> [N]
 
 
-def _micro_batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
-                          temperature: float, width: int, chunk: int) -> torch.Tensor:
-    """Completion-token log-probs for one micro-batch, right-padded to `width`: [b, width]."""
-    device = next(model.parameters()).device
-    # right padding, as token_logprobs': no attention mask
-    ids = pad_right([p + c for p, c in zip(prompts, completions)], 0, torch.long).to(device)  # [b, L]
-    # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head until backward), lm_head on one
-    # position; a hook takes the decoder's output: output_hidden_states would keep every layer's
-    hidden = []                                                     # [b, L, H]
-    with model.get_decoder().register_forward_hook(lambda mod, args, out: hidden.append(out.last_hidden_state)):
-        model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    # position len(p)-1+t predicts completion token t: score only real completion tokens
-    b_idx, t_idx = torch.nonzero(pad_right([[1] * len(c) for c in completions], 0).to(device), as_tuple=True)
-    rows = torch.tensor([len(p) - 1 for p in prompts], device=device)[b_idx] + t_idx  # [N]
-    lp = selective_logprobs(hidden[0][b_idx, rows], model.get_output_embeddings().weight, ids[b_idx, rows + 1],
-                            temperature, chunk)  # [N]
-    return torch.zeros(len(prompts), width, device=device).index_put((b_idx, t_idx), lp)  # [b, width]
-
-
 def lean_token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                         temperature: float, micro_batch: int, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """token_logprobs' (logp, mask), `micro_batch` responses a forward, [chunk, V] logits at a time (0: TrainConfig's
     chunk)."""
-    width = max(1, max(len(c) for c in completion_ids))  # T
-    logp = torch.cat([_micro_batch_logprobs(model, prompt_ids[s:s + micro_batch], completion_ids[s:s + micro_batch],
-                                            temperature, width, chunk or TrainConfig.logprob_chunk)
-                      for s in range(0, len(prompt_ids), micro_batch)])  # [B, T]
-    mask = pad_right([[1.0] * len(c) + [0.0] * (width - len(c)) for c in completion_ids], 0.0).to(logp.device)
-    return logp.masked_fill(mask == 0, 0.0), mask
+    device, width = next(model.parameters()).device, max(1, max(len(c) for c in completion_ids))  # T
+    mask = pad_right([[1.0] * len(c) + [0.0] * (width - len(c)) for c in completion_ids], 0.0).to(device)  # [B, T]
+    logp = []
+    for s in range(0, len(prompt_ids), micro_batch):
+        prompts, completions = prompt_ids[s:s + micro_batch], completion_ids[s:s + micro_batch]
+        # right padding, as token_logprobs': no attention mask
+        ids = pad_right([p + c for p, c in zip(prompts, completions)], 0, torch.long).to(device)  # [b, L]
+        # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head until backward), lm_head on
+        # one position; a hook takes the decoder's output: output_hidden_states would keep every layer's
+        hidden = []                                                     # [b, L, H]
+        with model.get_decoder().register_forward_hook(lambda mod, args, out: hidden.append(out.last_hidden_state)):
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        # position len(p)-1+t predicts completion token t: score only real completion tokens
+        b_idx, t_idx = torch.nonzero(mask[s:s + micro_batch], as_tuple=True)
+        rows = torch.tensor([len(p) - 1 for p in prompts], device=device)[b_idx] + t_idx  # [N]
+        lp = selective_logprobs(hidden[0][b_idx, rows], model.get_output_embeddings().weight, ids[b_idx, rows + 1],
+                                temperature, chunk or TrainConfig.logprob_chunk)  # [N]
+        logp.append(torch.zeros(len(prompts), width, device=device).index_put((b_idx, t_idx), lp))  # [b, T]
+    return torch.cat(logp), mask
 
 
 # ---- THE SYNC PROBE: vLLM's and the trainer's log-probs of a response μ samples ----
@@ -1562,18 +1557,6 @@ def _unhook_in_worker(model) -> None:       # _digest_on_receipt's wrappers are 
 
 
 RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"    # vLLM 0.32's layerwise reload's logger
-
-
-class ReloadFailures(logging.Handler):
-    """The layers of the "<layer>: Failed to load weights" lines _quiet_reload lets through."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.layers = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.msg == "%s: Failed to load weights" and record.args:
-            self.layers.append(str(record.args[0]))
 
 
 @contextlib.contextmanager
@@ -1746,8 +1729,7 @@ class TrainEngine(LLMEngine):
         that requires grad (a parameter, FSDP2's unsharded ones too) whatever the grad mode, a bf16 copy of every
         weight (3.2 GiB for Qwen3-1.7B, 7.5 for 4B; toy/memory_plan.py counts none)."""
         grad = torch.is_grad_enabled()
-        with torch.autocast(self.cfg.device, torch.bfloat16, enabled=self.cfg.train_dtype == "bf16-mixed",
-                            cache_enabled=grad):
+        with train_autocast(self.cfg, cache_enabled=grad):
             logp = lean_token_logprobs(self.model, prompts, completions, temperature, self.micro_batch,
                                        self.cfg.logprob_chunk)[0]
         if not grad and isinstance(self.model, FSDPModule):
@@ -1849,16 +1831,16 @@ class TrainEngine(LLMEngine):
 
     def push_weights(self) -> None:
         """sync_in_pieces; a layer _quiet_reload lets a warning through for is an error, on every rank at once."""
-        log, failed = logging.getLogger(RELOAD_LOG), ReloadFailures()
-        log.addHandler(failed)           # a handler: it sees what _quiet_reload's filter lets through
+        log, seen = logging.getLogger(RELOAD_LOG), logging.handlers.BufferingHandler(math.inf)   # keeps every record
+        log.addHandler(seen)             # a handler: it sees what _quiet_reload's filter lets through
         try:
             sync_in_pieces(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
         finally:
-            log.removeHandler(failed)
-        if self.max(len(failed.layers)):
+            log.removeHandler(seen)
+        failed = {str(r.args[0]) for r in seen.buffer if r.msg == "%s: Failed to load weights" and r.args}
+        if self.max(len(failed)):
             raise self.sync_failed(f"vLLM's reload loaded no weights into "
-                                   f"{', '.join(sorted(set(failed.layers))) or 'a layer on another rank'} (their old "
-                                   "weights stay)")
+                                   f"{', '.join(sorted(failed)) or 'a layer on another rank'} (their old weights stay)")
         if self.llm.llm_engine.is_sleeping():   # --vllm-sleep: the KV cache wakes after the sync
             self.llm.wake_up(tags=["kv_cache"])
 
@@ -1875,7 +1857,18 @@ class TrainEngine(LLMEngine):
         return {"rollout/reward_timeouts": self.reward_timeouts}
 
     # the collectives Engine leaves as identities (every rank calls them, in the same order)
-    mean, all_of, max = staticmethod(all_mean), staticmethod(all_true), staticmethod(all_max)
+    @staticmethod
+    def mean(x: float) -> float:  # equal shares per rank: the global mean of per-response means
+        return all_reduce([x])[0] / rank_world()[1]
+
+    @staticmethod
+    def all_of(flag: bool) -> bool:
+        return all_reduce([float(flag)], dist.ReduceOp.MIN)[0] == 1.0
+
+    @staticmethod
+    def max(x: float) -> float:
+        return all_reduce([x], dist.ReduceOp.MAX)[0]
+
     gather, shard, reduce_metrics = staticmethod(full), staticmethod(local), staticmethod(global_metrics)
 
 
@@ -1978,12 +1971,13 @@ def _read_dataset(name: str, split: str) -> list[tuple[str, object]]:
         why = ("no such local folder, nor a hub id in the local HF cache (download it first: `hf download --repo-type "
                f"dataset {name}`)") if isinstance(e, errors.LocalEntryNotFoundError) else e
         raise MIPUError(f"could not load dataset {name!r} (split {split!r}): {why}") from e
-    if isinstance(ds, datasets.DatasetDict) and split not in ds:
-        raise MIPUError(f"{name}: no split {split!r}; splits present: {sorted(ds)}")
-    if isinstance(ds, datasets.Dataset) and on_disk and asked and asked != str(ds.split or "train"):  # no splits
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise MIPUError(f"{name}: no split {split!r}; splits present: {sorted(ds)}")
+        ds = ds[split]
+    elif on_disk and asked and asked != str(ds.split or "train"):  # a Dataset: no splits
         raise MIPUError(f"{name}: a saved Dataset, not a DatasetDict: it has no split {asked!r} (name the folder "
                         f"without ':{asked}')")
-    ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
     return [(f"{name}:row {i}", row) for i, row in enumerate(ds)]
 
 
@@ -2090,18 +2084,18 @@ class RewardWorker:
             if reply:                                # true, false, or null: math_verify cannot parse them
                 return _simple_equal(pred, answer) if reply == "null\n" else json.loads(reply)
             ended = self._stop()
-            print(f"warning: reward of answer {pred[:60]!r}... ({len(pred)} chars) " + (f"took over {timeout:g} s"
-                  if reply is None else f"killed the reward worker ({ended})") + "; scored 0", file=sys.stderr)
+            eprint(f"warning: reward of answer {pred[:60]!r}... ({len(pred)} chars) " + (f"took over {timeout:g} s"
+                   if reply is None else f"killed the reward worker ({ended})") + "; scored 0")
             if pred != "0" and self("0", answer, timeout, memory_mb) is None:  # nor with a plain 0: a hostile gold
                 self.slow[answer] = (timeout, memory_mb)
-                print(f"warning: gold answer {answer[:60]!r}... cannot be compared with 0 within {timeout:g} s and "
-                      f"{memory_mb} MB: its samples score 0 from now on, without a call", file=sys.stderr)
+                eprint(f"warning: gold answer {answer[:60]!r}... cannot be compared with 0 within {timeout:g} s and "
+                       f"{memory_mb} MB: its samples score 0 from now on, without a call")
             return None
 
     def _ask(self, request: str, timeout: float, memory_mb: int) -> str | None:
         """The worker's reply line to a request: "" if the worker died meanwhile, None past `timeout` seconds."""
         if self.proc is not None and self.proc.poll() is not None:      # found dead (OOM killer): restart
-            print(f"warning: the reward worker ended ({self._stop()}); restarted", file=sys.stderr)
+            eprint(f"warning: the reward worker ended ({self._stop()}); restarted")
         try:
             if self.proc is None:
                 self._start(memory_mb)
@@ -2129,10 +2123,12 @@ class RewardWorker:
             ended = self._stop()
             if ready:                            # an import error's message: the same at every try
                 why = json.loads(ready) + (f" (the reward worker's limit: {memory_mb} MB)" if "Memory" in ready else "")
-                raise MIPUError(f"the reward worker (math_verify) could not start: {why}")
+                break
             if tries < REWARD_START_TRIES:
-                print(f"warning: the reward worker ended in its start-up ({ended}); restarted", file=sys.stderr)
-        raise MIPUError(f"the reward worker (math_verify) could not start: no reply ({ended}) in {tries} tries")
+                eprint(f"warning: the reward worker ended in its start-up ({ended}); restarted")
+        else:
+            why = f"no reply ({ended}) in {tries} tries"
+        raise MIPUError(f"the reward worker (math_verify) could not start: {why}")
 
     def _stop(self) -> str:
         """Kill the worker if it still runs; how it ended: a signal's name or an exit code."""
@@ -2188,8 +2184,8 @@ def save_checkpoint(run: TrainEngine) -> Path:
             run.tokenizer.save_pretrained(tmp)
             torch.save(opt_state, tmp / "optimizer.pt")
             torch.save({**{k: getattr(run, k) for k in RUN_COUNTERS},
-                        # --gap-batch next's batch; under torchrun each rank holds only its share, so a resumed run
-                        # re-samples pending_rows from the saved μ_{k+1} instead
+                        # --gap-batch next's batch; under torchrun a rank holds only its share: a resumed run
+                        # re-samples pending_rows from the saved μ_{k+1}
                         "pending": vars(run.pending) if run.pending and not torchrun() else None,
                         "torch_rng": torch.get_rng_state(),  # numpy's key array as a list: loads with weights_only
                         "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
@@ -2330,19 +2326,20 @@ def read_trainer_state(ckpt: Path) -> dict:
 
 def open_reporter(cfg: TrainConfig):
     """--report-to: a SummaryWriter in <output-dir>/tensorboard, mirrored by wandb."""
+    out = Path(cfg.output_dir)
     try:
         from torch.utils.tensorboard import SummaryWriter
         if "wandb" in cfg.report_to:
             import wandb
-            run_id = Path(cfg.output_dir) / "wandb-id"     # one wandb run per --output-dir: --resume continues it
+            run_id = out / "wandb-id"     # one wandb run per --output-dir: --resume continues it
             if not (cfg.resume and run_id.exists()):
                 run_id.write_text(os.urandom(8).hex())
-            wandb.init(project="mipu", name=Path(cfg.output_dir).name, dir=cfg.output_dir, id=run_id.read_text(),
+            wandb.init(project="mipu", name=out.name, dir=cfg.output_dir, id=run_id.read_text(),
                        resume="allow", config=dataclasses.asdict(cfg), sync_tensorboard=True)
     except ImportError as e:
         raise MIPUError(f"--report-to {cfg.report_to}: {e} (pip install tensorboard, and wandb for wandb)") from e
     step = int(latest_checkpoint(cfg.output_dir).name.split("-")[1]) if cfg.resume else 0   # purged: steps past it
-    return SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"), purge_step=step)
+    return SummaryWriter(str(out / "tensorboard"), purge_step=step)
 
 
 LINE_KEYS = ("rollout/reward", "mismatch/k3", "step1/loss", "step1/clip_frac", "step2/t_post", "step2/accepted",
@@ -2428,7 +2425,7 @@ class TrainConfig(Config):
     output_dir: str = _train("runs/mipu", "metrics.jsonl and checkpoints go here")
     resume: bool = _train(False, "continue from the newest checkpoint in --output-dir; only these flags may differ "
                           "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE))
-    overwrite: bool = _train(False, "start afresh in an --output-dir that holds a run, deleting that run")
+    overwrite: bool = _train(False, "start afresh in an --output-dir holding a run, deleting it")
     drop_long_prompts: bool = _llm(False, "drop prompts that leave no room for --max-new-tokens in the context, not "
                                    "refuse them")
     reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default)")
@@ -2449,7 +2446,7 @@ class TrainConfig(Config):
 
     def __post_init__(self):
         super().__post_init__()
-        for name, (cpu, gpu) in self.AUTO.items():                       # "auto": the device's value
+        for name, (cpu, gpu) in self.AUTO.items():
             if getattr(self, name) == "auto":
                 setattr(self, name, gpu if self.device == "cuda" else cpu)
 
@@ -2467,7 +2464,7 @@ class TrainConfig(Config):
         gpu, step2 = torch.cuda.is_available(), METHOD_SPEC[self.method][1]
         train, llm = command == "train", command in ("train", "eval")
         return super().checks(command) + [
-            (command != "train" or (self.accept_rule != "oracle" and not self.c_se),
+            (not train or (self.accept_rule != "oracle" and not self.c_se),
              "--accept-rule oracle and --c-se are toy only (they need the exact J / T_post's SE)"),
             (self.gap_batch == "heldout" or step2 == "gap",
              f"--gap-batch next needs a method with Step 2 (step2, mipu), not {self.method}"),
@@ -2654,22 +2651,21 @@ def train(cfg: TrainConfig) -> None:
                         "(--temperature, --learning-rate, the checkpoint's optimizer state?)")
 
 
-def _checkpoint_tensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
+def _checkpoint_tensors(folder: str | Path) -> list[tuple[str, torch.Tensor]]:
     from safetensors.torch import load_file
-    folder = Path(model_path)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    if not (files := sorted(Path(folder).glob("*.safetensors"))):
         raise MIPUError(f"--rollout-quant fp8-sim needs safetensors weights in {folder}")
     return [item for f in files for item in load_file(f).items()]
 
 
 def eval_command(cfg: TrainConfig) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
-    check_model_folder(model_folder(cfg.model))        # bad weights or data fail before the engine starts
+    folder = model_folder(cfg.model)
+    check_model_folder(folder)                       # bad weights or data fail before the engine starts
     eval_sets = load_eval_sets(cfg)
     llm = make_sampler(cfg, **vllm_args(cfg))
     if cfg.rollout_quant == "fp8-sim":               # no sync before the first rollouts: FP8 weights now
-        sync_in_pieces(llm, _checkpoint_tensors(str(model_folder(cfg.model))), "fp8-sim")
+        sync_in_pieces(llm, _checkpoint_tensors(folder), "fp8-sim")
     print(markdown_table(evaluate(llm, load_pretrained("AutoTokenizer", cfg.model), eval_sets, cfg)))
 
 
@@ -2708,7 +2704,7 @@ _interrupt_told = threading.Lock()     # held once INTERRUPTED is printed: once
 
 def tell_interrupted() -> None:
     if _interrupt_told.acquire(blocking=False):
-        print(_interrupt_line[0], file=sys.stderr, flush=True)
+        eprint(_interrupt_line[0])
 
 
 def report_errors(fn, *args) -> int:
@@ -2716,7 +2712,7 @@ def report_errors(fn, *args) -> int:
     try:
         fn(*args)
     except MIPUError as e:
-        print(f"error: {e}", file=sys.stderr)
+        eprint(f"error: {e}")
         return 2
     except KeyboardInterrupt:  # checkpoints are written whole or not at all
         tell_interrupted()
@@ -2726,7 +2722,7 @@ def report_errors(fn, *args) -> int:
 
 def exit_bounded(main_fn) -> None:
     """sys.exit(main_fn()), but after a Ctrl-C the process ends within INTERRUPT_EXIT_S seconds, one line and 130:
-    the atexit handlers run (vLLM's engine shutdown, wandb), Python's teardown of the modules does not (collecting
+    the atexit handlers run (vLLM's engine shutdown, wandb), Python's module teardown does not (collecting
     torch's, vLLM's, transformers' objects: seconds, more on a loaded machine); a timer ends a shutdown that hangs or
     a Ctrl-C that landed in a finalizer, where Python cannot raise it."""
     def timer_exit():
@@ -2734,11 +2730,12 @@ def exit_bounded(main_fn) -> None:
         sys.stdout.flush()
         os._exit(130)
 
+    timer = threading.Timer(INTERRUPT_EXIT_S, timer_exit)      # started by the first Ctrl-C
+    timer.daemon = True
+
     def on_sigint(signum, frame):
-        if not hasattr(on_sigint, "timer"):
-            on_sigint.timer = threading.Timer(INTERRUPT_EXIT_S, timer_exit)
-            on_sigint.timer.daemon = True
-            on_sigint.timer.start()
+        if not timer.is_alive():
+            timer.start()
         raise KeyboardInterrupt
 
     def unraisable(info):    # a KeyboardInterrupt in a __del__: dropped there, its timer ends the process instead
@@ -2752,7 +2749,7 @@ def exit_bounded(main_fn) -> None:
     except KeyboardInterrupt:            # one outside report_errors (parsing the flags)
         tell_interrupted()
         code = 130
-    if hasattr(on_sigint, "timer"):
+    if timer.is_alive():
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -201,7 +201,7 @@ def logprob_memory_child(kind: str, n_tokens: int, hidden: int, vocab: int) -> N
     targets = torch.randint(vocab, (n_tokens,), generator=gen)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    if kind == "naive":     # what _micro_batch_logprobs did before: [N, V] fp32 logits, log_softmax, gather
+    if kind == "naive":     # what lean_token_logprobs did before: [N, V] fp32 logits, log_softmax, gather
         lp = torch.log_softmax((h @ w.T).float(), -1).gather(1, targets[:, None])[:, 0]
     else:
         lp = mipu.selective_logprobs(h, w, targets, 1.0, mipu.TrainConfig.logprob_chunk)
