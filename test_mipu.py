@@ -541,19 +541,20 @@ def test_demo_auc_and_paired_test_known_answers():
     assert demo.paired_test(a + 0.1, a).startswith("+0.100 [+0.100, +0.100], p = 0.000")
 
 
-def test_cli_collapse_study_tiny_budget(tmp_path):
-    from toy import collapse_study
-    for extra in (["--configs", "base-a1,static-h1"], ["--rules", "static-h1"]):
-        p = run_cli("-m", "toy.collapse_study", "--seeds", "2", "--steps", "3", "--workers", "1",
-                    "--out", str(tmp_path), *extra)
+def test_cli_study_search_tiny_budget(tmp_path):
+    """python -m toy.study --search / --search-rules: the collapse search's tables; a rerun takes every run from the
+    cache; an unknown config is one error line."""
+    from toy import study
+    for extra in (["--search", "base-a1,static-h1"], ["--search-rules", "static-h1"]):
+        p = run_cli("-m", "toy.study", "--seeds", "2", "--steps", "3", "--workers", "1", "--out", str(tmp_path), *extra)
         assert p.returncode == 0, p.stderr
     search, rules = (tmp_path / "search.md").read_text(), (tmp_path / "rules_static-h1.md").read_text()
     assert "| static-h1 | FP8 logits, static scale, saturating | 1 |" in search
-    assert all(f"| {label} |" in rules for label in collapse_study.RULES)
+    assert all(f"| {label} |" in rules for label in study.SEARCH_RULES)
     n_runs = len((tmp_path / "runs.jsonl").read_text().splitlines())
-    run_cli("-m", "toy.collapse_study", "--seeds", "2", "--steps", "3", "--rules", "static-h1", "--out", str(tmp_path))
+    run_cli("-m", "toy.study", "--seeds", "2", "--steps", "3", "--search-rules", "static-h1", "--out", str(tmp_path))
     assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == n_runs          # all from the cache
-    assert run_cli("-m", "toy.collapse_study", "--configs", "nope").returncode == 2
+    assert run_cli("-m", "toy.study", "--search", "nope").returncode == 2
 
 
 def test_toy_study_tiny_budget(tmp_path):

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 import mipu
-from toy.collapse_study import collapsed
 
 # The quick start's rows: label -> Config overrides. Two more rows come afterwards, at the rejection rate that mipu
 # (paper rule) measured in the same preset: random-rollback-tis at that rate, and tis with its LR times mipu's
@@ -147,6 +146,12 @@ def final_J(histories: list[list[dict]]) -> np.ndarray:
 
 def reject_rate(histories: list[list[dict]]) -> float:
     return float(1 - np.mean(history_column(histories, "step2/accepted")))
+
+
+def collapsed(J: list) -> bool:
+    """J(μ) over the last 10% of the run (at least 5 points) stays below half of its best."""
+    J = np.asarray(J)
+    return bool((J[-max(5, len(J) // 10):] < 0.5 * J.max()).all())
 
 
 def n_collapsed(histories: list[list[dict]]) -> str:
