@@ -3426,16 +3426,18 @@ def test_cli_bench_tiny_budget(model_dir, tmp_path):
     assert "throughput ratio wrapper/bare" in report and "sync check per sync: probe " in report
 
 
-def test_cli_llm_demo_tiny_budget(tmp_path):
-    p = run_cli("-m", "toy.llm_demo", "--tiny", str(tmp_path / "tiny"), "--sft-out", str(tmp_path / "sft"),
-                "--sft-steps", "3", "--steps", "2", "--eval-every", "1", "--out", str(tmp_path / "out"),
+def test_cli_real_demo_tiny_budget(tmp_path):
+    """python -m toy.real_demo --tiny: the tiny model built where --model names none, warm-started by --sft-steps, then
+    a table row per method and each run's metrics."""
+    p = run_cli("-m", "toy.real_demo", "--tiny", "--model", str(tmp_path / "tiny"), "--sft-out", str(tmp_path / "sft"),
+                "--sft-steps", "3", "--methods", "grpo,mipu", "--seeds", "0", "--steps", "2", "--prompts-per-step", "4",
+                "--val-prompts", "4", "--mini-batch-size", "32", "--eval-samples", "1", "--out", str(tmp_path / "demo"),
                 "--output-dir", str(tmp_path / "runs"))
     assert p.returncode == 0, p.stderr[-3000:]
-    table = (tmp_path / "out" / "llm_demo.md").read_text()
-    assert "| grpo |" in table and "| mipu |" in table
-    assert (tmp_path / "out" / "llm_demo.png").stat().st_size > 0
-    steps = [json.loads(x)["step"] for x in (tmp_path / "runs" / "mipu" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1]
+    table = (tmp_path / "demo.md").read_text()
+    assert "| grpo |" in table and "| mipu |" in table and "sft" in table and "arith_test.jsonl" in table
+    metrics = (tmp_path / "runs" / "mipu-lr0.0002-s0" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in metrics] == [0, 1] and (tmp_path / "tiny" / "config.json").exists()
 
 
 # ---------------------------------------------------------------- a real pretrained model: SmolLM2-135M-Instruct
