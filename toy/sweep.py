@@ -1,4 +1,4 @@
-"""The toy's learning-rate sweep: `python -m toy.sweep` (from the repo root).
+"""Which learning rate? The toy's LR sweep: `python -m toy.sweep` (from the repo root; ~25 min on 2 cores).
 
 TIS and grpo (--methods) on one preset at several --toy-lr values, --seeds seeds each, one run of --steps steps per seed, LR
 and method; the table gives the exact J(μ) after each of --horizons steps (a run at a constant LR is the same run
