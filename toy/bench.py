@@ -1,4 +1,4 @@
-"""The step benchmark: `python -m toy.bench --model toy/models/tiny-qwen3 ...` (from the repo root).
+"""How fast, and what does Step 2 cost? `python -m toy.bench --model toy/models/tiny-qwen3 ...` (repo root).
 
 Runs grpo and mipu variants interleaved step by step in one process on one vLLM engine and
 prints median seconds per phase, the rollout wrapper against a bare LLM.generate, the sync check's

@@ -1,4 +1,4 @@
-"""The trainer benchmark: `python -m toy.bench_trainer --shape qwen3-1.7b` (from the repo root).
+"""How fast is the trainer at a Qwen3 shape? `python -m toy.bench_trainer --shape qwen3-1.7b` (repo root).
 
 Builds a Qwen3 model from its architecture config alone (random init: no download, no vLLM; it needs
 only torch and transformers) and times the trainer's part of one MIPU step at a given micro-batch and

@@ -1,4 +1,4 @@
-"""Our grpo step vs TRL's GRPOTrainer step, same model, batch and vLLM colocate, on CPU:
+"""How fast against TRL? Our grpo step vs TRL's GRPOTrainer step, same model, batch and vLLM colocate, on CPU:
 `PYTHONPATH=/tmp/trlpkgs python -m toy.bench_trl --model toy/models/tiny-qwen3 --train-data toy/data/arith_train.jsonl
  --steps 10 --prompts-per-step 8 --mini-batch-size 64 --micro-batch-size 64 --max-new-tokens 8
  --answer-format last-number --output-dir runs/bench_trl` (from the repo root).

@@ -1,4 +1,4 @@
-"""The toy demo: `python -m toy.demo` (from the repo root).
+"""What does the toy show, quickly? The quick-start demo: `python -m toy.demo` (from the repo root; ~2 min on 2 cores).
 
 The quick start: on the collapse preset (mipu.py's TOY_PRESETS; --presets adds others), grpo, lr-decay, tis
 (Step 1), mipu (Steps 1 + 2) and the exact oracle on the TIS update (the ceiling of every Step-2 rule), then two
@@ -6,8 +6,8 @@ controls at the rejection rate mipu measured: random rollback on mipu's TIS upda
 acceptance rate (the step-size control); and a gap study (T̂_post against the exact gap at several acceptance batch
 sizes, probed along the grpo runs). --all-methods adds mis, step2, the target rule, the oracle on grpo and random
 rollback on the grpo update. Writes demo_results.md / .csv and demo_metrics.jsonl (every step of every run) into
---out; with the collapse preset also the figure collapse.png and its table summary.md, and with --select-seeds N
-the selectivity study selectivity.md ("does Step 2 select?", N seeds per arm). Bit-for-bit reproducible for a seed
+--out; with the collapse preset also the figure collapse.png and its table collapse_summary.md, and with
+--select-seeds N the selectivity study selectivity.md ("does Step 2 select?", N seeds per arm). Bit-for-bit reproducible for a seed
 on one machine, whatever --workers.
 """
 import argparse
@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 import mipu
-from toy.collapse_study import collapsed
 
 # The quick start's rows: label -> Config overrides. Two more rows come afterwards, at the rejection rate that mipu
 # (paper rule) measured in the same preset: random-rollback-tis at that rate, and tis with its LR times mipu's
@@ -149,6 +148,12 @@ def reject_rate(histories: list[list[dict]]) -> float:
     return float(1 - np.mean(history_column(histories, "step2/accepted")))
 
 
+def collapsed(J: list) -> bool:
+    """J(μ) over the last 10% of the run (at least 5 points) stays below half of its best."""
+    J = np.asarray(J)
+    return bool((J[-max(5, len(J) // 10):] < 0.5 * J.max()).all())
+
+
 def n_collapsed(histories: list[list[dict]]) -> str:
     return f"{sum(collapsed([m['exact/J_mu'] for m in h]) for h in histories)}/{len(histories)}"
 
@@ -261,8 +266,8 @@ def toy_demo(cfg: mipu.Config, presets: list[str], n_seeds: int, select_seeds: i
         title = (f"preset {preset_label(FOCUS, bases[FOCUS])}, --toy-lr {bases[FOCUS]['toy_lr']:g}, "
                  f"seeds {seeds[0]}..{seeds[-1]}")
         plot_focus(out / "collapse.png", focus, title)
-        write_summary(out / "summary.md", focus, title, second[FOCUS][STEP_CONTROL]["toy_lr"])
-        written += ["collapse.png", "summary.md"]
+        write_summary(out / "collapse_summary.md", focus, title, second[FOCUS][STEP_CONTROL]["toy_lr"])
+        written += ["collapse.png", "collapse_summary.md"]
         if select_seeds:
             select = [cfg.seed + i for i in range(select_seeds)]
             (out / "selectivity.md").write_text(selectivity(bases[FOCUS], select, pool, cfg.num_generations))

@@ -1,4 +1,4 @@
-"""The GPU day's one command: `python -m toy.gpu_check` (from the repo root; at most --time-limit seconds, 450 by
+"""What does a GPU need, measured? `python -m toy.gpu_check` (from the repo root; at most --time-limit seconds, 450 by
 default, to fit 8 minutes on one H200). Needs only torch and transformers (no internet, no download); `--vllm` adds
 vLLM's part (below).
 

@@ -1,10 +1,15 @@
-"""The memory plan of a `train` step on one GPU (a rank's under torchrun): GiB per part and phase, ESTIMATED from a
-transformers config and the flags, and vLLM's share that fits beside the trainer, a value for train's
---gpu-memory-utilization. No GPU needed (from the repo root):
+"""What will a GPU need? The memory plan of a `train` step on one GPU (a rank's under torchrun): GiB per part and
+phase, ESTIMATED from a transformers config and the flags, and vLLM's share that fits beside the trainer, a value for
+train's --gpu-memory-utilization. No GPU needed (from the repo root):
 
     python -m toy.memory_plan --model Qwen/Qwen3-1.7B --gpu-gib 80 --auto [train's flags, e.g. --micro-batch-size 4]
+    python -m toy.memory_plan --recipe --auto               # GPU.md's recipe: 1.7B on 80 GiB, 4B on 141 GiB
+    python -m toy.memory_plan --recipe --auto --gpus 2,4,8  # Qwen3-4B per GPU of --gpu-gib under torchrun (FSDP2)
 
-toy/GPU.md explains each part; toy.fsdp_memory prints the recipe's tables, toy.gpu_check measures them on a GPU.
+--recipe needs no model (the shapes are Qwen3's config.json values). Under torchrun the weights, gradients and AdamW
+states are sharded over N ranks; FSDP2 adds the gathered root (embeddings, final norm, lm_head), two gathered decoder
+layers and the root's unsharded gradient; autocast's bf16 copies, the activations and vLLM's share are per rank as on
+one GPU; rank 0 alone loads the model into host RAM. toy/GPU.md explains each part; toy.gpu_check measures them.
 """
 import argparse
 import math
@@ -151,17 +156,84 @@ def check_memory_plan(cfg: mipu.TrainConfig, gpu: float = 0, world: int = 0) -> 
     return share
 
 
+# ---- the recipe's tables (--recipe)
+
+GIB = 2 ** 30
+# the GPU recipe (toy/GPU.md): 4 responses per forward of 4,352 tokens at most, 32 x 8 responses a step, FP8 rollouts
+RECIPE = dict(device="cuda", method="mipu", micro_batch_size=4, max_new_tokens=4096, max_model_len=4352,
+              prompts_per_step=32, rollout_quant="fp8")
+ONE_GPU = (("qwen3-1.7b", 80.0), ("qwen3-4b", 141.0))
+# plan key -> row label, in the order of the tables
+PARTS = {"weights": "weights, fp32", "grads": "gradients, fp32", "optimizer": "AdamW states, fp32",
+         "bf16_copies": "autocast's cached bf16 weight copies (Step 1)", "head_copy": "second bf16 [V, H] head copy",
+         "activations": "activations, checkpointed", "recompute": "recompute's working set (no grad)",
+         "logprob_head": "log-prob head: fp32 grad of lm_head + a chunk",
+         "fsdp_gathered": "FSDP2: gathered root + 2 layers", "fsdp_root_grad": "FSDP2: the root's unsharded gradient",
+         "sync": "sync pieces", "cuda_context": "CUDA context, handles (outside torch)", "vllm": "vLLM's share",
+         "vllm_asleep": "vLLM asleep in Step 1 (outside its pool)",
+         "peak_recompute": "**recompute phase** (vLLM awake)", "peak_step1": "**Step-1 phase** (vLLM asleep)",
+         "peak_sync": "**sync phase** (vLLM awake)",
+         "peak": "**peak**", "snapshot_host": "host: rollback snapshot, per rank",
+         "save_host": "host: rank 0's save gather (θ + AdamW)", "load_host": "host: the model at load, rank 0",
+         "host_peak": "**host peak** (one node)"}
+# the torchrun table's columns: plan key -> short label
+COLUMNS = {"weights": "weights", "grads": "grads", "optimizer": "AdamW", "bf16_copies": "bf16 copies",
+           "head_copy": "head copy", "activations": "activations", "recompute": "recompute", "logprob_head":
+           "log-prob head", "fsdp_gathered": "gathered root + 2 layers", "fsdp_root_grad": "root grad",
+           "vllm": "vLLM share", "peak_recompute": "recompute phase", "peak_step1": "Step-1 phase",
+           "peak_sync": "sync phase", "host_peak": "host peak, per node"}
+
+
+def plan(shape: str, gpu_gib: float, world: int, share) -> tuple[dict, float, int]:
+    from toy.bench_trainer import qwen3_config                      # it imports this module
+    cfg = mipu.TrainConfig(**RECIPE, gpu_memory_utilization=share)   # not validated: no GPU needed to plan for one
+    c = qwen3_config(shape)
+    return (memory_plan(c, cfg, gpu_gib * GIB, world),
+            *vllm_share(c, cfg, gpu_gib * GIB, world))
+
+
+def one_gpu_table(share) -> str:
+    """The recipe on one GPU: a row per plan part, a column per (shape, GPU)."""
+    plans = [plan(shape, gib, 1, share) for shape, gib in ONE_GPU]
+    head = "| part (key printed by toy.memory_plan) | " + " | ".join(f"{s}, {g:g} GiB GPU" for s, g in ONE_GPU) + " |"
+    rows = [head, "|---" * (1 + len(ONE_GPU)) + "|",
+            "| parameters, billion (`params_billion`) | " + " | ".join(f"{p['params_billion']:.2f}" for p, *_ in plans)
+            + " |"]
+    rows += [f"| {label} (`{key}`) | " + " | ".join(f"{p[key]:.2f}" for p, *_ in plans) + " |"
+             for key, label in PARTS.items()]
+    rows.append("| vLLM's fraction of the GPU; KV cache, sequences of 4352 tokens | "
+                + " | ".join(f"{fraction:.2f}; {seqs}" for _, fraction, seqs in plans) + " |")
+    return f"GiB, ESTIMATED (`--gpu-memory-utilization {share}`):\n\n" + "\n".join(rows)
+
+
+def torchrun_table(gpus: list[int], gpu_gib: float, share) -> str:
+    """Qwen3-4B per rank of N GPUs: a row per N."""
+    lines = ["| GPUs | " + " | ".join(COLUMNS.values()) + " | vLLM's fraction; KV sequences |",
+             "|---" * (len(COLUMNS) + 2) + "|"]
+    for n in gpus:
+        p, fraction, seqs = plan("qwen3-4b", gpu_gib, n, share)
+        lines.append(f"| {n} | " + " | ".join(f"{p[k]:.1f}" for k in COLUMNS) + f" | {fraction:.2f}; {seqs} |")
+    return (f"Qwen3-4B ({p['params_billion']:.2f} B parameters), GiB per GPU of {gpu_gib:g} GiB "
+            f"(`--gpu-memory-utilization {share}`), ESTIMATED:\n\n" + "\n".join(lines))
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m toy.memory_plan", description=__doc__.split("\n")[0])
     mipu.add_config_flags(parser, ("algo", "llm", "train"), "train")
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (80: H100)")
     parser.add_argument("--world", type=int, default=1, help="torchrun ranks (one GPU each)")
     parser.add_argument("--auto", action="store_true", help="vLLM's share: the largest that fits beside the trainer")
+    parser.add_argument("--recipe", action="store_true", help="the tables of GPU.md's recipe (no --model)")
+    parser.add_argument("--gpus", default="", help="--recipe: Qwen3-4B per rank of each number of GPUs, e.g. 2,4,8")
     parser.set_defaults(device="cuda")
     args = vars(parser.parse_args())
-    gpu, world, auto = args.pop("gpu_gib") * 2**30, args.pop("world"), args.pop("auto")
+    gpu, world, auto, recipe, gpus = (args.pop(k) for k in ("gpu_gib", "world", "auto", "recipe", "gpus"))
+    if recipe:
+        share = "auto" if auto else args["gpu_memory_utilization"]
+        print(torchrun_table([int(x) for x in gpus.split(",")], gpu, share) if gpus else one_gpu_table(share))
+        return
     cfg = mipu.TrainConfig(**{**args, **({"gpu_memory_utilization": "auto"} if auto else {})})
-    raise SystemExit(mipu.report_errors(check_memory_plan, cfg, gpu, world))
+    raise SystemExit(mipu.report_errors(check_memory_plan, cfg, gpu * 2**30, world))
 
 
 if __name__ == "__main__":

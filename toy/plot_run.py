@@ -1,4 +1,4 @@
-"""Curves of a training run from its files alone: `python -m toy.plot_run RUN_DIR` (from the repo root).
+"""How did a run go? Its curves from its files alone: `python -m toy.plot_run RUN_DIR` (from the repo root).
 
 Reads RUN_DIR/metrics.jsonl (what `python mipu.py train --output-dir RUN_DIR` appends, one record per
 step) and writes RUN_DIR/metrics.png (or --out): rollout reward, J(mu) on each --eval-data set,

@@ -10,6 +10,9 @@ With --gap, the inference gap of one engine pair at θ = --model instead: Step 2
 batches at θ and after one Step-1 update of --method (tis); at θ pass@1 of μ (vLLM) and of π (the trainer's own
 samples), paired per problem. A row appended to <--out>.md (default toy/results/real_gap), the per-problem pass rates
 and per-batch T̂_post to <--out>.jsonl.
+With --tiny, the tiny random Qwen3 (toy.make_tiny's, built at --model if missing) on the arithmetic problems instead
+(TINY_DEMO); --sft-steps N warm-starts --model by N supervised steps first (into --sft-out), so that RL has something
+to sharpen: `python -m toy.real_demo --tiny --sft-steps 300 --methods grpo,mipu --seeds 0` (~7 min on 2 cores).
 """
 import argparse
 import dataclasses
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 
 import mipu
+from toy.make_tiny import build_tiny_model
 
 HERE = Path(__file__).resolve().parent
 # The demo's settings: the README's learning run (24 new tokens: a sum and its stop fit; the suffix asks for a bare
@@ -31,6 +35,50 @@ REAL_DEMO = dict(model=str(HERE / "models" / "smollm2-135m-instruct"), train_dat
                  val_data=str(HERE / "data" / "sums_val.jsonl"), eval_data=str(HERE / "data" / "sums_test.jsonl"),
                  rollout_quant="fp8-sim", prompts_per_step=8, max_new_tokens=24, steps=20, learning_rate=1e-5,
                  prompt_suffix=" Answer with the number only.", answer_format="last-number")
+# --tiny: the tiny model's settings (1-2 digit answers, a bare number; fp8-sim), 50 steps at the LR of its old demo
+TINY_DEMO = dict(model=str(HERE / "models" / "tiny-qwen3"), train_data=str(HERE / "data" / "arith_train.jsonl"),
+                 val_data=str(HERE / "data" / "arith_val.jsonl"), eval_data=str(HERE / "data" / "arith_test.jsonl"),
+                 rollout_quant="fp8-sim", prompts_per_step=32, mini_batch_size=256, micro_batch_size=64,
+                 max_new_tokens=6, eval_temperature=1.0, steps=50, learning_rate=2e-4, answer_format="last-number")
+SFT_LR, SFT_BATCH = 1e-3, 64         # --sft-steps: AdamW's LR and problems per step (the tiny model from random init)
+
+
+def demo_config(args: dict, **more) -> mipu.Config:
+    """The flags given, REAL_DEMO's (--tiny: TINY_DEMO's) for those not; --tiny builds the tiny model where missing,
+    --sft-steps warm-starts the model and returns the config of the warm-started one."""
+    cfg = mipu.config_from(args)
+    demo = {**(TINY_DEMO if args["tiny"] else REAL_DEMO), **more}
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in demo.items() if k in args["defaults"]})
+    if args["tiny"] and not (Path(cfg.model) / "config.json").exists():
+        build_tiny_model(cfg.model, seed=0)
+    if args["sft_steps"]:
+        out = args["sft_out"] or f"{cfg.model}-sft"
+        cfg = dataclasses.replace(cfg, model=sft_warm_start(cfg, args["sft_steps"], out))
+    return cfg
+
+
+def sft_warm_start(cfg: mipu.Config, steps: int, out: str) -> str:
+    """Supervised warm start: cross-entropy on prompt -> answer + EOS, so the model solves some problems before RL.
+    Saves to `out` and returns it."""
+    rows = mipu.load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
+    model, tokenizer = mipu.load_trainer(cfg.model, "float32", cfg.device), mipu.load_pretrained("AutoTokenizer",
+                                                                                                  cfg.model)
+    prompts = mipu.prompts_of(tokenizer, rows, cfg)             # the prompts RL will sample from
+    answers = [tokenizer.encode(r["answer"], add_special_tokens=False) + [tokenizer.eos_token_id] for r in rows]
+    opt, gen = torch.optim.AdamW(model.parameters(), lr=SFT_LR), torch.Generator().manual_seed(cfg.seed)
+    for it in range(steps):
+        idx = torch.randint(len(rows), (SFT_BATCH,), generator=gen).tolist()
+        logp, mask = mipu.lean_token_logprobs(model, [prompts[i] for i in idx], [answers[i] for i in idx], 1.0,
+                                              SFT_BATCH)
+        loss = -mipu.masked_mean(logp, mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if it % 200 == 0 or it == steps - 1:
+            print(f"sft step {it:>5} loss {loss.item():.4f}", flush=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 def pass_rates(run: mipu.TrainEngine, rows: list, seed: int) -> list[float]:
@@ -101,8 +149,7 @@ def mean_se(x: list) -> str:
 
 def gap_row(args: dict, argv: list) -> None:
     """--gap: one row of toy/results/real_gap.md for this engine pair and θ (see the docstring)."""
-    cfg, batches, t0 = mipu.config_from(args), args["gap_batches"], time.time()
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in {**REAL_DEMO, "method": "tis"}.items() if k in args["defaults"]})
+    cfg, batches, t0 = demo_config(args, method="tis"), args["gap_batches"], time.time()
     if batches < 2 or not cfg.val_data:
         raise mipu.MIPUError("--gap needs --gap-batches >= 2 (T_post's standard error) and --val-data")
     out = Path(args["out"] or HERE / "results" / "real_gap")
@@ -142,9 +189,9 @@ def gap_row(args: dict, argv: list) -> None:
 
 
 def real_demo(args: dict, argv: list) -> None:
-    base = dataclasses.replace(mipu.config_from(args), **{k: v for k, v in REAL_DEMO.items() if k in args["defaults"]})
-    tune = args["tune"]
-    out = Path(args["out"] or HERE / "results" / ("real_demo_tune" if tune else "real_demo"))
+    base, tune = demo_config(args), args["tune"]
+    out = Path(args["out"] or HERE / "results" / ("real_demo_tune" if tune else "real_demo_tiny" if args["tiny"] else
+                                                  "real_demo"))
     seeds = [int(s) for s in (args["seeds"] or ("0" if tune else "1,2")).split(",")]
     arms = ([("tis", float(lr)) for lr in args["lrs"].split(",")] if tune else
             [(m, base.learning_rate) for m in args["methods"].split(",")])
@@ -211,15 +258,19 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--tune", action="store_true", help="choose the LR: tis at each of --lrs, on --val-data")
     parser.add_argument("--lrs", default="1e-5,2e-5,4e-5", help="--tune's learning rates")
     parser.add_argument("--out", help="<out>.md and <out>.jsonl (default toy/results/real_demo, with --tune "
-                        "real_demo_tune, with --gap real_gap)")
+                        "real_demo_tune, with --gap real_gap, with --tiny real_demo_tiny)")
     parser.add_argument("--gap", action="store_true", help="measure the inference gap at θ = --model instead (a row "
                         "appended to <out>.md; --method: the update's, default tis)")
     parser.add_argument("--gap-batches", type=int, default=16, help="--gap: Step-2 batches per T_post")
     parser.add_argument("--problems", type=int, default=0, help="--gap: the first N problems of --eval-data (0: all)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model on arithmetic instead (TINY_DEMO; built "
+                        "at --model if missing)")
+    parser.add_argument("--sft-steps", type=int, default=0, help="supervised warm-start steps of --model first")
+    parser.add_argument("--sft-out", help="where the warm-started model goes (default: --model's folder + -sft)")
     argv = sys.argv[1:] if argv is None else argv
     args = vars(parser.parse_args(argv))
     given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
-    args["defaults"] = (set(REAL_DEMO) | {"method"}) - given     # REAL_DEMO fills in only the flags not given
+    args["defaults"] = (set(REAL_DEMO) | set(TINY_DEMO) | {"method"}) - given   # the demo's, only where not given
     return mipu.report_errors(gap_row if args["gap"] else real_demo, args, argv)
 
 

@@ -1,7 +1,8 @@
-"""The toy's claims study: `python -m toy.study [--preset collapse|collapse-long] [--seeds 20]` (from the repo root).
+"""What does the toy show? Its claims study: `python -m toy.study [--preset collapse|collapse-long|rare-long]
+[--seeds 20]` (from the repo root; 30-70 min on 2 cores).
 
 The numbers the README's "What the toy shows" cites, on --seeds seeds of one preset, into toy/results/study_<preset>.md:
-1. Collapse: every arm's runs, collapsed per seed (toy.collapse_study.collapsed: J(μ) over the last 10 % of steps
+1. Collapse: every arm's runs, collapsed per seed (toy.demo.collapsed: J(μ) over the last 10 % of steps
    stays below half of the run's best), with a Wilson 95 % interval.
 2. Selectivity: along always-accepting mipu runs (the TIS update; T̂_post computed and ignored), how well each
    statistic ranks the candidates that raise the exact J(μ) above those that lower it: ROC AUC pooled over all
@@ -15,8 +16,20 @@ The numbers the README's "What the toy shows" cites, on --seeds seeds of one pre
    paired by seed: mean difference of the final exact J(μ), 95 % bootstrap interval, sign-flip p.
 Bit-for-bit reproducible, whatever --workers: single-threaded runs, one seeded generator per run, and the probes
 and the Ĝ^μ rule draw from generators of their own, so probing leaves a run unchanged.
+
+The collapse search, `--search all` (or configs from --list): which engine error collapses grpo. Per configuration
+(mechanism + mismatch α, CONFIGS) grpo and the oracle on its update (step2, --accept-rule oracle), at α and at α = 0
+(is the oracle just a better optimizer?); k3 and mean |Δlog p| on grpo's rollouts. `--search-rules static-h1`: every
+rule of SEARCH_RULES there, each next to random rollback at its rejection rate on the grpo update and on its own.
+Seeds 0.. (5), 300 steps by default; tables to toy/results/collapse/search.md and rules_<config>.md; runs cached in
+runs.jsonl there (not in git; key = the full Config and α), so a rerun runs only what is missing:
+
+    python -m toy.study --search all --seeds 5 --steps 300 --toy-lr 0.02      # ~10 min on 2 cores
+    python -m toy.study --search-rules static-h1 --seeds 5 --steps 300 --toy-lr 0.02
 """
 import argparse
+import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -26,7 +39,8 @@ import torch
 
 import mipu
 from toy import demo
-from toy.collapse_study import collapsed
+
+HERE = Path(__file__).resolve().parent
 
 # preset -> steps. collapse: the demo's horizon (toy.demo.preset_base). collapse-long: 4 x the 250 steps in which
 # grpo collapsed in 16/20 seeds at --toy-lr 0.02, 4 x the default (at the default: 1/20, toy/results/study_collapse-long.md)
@@ -167,7 +181,7 @@ def wilson(k: int, n: int) -> tuple[float, float]:
 
 
 def n_collapsed(runs: list[dict]) -> str:
-    k = sum(collapsed(r["J_mu"]) for r in runs)
+    k = sum(demo.collapsed(r["J_mu"]) for r in runs)
     lo, hi = wilson(k, len(runs))
     return f"{k}/{len(runs)} [{lo:.2f}, {hi:.2f}]"
 
@@ -352,34 +366,230 @@ def study(preset: str, n_seeds: int, steps: int, first_seed: int, window: int, w
     return path
 
 
+# ---- the collapse search (--search, --search-rules)
+
+# name -> (mechanism, Config overrides, α). α = 1 is the FP8/bf16 engine as is (the fp8 preset).
+CONFIGS = {
+    "base-a1": ("none (the fp8 preset)", {}, 1.0),
+    "base-a8": ("none (the severe preset)", {}, 8.0),
+    "dyn-a1": ("FP8 logits, dynamic per-row scale", dict(toy_logit_fp8="dynamic"), 1.0),
+    "dyn-a4": ("FP8 logits, dynamic per-row scale", dict(toy_logit_fp8="dynamic"), 4.0),
+    "static-h1": ("FP8 logits, static scale, saturating", dict(toy_logit_fp8="static", toy_fp8_headroom=1.0), 1.0),
+    "static-h1.5": ("FP8 logits, static scale, saturating", dict(toy_logit_fp8="static", toy_fp8_headroom=1.5), 1.0),
+    "static-h2": ("FP8 logits, static scale, saturating", dict(toy_logit_fp8="static", toy_fp8_headroom=2.0), 1.0),
+}
+SEARCH_ARMS = {"grpo": ({"method": "grpo"}, True), "oracle": ({"method": "step2", "accept_rule": "oracle"}, True),
+               "grpo-a0": ({"method": "grpo"}, False), "oracle-a0": ({"method": "step2", "accept_rule": "oracle"}, False)}
+# Acceptance rules compared in a collapse configuration (--search-rules): label -> Config overrides.
+SEARCH_RULES = {
+    "grpo (always accept)": {"method": "grpo"},
+    "tis (always accept)": {"method": "tis"},
+    "step2: grpo + paper rule, c=0": {"method": "step2"},
+    "step2: grpo + paper rule, c=0.03": {"method": "step2", "c": 0.03},
+    "step2: grpo + paper rule, c=0 + 2 SE": {"method": "step2", "c_se": 2.0},
+    "step2: grpo + target rule": {"method": "step2", "accept_rule": "target"},
+    "mipu: paper rule, c=0": {"method": "mipu"},
+    "mipu: paper rule, c=0.01": {"method": "mipu", "c": 0.01},
+    "mipu: paper rule, c=0.03": {"method": "mipu", "c": 0.03},
+    "mipu: paper rule, c=0 + 2 SE": {"method": "mipu", "c_se": 2.0},
+    "mipu: target rule": {"method": "mipu", "accept_rule": "target"},
+    "oracle on grpo (ceiling)": {"method": "step2", "accept_rule": "oracle"},
+    "oracle on tis (ceiling)": {"method": "mipu", "accept_rule": "oracle"},
+}
+
+
+def job_key(job: tuple) -> str:
+    return json.dumps({"cfg": job[0], "alpha": job[1]}, sort_keys=True)
+
+
+def run_job(job: tuple) -> dict:
+    """One toy run (cfg dict, α), reduced to the per-step series the tables need."""
+    t0 = time.time()
+    torch.set_num_threads(1)
+    h = mipu.toy_run(mipu.Config(**job[0]).validate(), job[1])
+    series = {k: [m[k] for m in h[1:]] for k in ("mismatch/k3", "mismatch/abs_dlogp_mean", "step2/accepted",
+                                                  "exact/cand_J_pi", "step2/g_k")}
+    return {"key": job_key(job), "J_mu": [m["exact/J_mu"] for m in h], "wall": time.time() - t0, **series}
+
+
+@dataclasses.dataclass
+class Runner:
+    """A process pool (or None) and the run cache (a dict mirrored in a jsonl file)."""
+    pool: object
+    path: Path
+    cache: dict
+
+    def run_all(self, jobs: list) -> list[dict]:
+        """Results of jobs, running (and caching) the ones not in the cache."""
+        todo = list({job_key(j): j for j in jobs if job_key(j) not in self.cache}.values())
+        with open(self.path, "a") as f:
+            for res in (self.pool.imap_unordered(run_job, todo) if self.pool else map(run_job, todo)):
+                f.write(json.dumps(res) + "\n")
+                f.flush()
+                self.cache[res["key"]] = res
+        return [self.cache[job_key(j)] for j in jobs]
+
+
+def base_cfg(name: str, steps: int, lr: float = 0.0) -> tuple[dict, float]:
+    _, over, alpha = CONFIGS[name]
+    base = {**dataclasses.asdict(mipu.Config(toy_lr=lr or mipu.Config.toy_lr)), **over, "steps": steps}
+    return base, alpha
+
+
+def worst_drop(J: list) -> float:
+    """Largest fall of J(μ) below its running best."""
+    J = np.asarray(J)
+    return float((np.maximum.accumulate(J) - J).max())
+
+
+def fmt(x) -> str:           # mean ± sd
+    x = np.asarray(x)
+    return f"{x.mean():.3f} ± {x.std():.3f}"
+
+
+def k_collapsed(runs: list[dict]) -> str:
+    return f"{sum(demo.collapsed(r['J_mu']) for r in runs)}/{len(runs)}"
+
+
+def first_mean_end(runs: list[dict], key: str, digits: int) -> str:
+    """Mismatch over the first 10 steps / the whole run / the last 10% of steps, mean over seeds."""
+    tail = max(5, len(runs[0][key]) // 10)
+    parts = [np.mean([np.mean(r[key][:10]) for r in runs]), np.mean([np.mean(r[key]) for r in runs]),
+             np.mean([np.mean(r[key][-tail:]) for r in runs])]
+    return " / ".join(f"{p:.{digits}f}" for p in parts)
+
+
+def search_row(name: str, seeds: list, steps: int, runner: Runner, lr: float = 0.0) -> dict:
+    """One configuration of the search: grpo and the oracle, at α and at α = 0."""
+    base, alpha = base_cfg(name, steps, lr)
+    r = {arm: runner.run_all([({**base, **kw, "seed": s}, alpha if at_alpha else 0.0) for s in seeds])
+         for arm, (kw, at_alpha) in SEARCH_ARMS.items()}
+    g, o = r["grpo"], r["oracle"]
+    final = {arm: [x["J_mu"][-1] for x in runs] for arm, runs in r.items()}
+    return {
+        "config": name, "mechanism": CONFIGS[name][0], "alpha": f"{alpha:g}",
+        "k3 (first 10 / mean / end)": first_mean_end(g, "mismatch/k3", 4),
+        "mean abs dlogp (first 10 / mean / end)": first_mean_end(g, "mismatch/abs_dlogp_mean", 3),
+        "grpo final J(mu)": fmt(final["grpo"]), "grpo best J(mu)": fmt([max(x["J_mu"]) for x in g]),
+        "grpo worst drop": fmt([worst_drop(x["J_mu"]) for x in g]),
+        "oracle final J(mu)": fmt(final["oracle"]),
+        "oracle accept rate": f"{np.mean([np.mean(x['step2/accepted']) for x in o]):.2f}",
+        "alpha=0 final J grpo / oracle": f"{np.mean(final['grpo-a0']):.3f} / {np.mean(final['oracle-a0']):.3f}",
+        "collapsed grpo / oracle / alpha=0": f"{k_collapsed(g)} / {k_collapsed(o)} / {k_collapsed(r['grpo-a0'])}",
+    }
+
+
+def search_reject_rate(runs: list[dict]) -> float:
+    return float(1 - np.mean([np.mean(x["step2/accepted"]) for x in runs]))
+
+
+def rollback_control(base: dict, alpha: float, rate: float, method: str, seeds: list, runner: Runner) -> str:
+    """Random rollback (method random-rollback or random-rollback-tis) at `rate`: final J(μ), collapses."""
+    if round(rate, 2) == 0:       # the rate the runs would take: a random method refuses --reject-rate 0
+        return "-"
+    runs = runner.run_all([({**base, "method": method, "reject_rate": round(min(rate, 0.99), 2), "seed": s}, alpha)
+                                  for s in seeds])
+    return f"{fmt([x['J_mu'][-1] for x in runs])} ({k_collapsed(runs)})"
+
+
+def g_k_bias(runs: list[dict]) -> str:
+    """Mean error of Ĝ_k against the exact J(π_{k+1}) − J(μ_k), and their correlation."""
+    g = np.concatenate([x["step2/g_k"] for x in runs])
+    exact = np.concatenate([np.array(x["exact/cand_J_pi"]) - np.array(x["J_mu"][:-1]) for x in runs])
+    ok = ~np.isnan(g)
+    return f"{(g[ok] - exact[ok]).mean():+.4f} ({np.corrcoef(g[ok], exact[ok])[0, 1]:.2f})" if ok.sum() > 2 else "-"
+
+
+def rules_rows(name: str, seeds: list, steps: int, runner: Runner, lr: float = 0.0) -> list[dict]:
+    """Every rule of SEARCH_RULES in configuration `name`, with random rollback at its rejection rate."""
+    base, alpha = base_cfg(name, steps, lr)
+    rows = []
+    for label, kw in SEARCH_RULES.items():
+        runs = runner.run_all([({**base, **kw, "seed": s}, alpha) for s in seeds])
+        rate = search_reject_rate(runs)
+        tis_update = mipu.METHOD_SPEC[kw["method"]][0] == "tis"
+        rows.append({
+            "rule": label, "reject rate": f"{rate:.2f}",
+            "final J(mu) (collapsed)": f"{fmt([x['J_mu'][-1] for x in runs])} ({k_collapsed(runs)})",
+            "random rollback, grpo update, same rate": rollback_control(base, alpha, rate, "random-rollback",
+                                                                        seeds, runner),
+            "random rollback, tis update, same rate": rollback_control(base, alpha, rate, "random-rollback-tis",
+                                                                       seeds, runner) if tis_update else "-",
+            "G_k bias vs exact J(pi_k+1)-J(mu_k) (corr)": g_k_bias(runs) if kw.get("accept_rule") == "target" else "-",
+        })
+    return rows
+
+
+def search(args) -> None:
+    """--search / --search-rules: the tables into args.out (default toy/results/collapse), runs cached there."""
+    arg, rules = (args.search_rules, True) if args.search_rules else (args.search, False)
+    names = list(CONFIGS) if arg == "all" else arg.split(",")
+    if unknown := [n for n in names if n not in CONFIGS]:
+        raise mipu.MIPUError(f"unknown configs {unknown} (see --list)")
+    out = Path(args.out or HERE / "results" / "collapse")
+    out.mkdir(parents=True, exist_ok=True)
+    cache_path, cache = out / "runs.jsonl", {}
+    if cache_path.exists():
+        cache = {r["key"]: r for r in map(json.loads, cache_path.read_text().splitlines())}
+    seeds, steps, lr = list(range(args.first_seed, args.first_seed + args.seeds)), args.steps or 300, args.toy_lr
+    t0, pool = time.time(), demo.make_pool(args.workers)
+    runner = Runner(pool, cache_path, cache)
+    if rules:
+        rows = [{"config": n, **r} for n in names for r in rules_rows(n, seeds, steps, runner, lr)]
+        path = out / f"rules_{'_'.join(names)}.md"
+    else:
+        rows = [search_row(n, seeds, steps, runner, lr) for n in names]
+        path = out / "search.md"
+    if pool:
+        pool.close()
+    table = mipu.markdown_table(rows)
+    command = (f"python -m toy.study --search{'-rules' if rules else ''} {arg} --first-seed {args.first_seed} "
+               f"--seeds {args.seeds} --steps {steps}" + (f" --toy-lr {lr:g}" if lr else ""))
+    path.write_text(f"Generated by `{command}` (seeds {seeds[0]}..{seeds[-1]}, {steps} steps, Adam LR "
+                    f"{lr or mipu.Config.toy_lr:g}, defaults otherwise).\n\n{table}\n")
+    print(table + f"\n\n{time.time() - t0:.1f} s wall; wrote {path}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m toy.study", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="collapse", choices=list(STUDY_PRESETS), help="mipu.TOY_PRESETS entry")
-    ap.add_argument("--seeds", type=int, default=20, help="seeds per arm (>= 2)")
-    ap.add_argument("--first-seed", type=int, default=FIRST_SEED, help="seeds --first-seed, --first-seed + 1, ...")
+    ap.add_argument("--seeds", type=int, help="seeds per arm, >= 2 (default 20; --search: 5)")
+    ap.add_argument("--first-seed", type=int, help=f"seeds --first-seed, --first-seed + 1, ... (default {FIRST_SEED}; "
+                    "--search: 0)")
     ap.add_argument("--steps", type=int, default=0, help="steps per run (0 = the preset's: "
-                    + ", ".join(f"{p} {s}" for p, s in STUDY_PRESETS.items()) + ")")
+                    + ", ".join(f"{p} {s}" for p, s in STUDY_PRESETS.items()) + "; --search: 300)")
     ap.add_argument("--toy-lr", type=float, default=0.0, help=f"every arm's Adam LR (0 = each method's "
                     f"own where METHOD_LRS names the preset, else mipu.py's {mipu.Config.toy_lr:g}); the step-size "
                     "controls scale it")
     ap.add_argument("--window", type=int, default=WINDOW, help="steps per window of the within-window AUC")
     ap.add_argument("--workers", type=int, default=MAX_WORKERS, help=f"processes, 1..{MAX_WORKERS} (results do not "
                     "depend on it)")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="folder for study_<preset>.md")
+    ap.add_argument("--out", help="folder for study_<preset>.md (default toy/results; --search: toy/results/collapse)")
+    ap.add_argument("--search", help="the collapse search instead, in these configs (comma-separated, or all)")
+    ap.add_argument("--search-rules", help="the acceptance rules at equal rates in these collapse configs instead")
+    ap.add_argument("--list", action="store_true", help="print the collapse search's configs and exit")
     args = ap.parse_args()
+    if args.list:
+        for n, (mech, over, a) in CONFIGS.items():
+            print(f"{n:12s} {mech}: {over} alpha={a:g}")
+        return 0
     return mipu.report_errors(check_and_run, args)
 
 
 def check_and_run(args) -> None:
+    searching = bool(args.search or args.search_rules)
+    args.seeds = (5 if searching else 20) if args.seeds is None else args.seeds
+    args.first_seed = (0 if searching else FIRST_SEED) if args.first_seed is None else args.first_seed
     if args.seeds < 2 or args.steps < 0 or args.window < 1 or not 1 <= args.workers <= MAX_WORKERS:
         raise mipu.MIPUError(f"--seeds must be >= 2, --steps >= 0, --window >= 1, --workers in 1..{MAX_WORKERS}")
+    if searching:
+        return search(args)
     extra = {"first-seed": (args.first_seed, FIRST_SEED), "steps": (args.steps, 0), "window": (args.window, WINDOW),
              "toy-lr": (args.toy_lr, 0.0)}
     command = f"python -m toy.study --preset {args.preset} --seeds {args.seeds}" + "".join(
         f" --{flag} {value}" for flag, (value, default) in extra.items() if value != default)
     study(args.preset, args.seeds, args.steps or STUDY_PRESETS[args.preset], args.first_seed, args.window,
-          args.workers, Path(args.out), command, args.toy_lr)
-
+          args.workers, Path(args.out or HERE / "results"), command, args.toy_lr)
 
 if __name__ == "__main__":
     sys.exit(main())

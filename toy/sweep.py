@@ -1,8 +1,8 @@
-"""The toy's learning-rate sweep: `python -m toy.sweep` (from the repo root).
+"""Which learning rate? The toy's LR sweep: `python -m toy.sweep` (from the repo root; ~25 min on 2 cores).
 
 TIS and grpo (--methods) on one preset at several --toy-lr values, --seeds seeds each, one run of --steps steps per seed, LR
 and method; the table gives the exact J(μ) after each of --horizons steps (a run at a constant LR is the same run
-up to any shorter horizon) and how many grpo and TIS runs had collapsed by then (toy.collapse_study.collapsed on
+up to any shorter horizon) and how many grpo and TIS runs had collapsed by then (toy.demo.collapsed on
 the steps so far). The seeds (8000 on) are kept apart from the claims study's (toy.study: 1000 on) and from the
 demo's (0 on); the check of the chosen default uses others again (`--first-seed 9000 --lrs 2x,1x,0.5x,0.25x`).
 An LR written Nx is N times --toy-lr. Bit-for-bit reproducible for a machine, whatever --workers.
@@ -17,7 +17,6 @@ import torch
 
 import mipu
 from toy import demo
-from toy.collapse_study import collapsed
 
 LRS = "0.02,0.014,0.01,0.007,0.005"   # the sweep's grid: the old default 0.02 down to a quarter of it
 HORIZONS = "150,300,450"             # the table's columns: steps after which J(mu) is read
@@ -47,7 +46,7 @@ def parse_lrs(text: str, default: float) -> list[float]:
 
 def cell(curves: list[list[float]], h: int) -> str:
     final = np.array([c[h] for c in curves])
-    k = sum(collapsed(c[:h + 1]) for c in curves)
+    k = sum(demo.collapsed(c[:h + 1]) for c in curves)
     return f"{demo.mean_se(final)} ({k}/{len(curves)})"
 
 
