@@ -1766,16 +1766,16 @@ class TrainEngine(LLMEngine):
     def as_pushed(self):
         """The trainer computing with θ as pushed_tensors sends it (θ back after; on the host meanwhile): a float32
         move below bf16's spacing (LR 1e-6: 1e-5 in 10 steps; spacing 1e-4 at |w| 0.02) never reaches vLLM."""
-        params = list(self.model.named_parameters())
-        kept = [local(p).detach().to("cpu", copy=True) for _, p in params]
+        named, dtype = list(self.model.named_parameters()), self.llm.llm_engine.vllm_config.model_config.dtype
+        params = [local(p).detach() for _, p in named]
+        kept = [p.to("cpu", copy=True) for p in params]
         try:
-            for (_, p), (_, t) in zip(params, pushed_tensors(params, self.cfg.rollout_quant,
-                                                             self.llm.llm_engine.vllm_config.model_config.dtype, local)):
-                local(p).detach().copy_(t)
+            for p, (_, t) in zip(params, pushed_tensors(named, self.cfg.rollout_quant, dtype, local)):
+                p.copy_(t)
             yield
         finally:
-            for (_, p), k in zip(params, kept):
-                local(p).detach().copy_(k)
+            for p, k in zip(params, kept):
+                p.copy_(k)
 
     def check_probe(self) -> tuple[float, float]:
         """The reference's responses scored by vLLM and the trainer as_pushed: once the trainer moved (mean |Δ| >=
