@@ -3,7 +3,7 @@
 Runs grpo and mipu variants interleaved step by step in one process on one vLLM engine and
 prints median seconds per phase, the rollout wrapper against a bare LLM.generate, the sync check's
 parts (probe, digests) against the push, and the wall time of the toy demo; the report also goes to
-<--output-dir>/bench.md.
+<--output-dir>/bench.md. --syncs N times train's sync phase alone (any --model, e.g. SmolLM2).
 """
 import argparse
 import dataclasses
@@ -29,6 +29,8 @@ BENCH_VARIANTS = {   # label -> Config overrides; c = ±1e9 makes every candidat
 def bench(args: dict) -> None:
     """Per-phase medians of grpo and mipu variants, interleaved step by step on one vLLM engine."""
     cfg = mipu.config_from(args, "train")
+    if args["syncs"]:
+        return bench_syncs(mipu.setup_llm_run(cfg), args["syncs"])
     llm = mipu.make_sampler(cfg, **mipu.vllm_args(cfg))
     runs = {label: mipu.setup_llm_run(dataclasses.replace(cfg, val_prompts=cfg.prompts_per_step, **kw), llm=llm)
             for label, kw in BENCH_VARIANTS.items()}
@@ -104,11 +106,33 @@ def bench_sync_check(run: mipu.TrainEngine, repeats: int) -> tuple[float, float,
     return tuple(float(np.median(times[k])) for k in parts)
 
 
+def bench_syncs(run: mipu.TrainEngine, n: int) -> None:
+    """train's sync phase alone (TrainEngine.sync: the push and the digests; steps not a multiple of PROBE_EVERY),
+    n times, θ moved by N(0, 1e-5) noise (an LR-1e-5 step's size) before each; a probe (check_probe) every 5th."""
+    gen, syncs, probes = torch.Generator().manual_seed(0), [], []
+    for i in range(n):
+        with torch.no_grad():
+            for p in run.model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 1e-5)
+        run.step = 1 + i + i // 9
+        t0 = time.perf_counter()
+        run.sync()
+        syncs.append(time.perf_counter() - t0)
+        if i % 5 == 0:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                run.check_probe()
+            probes.append(time.perf_counter() - t0)
+    print(f"sync phase: median {np.median(syncs):.3f} s of {n} ({run.cfg.rollout_quant}); probe: median "
+          f"{np.median(probes):.3f} s of {len(probes)}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m toy.bench", description=__doc__.split("\n")[0])
     mipu.add_config_flags(parser, mipu.SUBCOMMANDS["train"][0])
     parser.add_argument("--bench-toy", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the toy demo (python -m toy.demo with its defaults)")
+    parser.add_argument("--syncs", type=int, default=0, help="only time N of train's syncs (bench_syncs); no steps")
     return mipu.report_errors(bench, vars(parser.parse_args()))
 
 
