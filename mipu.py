@@ -45,7 +45,7 @@ DEVIATIONS FROM THE PAPER, and why
   - Step 1 weights and clips per token (token-level TIS, as verl and most LLM trainers) where the
     paper writes ρ_i = w_i · r_i per response: a product over hundreds of tokens' ratios explodes
     or vanishes, and one clipped token then no longer silences the whole response.
-  - FP8 rollouts on a CPU are simulated, below the banner (--rollout-quant fp8-sim).
+  - FP8 rollouts on a CPU are simulated (--rollout-quant fp8-sim, `fp8_sim_amax`).
   - The toy (TOY ENGINE) replaces the LLM by a small policy, so that J is exact.
 
 IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
@@ -204,12 +204,13 @@ class Config:
                                      "it too)")
     rollout_dtype: str = _llm("bfloat16", "vLLM weights/activations dtype",
                                           choices=("bfloat16", "float16", "float32"))
-    rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only)",
-                                      choices=("none", "fp8"))
-    train_dtype: str = _train("float32", "float32 = exact; bf16-mixed = fp32 weights + AdamW, "
-                                         "bf16 autocast (as TRL/verl); bfloat16 = pure bf16: less "
-                                         "memory, tiny updates round away",
-                                         choices=("float32", "bf16-mixed", "bfloat16"))
+    rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = rounded "
+                                      "through FP8 at each sync (fp8_sim_amax: a CPU's stand-in)",
+                                      choices=("none", "fp8", "fp8-sim"))
+    train_dtype: str = _train("auto", "float32 = exact (CPU's auto); bf16-mixed = fp32 weights + "
+                                      "AdamW, bf16 autocast (GPU's auto, as TRL/verl); bfloat16 = "
+                                      "pure bf16: less memory, tiny updates round away",
+                                      choices=("auto", "float32", "bf16-mixed", "bfloat16"))
     device: str = _llm("cpu", "training-engine device: cpu or cuda", choices=("cpu", "cuda"))
     max_model_len: int = _llm(0, "vLLM context length, prompt + response (0: the model's maximum)")
     enable_thinking: bool = _llm(True, "chat template's thinking mode (Qwen3)")
@@ -244,8 +245,15 @@ class Config:
     toy_scale_jitter: float = _toy(0.0, "xi: sum/norm of W2's FP8 rounding error, ~N(0, 1), "
                                         "jumpy in θ")
 
+    # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed
+    # and memory on GPU
+    AUTO = {"train_dtype": ("float32", "bf16-mixed")}     # not a field itself: no annotation
+
     def __post_init__(self):
         self.batch_size = self.prompts_per_step * self.num_generations  # responses per step
+        for name, (cpu, gpu) in self.AUTO.items():
+            if getattr(self, name) == "auto":
+                setattr(self, name, gpu if self.device == "cuda" else cpu)
 
     def validate(self, command: str = "") -> "Config":
         """MIPUError, one line, at the first failed check (`command` adds its needs)."""
@@ -513,10 +521,8 @@ class Laps:
         self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
         self.last = now
 
-    def times(self) -> dict:
-        phases = ("rollout", "recompute", "update", "sync", "gap_check", "rollback")
-        return {**{f"time/{p}": self.seconds.get(p, 0.0) for p in phases},
-                "time/step": self.last - self.start}
+    def times(self) -> dict:        # mipu_step laps every phase, each step
+        return {**prefixed(self.seconds, "time"), "time/step": self.last - self.start}
 
 
 def prefixed(metrics: dict, prefix: str) -> dict:
@@ -557,8 +563,9 @@ def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator,
 # LLM implement it.
 
 class Engine:
-    """mipu_step's interface. Subclasses set cfg, model (π's parameters), opt, base_lr and
-    implement rollout, acceptance_rollout, logp, sync; the defaults are one process's."""
+    """mipu_step's interface to the engine pair and what a step hands the next (π's parameters,
+    the optimizer, k, the data cursors). Subclasses set cfg, model, opt, base_lr and implement
+    rollout, acceptance_rollout, logp, sync; the defaults are one process's."""
     # processes sharing a batch; π's device; responses a forward
     world, device, micro_batch = 1, "cpu", 2**62
     step = rejections = 0                           # iteration k; rejected candidates so far
@@ -1005,11 +1012,34 @@ def reprocess_tied_head(model, model_config) -> None:
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
-def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """HF-named weights into the running vLLM engine, in its dtype, by vLLM's layerwise reload (as
-    its weight-transfer engines: quantized layers re-quantize), in one public llm.apply_model."""
+def fused_name(name: str) -> str:
+    """The vLLM layer an HF weight is loaded into (vLLM fuses q/k/v and gate/up)."""
+    name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
+    return re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name)
+
+
+def fp8_sim_amax(named_tensors: list[tuple[str, torch.Tensor]], whole=lambda t: t) -> dict:
+    """--rollout-quant fp8-sim (a CPU has no FP8 kernels): the sync rounds the weights vLLM's fp8
+    quantizes (2-D, not embeddings or lm_head) through float8_e4m3fn, one scale per fused layer as
+    vLLM's GPU fp8_per_tensor (its per-token activations are not simulated). Returns {fused layer:
+    absmax} (`whole`: a shard's max made global)."""
+    amax = {}
+    for name, t in named_tensors:
+        if t.dim() == 2 and "embed" not in name and "lm_head" not in name:
+            layer = fused_name(name)
+            amax[layer] = max(whole(t.detach().abs().max()).float().cpu(), amax.get(layer, 0))
+    return amax
+
+
+def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], quant: str = "none") -> None:
+    """HF-named weights into the running vLLM engine, in its dtype (fp8-sim: rounded first), by
+    vLLM's layerwise reload (as its weight-transfer engines: quantized layers re-quantize), in one
+    public llm.apply_model."""
     model_config = llm.llm_engine.vllm_config.model_config
-    weights = [(name, t.detach().to(model_config.dtype)) for name, t in named_tensors]
+    amax = fp8_sim_amax(named_tensors) if quant == "fp8-sim" else {}
+    weights = [(n, fp8_roundtrip(t.detach(), False, amax[fused_name(n)]) if fused_name(n) in amax
+                else t.detach()) for n, t in named_tensors]
+    weights = [(n, t.to(model_config.dtype)) for n, t in weights]
     load = functools.partial(_reload_in_worker, weights=weights, model_config=model_config)
     llm.apply_model(load)
 
@@ -1233,14 +1263,11 @@ class LLMEngine(Engine):
         return {}
 
     def push_weights(self) -> None:
-        sync_weights(self.llm, list(self.model.named_parameters()))
+        sync_weights(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant)
 
 
 # ==== HARNESS: A FIRST READ CAN STOP HERE ===========================================================================
-# The method above runs by itself; below, what `train` adds through the seam (TrainConfig, TrainEngine). A deviation
-# from the paper: a CPU has no FP8 kernels, so --rollout-quant fp8-sim rounds the synced weights through
-# torch.float8_e4m3fn (one scale per fused vLLM layer, as vLLM's GPU fp8_per_tensor); GPU FP8's per-token activation
-# quantization is not simulated.
+# The method above runs by itself; below, what `train` adds through the seam (TrainConfig, TrainEngine).
 
 # the harness's imports: the reference needs none of them
 import argparse
@@ -1328,10 +1355,10 @@ def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module
     return model.eval()
 
 
-def dist_close(run: "TrainEngine") -> None:
+def dist_close(eng: "TrainEngine") -> None:
     """The engine first: its shutdown destroys the process groups itself (at exit, after ours are gone, it fails).
     vllm 0.32's in-process engine core: LLM has no public shutdown; del + gc.collect keeps it until exit."""
-    run.llm.llm_engine.engine_core.shutdown()
+    eng.llm.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -1507,28 +1534,18 @@ def probe_share(before: torch.Tensor, now: torch.Tensor) -> tuple[float, float, 
 
 
 # ---- THE SYNC IN PIECES: a bounded copy of θ at a time, vLLM's expected reload warnings dropped ----
-def _fused_name(name: str) -> str:
-    """The vLLM layer an HF weight is loaded into (vLLM fuses q/k/v and gate/up)."""
-    name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
-    return re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name)
-
-
 def pushed_tensors(named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str,
                    dtype: torch.dtype, gather=lambda t: t, cols=None) -> Iterator[tuple[str, torch.Tensor]]:
     """θ as sync_in_pieces sends it: (HF name, the whole tensor in the engine's dtype), one at a time; fp8-sim
     rounds linear weights through FP8 first, one absmax per fused vLLM layer. `gather` makes a tensor whole (local:
     this rank's shard); cols: only digest_columns', taken first (a DTensor's once gathered)."""
-    amax = {}
-    for name, t in named_tensors:     # the weights vLLM's fp8 quantizes (not embeddings, lm_head, 1-D)
-        if rollout_quant == "fp8-sim" and t.dim() == 2 and "embed" not in name and "lm_head" not in name:
-            layer = _fused_name(name)
-            amax[layer] = max(full(t.detach().abs().max()).float().cpu(), amax.get(layer, 0))
+    amax = fp8_sim_amax(named_tensors, full) if rollout_quant == "fp8-sim" else {}
     for name, t in named_tensors:
         late = isinstance(t, DTensor)
         t = t if late else digest_columns(t, cols)
         # elementwise given amax: on this rank's shard, before the gather
-        if _fused_name(name) in amax:
-            t = fp8_roundtrip(t.detach(), per_row=False, amax=amax[_fused_name(name)].to(t.device))
+        if fused_name(name) in amax:
+            t = fp8_roundtrip(t.detach(), per_row=False, amax=amax[fused_name(name)].to(t.device))
         t = gather(t.detach().to(dtype))
         yield name, digest_columns(t, cols) if late else t
 
@@ -1672,8 +1689,8 @@ def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant
     [(engine, cols)] = llm.apply_model(_received_digests_in_worker)
     sizes = {}                      # a DTensor's numel is the global one
     for n, t in named_tensors:
-        sizes[_fused_name(n)] = sizes.get(_fused_name(n), 0) + t.numel()
-    pushed = digests((_fused_name(n), t) for n, t in pushed_tensors(   # all of θ: gather's collectives, every rank
+        sizes[fused_name(n)] = sizes.get(fused_name(n), 0) + t.numel()
+    pushed = digests((fused_name(n), t) for n, t in pushed_tensors(   # all of θ: gather's collectives, every rank
         named_tensors, rollout_quant, llm.llm_engine.vllm_config.model_config.dtype, gather, cols))
     same = {n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt}
     return {"bad": sum(engine[n][0] != pushed[n][0] for n in same), "compared": len(same),
@@ -2166,13 +2183,13 @@ RUN_FILES = {".lock": "file", "metrics.jsonl": "file", "wandb-id": "file", "tens
 # the TrainEngine fields a checkpoint keeps; the last probe too: a resumed run's probes alike
 RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts", "probe_ref")
 
-def save_checkpoint(run: TrainEngine) -> Path:
+def save_checkpoint(eng: TrainEngine) -> Path:
     """Atomic: a temp dir renamed to checkpoint-<step> (the commit point), older ones deleted after. Under torchrun
     rank 0 writes the full weights and optimizer state: any number of ranks resumes."""
     full_sd = StateDictOptions(full_state_dict=True, cpu_offload=True)       # collectives: every rank calls them
-    weights, opt_state = get_model_state_dict(run.model, options=full_sd), get_optimizer_state_dict(
-        run.model, run.opt, options=full_sd)
-    final = Path(run.cfg.output_dir) / f"checkpoint-{run.step:06d}"
+    weights, opt_state = get_model_state_dict(eng.model, options=full_sd), get_optimizer_state_dict(
+        eng.model, eng.opt, options=full_sd)
+    final = Path(eng.cfg.output_dir) / f"checkpoint-{eng.step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     if rank_world()[0] == 0:
         if final.is_symlink() or final.exists():      # a user's, the name a run's to come
@@ -2180,16 +2197,16 @@ def save_checkpoint(run: TrainEngine) -> Path:
         try:
             remove_run_temp(tmp)
             tmp.mkdir(parents=True)           # a folder of its own: no symlink of that name is written through
-            run.model.save_pretrained(tmp, state_dict=weights)
-            run.tokenizer.save_pretrained(tmp)
+            eng.model.save_pretrained(tmp, state_dict=weights)
+            eng.tokenizer.save_pretrained(tmp)
             torch.save(opt_state, tmp / "optimizer.pt")
-            torch.save({**{k: getattr(run, k) for k in RUN_COUNTERS},
+            torch.save({**{k: getattr(eng, k) for k in RUN_COUNTERS},
                         # --gap-batch next's batch; under torchrun a rank holds only its share: a resumed run
                         # re-samples pending_rows from the saved μ_{k+1}
-                        "pending": vars(run.pending) if run.pending and not torchrun() else None,
+                        "pending": vars(eng.pending) if eng.pending and not torchrun() else None,
                         "torch_rng": torch.get_rng_state(),  # numpy's key array as a list: loads with weights_only
                         "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
-                        "config": dataclasses.asdict(run.cfg)}, tmp / "trainer_state.pt")
+                        "config": dataclasses.asdict(eng.cfg)}, tmp / "trainer_state.pt")
             check_weight_files(tmp)    # on a full disk safetensors' save_file may write a short file and raise nothing
         except (OSError, RuntimeError, MIPUError) as e:      # torch.save's full disk is a RuntimeError
             shutil.rmtree(tmp, ignore_errors=True)
@@ -2378,8 +2395,8 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: TrainConfig) -> list[dict]:
     return rows
 
 
-def eval_metrics(run: TrainEngine, eval_sets: dict) -> dict:
-    return {f"eval/{r['dataset']}/pass@1": r["pass@1"] for r in evaluate(run.llm, run.tokenizer, eval_sets, run.cfg)}
+def eval_metrics(eng: TrainEngine, eval_sets: dict) -> dict:
+    return {f"eval/{r['dataset']}/pass@1": r["pass@1"] for r in evaluate(eng.llm, eng.tokenizer, eval_sets, eng.cfg)}
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -2401,12 +2418,6 @@ _auto = functools.partial(_arg, "auto", choices=("auto", "on", "off"))    # "aut
 @dataclasses.dataclass
 class TrainConfig(Config):
     """Config plus what `train` and `eval` add."""
-    # Config's fields, with the CPU's simulated FP8 (pushed_tensors) and "auto" (AUTO)
-    rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = rounded through FP8 at "
-                                      "each sync (CPU)", choices=("none", "fp8", "fp8-sim"))
-    train_dtype: str = _train("auto", "float32 = exact (CPU default); bf16-mixed = fp32 weights + AdamW, bf16 "
-                                      "autocast (GPU default, as TRL/verl); bfloat16 = pure bf16 (tiny updates round "
-                                      "away)", choices=("auto", "float32", "bf16-mixed", "bfloat16"))
     train_data: str = _train("", "training prompts: .jsonl, .parquet, dataset folder (save_to_disk or hub layout) or "
                                  "HF dataset id; all but .jsonl take :split (default train)")
     val_data: str = _train("", "Step-2 acceptance prompts (same formats); required by step2/mipu")
@@ -2440,15 +2451,8 @@ class TrainConfig(Config):
     sync_share: float = _train(0.5, "sync failed: vLLM's log-probs of the probe moved < sync_share x the trainer's "
                                "(the slope + t SE; 1 synced, 0 stale; 0.5: halfway)")
 
-    # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed and memory on GPU
-    AUTO = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"),
-            "vllm_compile": ("off", "on")}     # not a field itself: no annotation
-
-    def __post_init__(self):
-        super().__post_init__()
-        for name, (cpu, gpu) in self.AUTO.items():
-            if getattr(self, name) == "auto":
-                setattr(self, name, gpu if self.device == "cuda" else cpu)
+    AUTO = {**Config.AUTO, "grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"),
+            "vllm_compile": ("off", "on")}
 
     def validate(self, command: str = "") -> "TrainConfig":
         super().validate(command)
@@ -2562,15 +2566,15 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
             full_state_dict=True, broadcast_from_rank0=True) if torchrun() else None)
     llm = llm or make_sampler(cfg, **vllm_args(cfg))
     torch.set_float32_matmul_precision(matmul_precision(cfg))     # after vLLM, whose worker sets "highest"
-    run = TrainEngine(cfg, llm, model, tokenizer, opt, train_rows, val_rows).start()
+    eng = TrainEngine(cfg, llm, model, tokenizer, opt, train_rows, val_rows).start()
     if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe replaces this one
         for k in RUN_COUNTERS:
-            setattr(run, k, state.get(k, getattr(run, k)))     # a checkpoint older than probe_ref: the start-up's
-        run.pending = state["pending"] and Rollout(**state["pending"])
+            setattr(eng, k, state.get(k, getattr(eng, k)))     # a checkpoint older than probe_ref: the start-up's
+        eng.pending = state["pending"] and Rollout(**state["pending"])
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
-        print(f"resumed from {ckpt} at step {run.step}")
-    return run
+        print(f"resumed from {ckpt} at step {eng.step}")
+    return eng
 
 
 def toy_command(cfg: Config) -> None:
@@ -2589,20 +2593,20 @@ def toy_command(cfg: Config) -> None:
 STARTUP_GAP_BATCHES = 4
 
 
-def startup_gap(run: TrainEngine) -> tuple[float, float]:
+def startup_gap(eng: TrainEngine) -> tuple[float, float]:
     """T̂_post of θ_0 and its SE on the first Step-2 prompts; a warning where the paper's rule would reject θ_0.
     Own seeds, torch's RNG kept: the run is unchanged. NaN: no Step 2, or --resume."""
-    cfg, n, t, var = run.cfg, run.cfg.val_prompts, [], []
+    cfg, n, t, var = eng.cfg, eng.cfg.val_prompts, [], []
     if cfg.resume or METHOD_SPEC[cfg.method][1] != "gap" or not STARTUP_GAP_BATCHES:
         return math.nan, math.nan
-    rows, rng, timeouts = run.val_rows or run.train_rows, torch.get_rng_state(), run.reward_timeouts
+    rows, rng, timeouts = eng.val_rows or eng.train_rows, torch.get_rng_state(), eng.reward_timeouts
     for b in range(STARTUP_GAP_BATCHES):
-        ro = run.sample([rows[(b * n + i) % len(rows)] for i in range(n)], run.rollout_seed(-1 - b))
-        args = run.logp(ro), ro.logp_sampler, ro.adv, ro.mask
-        t.append(run.mean(gap_proxy(*args).item()))
-        var.append(run.mean(gap_se(*args) ** 2) / run.world)
+        ro = eng.sample([rows[(b * n + i) % len(rows)] for i in range(n)], eng.rollout_seed(-1 - b))
+        args = eng.logp(ro), ro.logp_sampler, ro.adv, ro.mask
+        t.append(eng.mean(gap_proxy(*args).item()))
+        var.append(eng.mean(gap_se(*args) ** 2) / eng.world)
     torch.set_rng_state(rng)
-    run.reward_timeouts = timeouts
+    eng.reward_timeouts = timeouts
     t, se = float(np.mean(t)), math.sqrt(sum(var)) / len(var)     # SE of a mean of independent batches
     if cfg.accept_rule == "paper" and t + cfg.c < -2 * se:
         warn_once(f"warning: T_post(θ_0) {t:.3g}, SE {se:.2g}: the paper's rule rejects it (--c, --accept-rule target)")
@@ -2620,33 +2624,33 @@ def train(cfg: TrainConfig) -> None:
     lock = claim_output_dir(cfg) if rank0 else None
     writer = open_reporter(cfg) if cfg.report_to and rank0 else None   # before the engines: fails at once
     eval_sets = load_eval_sets(cfg) if cfg.eval_every else {}
-    run = setup_llm_run(cfg)
+    eng = setup_llm_run(cfg)
     metrics = Path(cfg.output_dir) / "metrics.jsonl"
     if rank0:
-        keep_metrics_before(metrics, run.step)  # a kill after a log line but before its checkpoint: re-run, re-log
-    start, first, nonfinite = time.time(), run.step, 0
-    gap0 = startup_gap(run)
-    while run.step < cfg.steps and nonfinite < NONFINITE_STOP_STEPS:
-        m = mipu_step(run)
+        keep_metrics_before(metrics, eng.step)  # a kill after a log line but before its checkpoint: re-run, re-log
+    start, first, nonfinite = time.time(), eng.step, 0
+    gap0 = startup_gap(eng)
+    while eng.step < cfg.steps and nonfinite < NONFINITE_STOP_STEPS:
+        m = mipu_step(eng)
         m["step2/t_post_0"], m["step2/t_post_0_se"] = gap0 if m["step"] == first else (math.nan,) * 2
         m["perf/tokens_per_s"] = m["rollout/response_len"] * cfg.batch_size / m["time/step"]
-        if eval_sets and run.step % cfg.eval_every == 0:
-            m.update(eval_metrics(run, eval_sets))
+        if eval_sets and eng.step % cfg.eval_every == 0:
+            m.update(eval_metrics(eng, eval_sets))
         if rank0:                               # before the checkpoint: a resume cuts the lines past it
-            log_metrics(metrics, m, progress(run.step, cfg.steps, first, start))
+            log_metrics(metrics, m, progress(eng.step, cfg.steps, first, start))
             for key, value in m.items() if writer else ():
                 writer.add_scalar(key, value, m["step"])
-        if run.step % cfg.save_every == 0 or run.step == cfg.steps:
-            save_checkpoint(run)
+        if eng.step % cfg.save_every == 0 or eng.step == cfg.steps:
+            save_checkpoint(eng)
         nonfinite = nonfinite + 1 if m["step1/finite"] == 0 else 0     # the same on every rank (all_of)
     if writer:
         writer.close()
     if torchrun():
-        dist_close(run)
+        dist_close(eng)
     if lock:
         lock.close()
     if nonfinite == NONFINITE_STOP_STEPS:
-        raise MIPUError(f"steps {run.step - nonfinite}-{run.step - 1}: {nonfinite} candidates in a row were non-finite "
+        raise MIPUError(f"steps {eng.step - nonfinite}-{eng.step - 1}: {nonfinite} candidates in a row were non-finite "
                         "(NaN/inf loss, gradient or weights) and rolled back; the run cannot train from this state "
                         "(--temperature, --learning-rate, the checkpoint's optimizer state?)")
 

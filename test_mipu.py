@@ -947,9 +947,9 @@ def test_sample_reward_format_and_truncation(fmt, truncated, score_truncated, te
 
 
 def test_fp8_sim_scale_per_fused_vllm_layer():
-    assert mipu._fused_name("model.layers.3.self_attn.k_proj.weight") == "model.layers.3.self_attn.qkv_proj.weight"
-    assert mipu._fused_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up_proj.weight"
-    assert mipu._fused_name("model.layers.0.mlp.down_proj.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert mipu.fused_name("model.layers.3.self_attn.k_proj.weight") == "model.layers.3.self_attn.qkv_proj.weight"
+    assert mipu.fused_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up_proj.weight"
+    assert mipu.fused_name("model.layers.0.mlp.down_proj.weight") == "model.layers.0.mlp.down_proj.weight"
     small = torch.tensor([[1e-3, -2e-3]])
     # k_proj's scale comes from the fused qkv tensor's absmax (here 448,000): its tiny values flush to 0
     assert (mipu.fp8_roundtrip(small, per_row=False, amax=torch.tensor(448e3)) == 0).all()
@@ -1823,7 +1823,7 @@ class _FP8Engine:
     def digests(self) -> dict:
         fused = {}
         for n, w in self.loaded.items():
-            fused.setdefault(mipu._fused_name(n), []).append(w)
+            fused.setdefault(mipu.fused_name(n), []).append(w)
         out = {}
         for name, parts in fused.items():
             if gpu_check.fp8_quantized(name, parts[0]):
@@ -1877,7 +1877,7 @@ def test_fp8_train_digests_every_tensor_as_received_and_gpu_check_digests_the_fp
     metrics = [mipu.mipu_step(run) for _ in range(2)]
     assert all(m["step1/grad_norm"] > 0 and m["sync/digest_coverage"] == 1.0 for m in metrics)
     named = list(run.model.named_parameters())
-    layers = len({mipu._fused_name(n) for n, t in named if gpu_check.fp8_quantized(n, t)})
+    layers = len({mipu.fused_name(n) for n, t in named if gpu_check.fp8_quantized(n, t)})
     assert gpu_check.fp8_digest_gap(run.llm, named) == {"bad": 0, "compared": 2 * layers}
     run.llm.drop = "model.layers.1.mlp.down_proj.weight"                   # from now on a reload skips this weight
     assert mipu.mipu_step(run)["step1/grad_norm"] > 0
