@@ -1212,7 +1212,8 @@ def test_sync_preserves_tied_embeddings(llm, trainer, prompt_ids, restore):
 
 @pytest.mark.parametrize("quant", ["none", "fp8-sim"])
 def test_sync_in_pieces_equals_whole_sync(llm, trainer, prompt_ids, restore, quant, monkeypatch):
-    """1-byte pieces: every tensor its own load_weights call (q, k, v of one fused qkv_proj in three), one reload."""
+    """1-byte pieces: every tensor its own load_weights call (q, k, v of one fused qkv_proj in three), one reload;
+    and the reference's sync_weights sends the same θ (fp8-sim's rounding included)."""
     _perturb(trainer, seed=3)
     seq = prompt_ids[0] + [5, 6, 7, 8, 9, 10]
     mipu.sync_in_pieces(llm, list(trainer.named_parameters()), quant)                # the tiny model: one piece
@@ -1222,6 +1223,9 @@ def test_sync_in_pieces_equals_whole_sync(llm, trainer, prompt_ids, restore, qua
     monkeypatch.setattr(mipu, "SYNC_PIECE_BYTES", 1)
     mipu.sync_in_pieces(llm, list(trainer.named_parameters()), quant)
     assert mipu.vllm_prompt_logprobs(llm, seq) == whole                              # bit for bit
+    mipu.sync_weights(llm, restore)
+    mipu.sync_weights(llm, list(trainer.named_parameters()), quant)                  # the reference's sync
+    assert mipu.vllm_prompt_logprobs(llm, seq) == whole
 
 
 def test_sync_drops_only_the_expected_reload_warnings(llm, trainer, restore, monkeypatch):
