@@ -3425,6 +3425,32 @@ def test_cli_train_datasets_tensorboard_progress_plot(model_dir, tmp_path, offli
     assert p.returncode == 2 and "error: no metrics.jsonl in" in p.stderr
 
 
+def test_plot_run_compare_flags_a_collapse(tmp_path):
+    """toy.plot_run --compare: a curve that falls below half its best for its last 20 steps is collapsed, a dip that
+    recovers (or a fall in the last 10 steps only) is not; the summary rows and the PNG come out."""
+    from toy import plot_run
+
+    def write(name, rewards, evals):
+        recs = [{"step": k, "rollout/reward": r, "mismatch/k3": 0.02, "mismatch/seq_ess": 0.5, "step1/grad_norm": 1.0}
+                for k, r in enumerate(rewards)]
+        for k, v in evals.items():
+            recs[k]["eval/sums_val/pass@1"] = v
+        (tmp_path / name).write_text("".join(json.dumps(m) + "\n" for m in recs))
+        return tmp_path / name
+    rise = [min(k / 40, 0.8) for k in range(100)]
+    falls = write("falls.jsonl", rise[:60] + [0.1] * 40, {9: 0.2, 29: 0.6, 49: 0.8, 69: 0.3, 89: 0.2, 99: 0.1})
+    holds = write("holds.jsonl", rise[:60] + [0.1] * 10 + rise[70:], {9: 0.2, 49: 0.8, 69: 0.3, 89: 0.7, 99: 0.8})
+    late = write("late.jsonl", rise[:90] + [0.1] * 10, {49: 0.8, 89: 0.7, 99: 0.1})
+    rows = {r["run"]: r for r in plot_run.plot_compare([falls, holds, late], tmp_path / "c.png")}
+    assert (rows["falls"]["collapsed (reward)"], rows["falls"]["collapsed (pass@1)"]) == ("yes", "yes")
+    assert (rows["holds"]["collapsed (reward)"], rows["holds"]["collapsed (pass@1)"]) == ("no", "no")
+    assert (rows["late"]["collapsed (reward)"], rows["late"]["collapsed (pass@1)"]) == ("no", "no")
+    assert rows["falls"]["best pass@1"] == "0.800 (step 49)" and rows["falls"]["final pass@1"] == "0.100"
+    p = run_cli("-m", "toy.plot_run", "--compare", str(falls), str(holds), "--out", str(tmp_path / "d.png"))
+    assert p.returncode == 0 and "| falls | 100 |" in p.stdout, p.stderr[-2000:]
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("make_file, extra, message", [
     ('{"prompt": "1+1=", "answer": "2"}\n{oops\n', [], "bad.jsonl:2: malformed JSON"),
     ('{"question": "1+1=", "answer": "2"}\n', [], "bad.jsonl:1: missing key 'prompt'"),

@@ -4,6 +4,11 @@ Reads RUN_DIR/metrics.jsonl (what `python mipu.py train --output-dir RUN_DIR` ap
 step) and writes RUN_DIR/metrics.png (or --out): rollout reward, J(mu) on each --eval-data set,
 mismatch k3 before/after the update, T_post with accepted/rejected steps, the acceptance rate, and
 the seconds per phase of a step. Copy metrics.jsonl off a remote GPU machine and plot it here.
+
+Did runs collapse? `python -m toy.plot_run --compare RUN_DIR_OR_JSONL... --out PNG` draws their held-out
+pass@1 and 10-step mean batch reward against step in one figure, and prints a markdown row per run: best and
+final of both, whether it collapsed (COLLAPSE_SHARE), and k3, the sequence ESS and the gradient norm over its
+first and last 10 steps.
 """
 import argparse
 import json
@@ -16,11 +21,15 @@ import mipu
 
 PHASES = ("rollout", "recompute", "update", "sync", "gap_check", "rollback")   # mipu.Laps.times()
 WINDOW = 10   # steps in the running acceptance rate: long enough to smooth 0/1 decisions, short enough to show trends
+# collapsed: the curve's last COLLAPSE_TAIL steps all below COLLAPSE_SHARE x its best (the collapse issue's definition:
+# "falls below half of its best and stays there to the end"; two evaluations at --eval-every 10)
+COLLAPSE_SHARE, COLLAPSE_TAIL = 0.5, 20
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The records of RUN_DIR/metrics.jsonl in step order (a resumed run's repeated steps: the last one wins)."""
-    path = run_dir / "metrics.jsonl"
+    """The records of RUN_DIR/metrics.jsonl (or of a metrics file itself) in step order (a resumed run's repeated
+    steps: the last one wins)."""
+    path = run_dir if run_dir.suffix == ".jsonl" else run_dir / "metrics.jsonl"
     if not path.is_file():
         raise mipu.MIPUError(f"no metrics.jsonl in {run_dir}")
     by_step = {}
@@ -65,8 +74,7 @@ def draw_panels(axes, ms: list[dict]) -> None:
     _, accepted = series(ms, "step2/accepted")
     rejected = accepted == 0
     axes[3].scatter(x[rejected], np.nan_to_num(t_post[rejected]), marker="x", color="red", zorder=3)
-    rate = np.convolve(accepted, np.ones(WINDOW), "full")[:len(accepted)] / np.minimum(np.arange(1, len(x) + 1), WINDOW)
-    axes[4].plot(x, rate)
+    axes[4].plot(x, running_mean(accepted))
     axes[4].set_ylim(-0.05, 1.05)
     axes[4].set_title(f"acceptance rate (last {WINDOW} steps)")
     bottom = np.zeros(len(ms))
@@ -94,14 +102,82 @@ def plot_run(run_dir: Path, out: Path) -> Path:
     return out
 
 
+def running_mean(y: np.ndarray, n: int = WINDOW) -> np.ndarray:
+    """Mean of the last n values at each point (fewer at the start)."""
+    return np.convolve(y, np.ones(n), "full")[:len(y)] / np.minimum(np.arange(1, len(y) + 1), n)
+
+
+def eval_key(ms: list[dict]) -> str | None:
+    return min((k for m in ms for k in m if k.startswith("eval/")), default=None)
+
+
+def collapsed(x: np.ndarray, y: np.ndarray) -> bool:
+    """The last COLLAPSE_TAIL steps' values all below COLLAPSE_SHARE x the best."""
+    return bool(len(y)) and bool((y[x > x[-1] - COLLAPSE_TAIL] < COLLAPSE_SHARE * y.max()).all())
+
+
+def run_summary(name: str, ms: list[dict]) -> dict:
+    """One search-log row: best/final held-out pass@1 and 10-step mean reward, collapsed or not, and k3, ESS and
+    the gradient norm over the first and last WINDOW steps."""
+    row = {"run": name, "steps": len(ms)}
+    curves = {"pass@1": series(ms, eval_key(ms)) if eval_key(ms) else (np.array([]), np.array([]))}
+    x, r = series(ms, "rollout/reward")
+    curves["reward"] = (x, running_mean(r))
+    for label, (x, y) in curves.items():
+        best = int(np.argmax(y)) if len(y) else None
+        row |= {f"best {label}": f"{y[best]:.3f} (step {x[best]})" if len(y) else "-",
+                f"final {label}": f"{y[-1]:.3f}" if len(y) else "-",
+                f"collapsed ({label})": "yes" if collapsed(x, y) else "no"}
+    for key, label in (("mismatch/k3", "k3"), ("mismatch/seq_ess", "ESS"), ("step1/grad_norm", "grad norm")):
+        y = series(ms, key)[1]
+        row[f"{label} start / end"] = f"{y[:WINDOW].mean():.3g} / {y[-WINDOW:].mean():.3g}" if len(y) else "-"
+    return row
+
+
+def plot_compare(paths: list[Path], out: Path) -> list[dict]:
+    """The runs' held-out pass@1 and 10-step mean batch reward against step, in one PNG; their summary rows."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows = []
+    for path in paths:
+        ms = read_metrics(path)
+        name = path.parent.name if path.suffix == ".jsonl" and path.name == "metrics.jsonl" else path.stem
+        rows.append(run_summary(name, ms))
+        if eval_key(ms):
+            axes[0].plot(*series(ms, eval_key(ms)), marker=".", label=name)
+        x, r = series(ms, "rollout/reward")
+        axes[1].plot(x, running_mean(r), label=name)
+    for ax, title in zip(axes, ("held-out pass@1 (--eval-data)", f"batch reward, {WINDOW}-step mean")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return rows
+
+
 def plot_command(args: argparse.Namespace) -> None:
+    if args.compare:
+        rows = plot_compare(args.compare, args.out or Path("compare.png"))
+        print(mipu.markdown_table(rows))
+        print(f"wrote {args.out or 'compare.png'}")
+        return
+    if args.run_dir is None:
+        raise mipu.MIPUError("give RUN_DIR, or --compare RUN_DIR...")
     print(f"wrote {plot_run(args.run_dir, args.out or args.run_dir / 'metrics.png')}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("run_dir", type=Path, help="a --output-dir of `python mipu.py train`")
-    parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
+    parser.add_argument("run_dir", type=Path, nargs="?", help="a --output-dir of `python mipu.py train`")
+    parser.add_argument("--compare", type=Path, nargs="+", metavar="RUN", help="runs (output dirs or their "
+                        "metrics .jsonl files) drawn together, with a summary row each")
+    parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/metrics.png; "
+                        "compare.png)")
     args = parser.parse_args()
     return mipu.report_errors(plot_command, args)
 
