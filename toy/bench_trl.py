@@ -14,8 +14,9 @@ process (two vLLM engines in one process would fight over the env vars TRL's col
 Same in both: the model, fp32 trainer, 8 prompts x 8 samples (flags), max 8 new tokens, temperature 1, one
 optimizer step per generation batch (TRL: generation batch = mini-batch, num_iterations = --epochs), AdamW
 lr 1e-6 constant, clip 0.2, grad-norm clip 1, beta 0, token-mean loss over the batch (TRL's loss_type "dapo"),
-group-normalised advantages (TRL: std ddof=1, ours ddof=0: a constant rescale), plain-text prompts with the same
-token ids (no chat template), the reward (mipu.math_reward; 0 for a response cut by max tokens, as ours),
+group-normalised advantages (TRL: std ddof=1, ours ddof=0: a constant rescale), the same prompt token ids (a
+model with a chat template: TRL gets conversational prompts and renders them with --enable-thinking as ours; one
+without: the plain text; checked on the first rows before timing, else an error), the reward (mipu.math_reward; 0 for a response cut by max tokens, as ours),
 vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with VLLM_CPU_KVCACHE_SPACE=1 GiB and processed logprobs.
 Differs (TRL has no option for these): TRL's vLLM gets no enforce_eager (on CPU vLLM then torch.compiles the
 model with inductor, no CUDA graphs), dtype "auto" (vLLM CPU downcasts the float32 checkpoint to bfloat16, as
@@ -125,7 +126,9 @@ def bench_trl(args: dict) -> dict:
                 else mipu.math_reward(text, ans, cfg.answer_format == "boxed", cfg.reward_timeout)
                 for text, ids, ans in zip(completions, completion_ids, answer)]
     rows = mipu.load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
-    data = Dataset.from_list([{"prompt": r["prompt"] + cfg.prompt_suffix, "answer": r["answer"]} for r in rows])
+    chat = bool(getattr(tokenizer, "chat_template", None))      # as mipu.chat_prompt: the template if there is one
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"] + cfg.prompt_suffix}] if chat else
+                               r["prompt"] + cfg.prompt_suffix, "answer": r["answer"]} for r in rows])
     total = args["warmup_steps"] + cfg.steps
     targs = GRPOConfig(
         output_dir=cfg.output_dir, use_cpu=True, bf16=False, fp16=False, seed=cfg.seed, report_to="none",
@@ -137,7 +140,8 @@ def bench_trl(args: dict) -> dict:
         max_grad_norm=cfg.max_grad_norm, epsilon=cfg.clip_eps, beta=0.0, loss_type="dapo", scale_rewards="group",
         use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False,
         vllm_max_model_length=cfg.max_model_len or None,
-        vllm_importance_sampling_correction=args["trl_is_correction"])
+        vllm_importance_sampling_correction=args["trl_is_correction"],
+        chat_template_kwargs={"enable_thinking": cfg.enable_thinking})
     times, history, clock = {}, [], {}
 
     class StepTimer(TrainerCallback):
@@ -152,6 +156,8 @@ def bench_trl(args: dict) -> dict:
     trainer = GRPOTrainer(model=cfg.model, reward_funcs=reward, args=targs, train_dataset=data,
                           processing_class=tokenizer, callbacks=[StepTimer()])
     startup = time.perf_counter() - t0
+    if trainer._tokenize_prompts(data[:8]["prompt"])[0] != mipu.prompts_of(tokenizer, rows[:8], cfg):
+        raise mipu.MIPUError("TRL's prompt token ids differ from ours: the comparison would not be like for like")
     vg = trainer.vllm_generation
     vg.sync_weights = Timed(lambda: cpu_sync_weights(vg), times, "sync")
     vg.generate = Timed(vg.generate, times, "generate")
