@@ -1290,8 +1290,7 @@ from multiprocessing.connection import wait as wait_readable  # poll(2): no sele
 from pathlib import Path
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -2187,8 +2186,7 @@ def save_checkpoint(eng: TrainEngine) -> Path:
     """Atomic: a temp dir renamed to checkpoint-<step> (the commit point), older ones deleted after. Under torchrun
     rank 0 writes the full weights and optimizer state: any number of ranks resumes."""
     full_sd = StateDictOptions(full_state_dict=True, cpu_offload=True)       # collectives: every rank calls them
-    weights, opt_state = get_model_state_dict(eng.model, options=full_sd), get_optimizer_state_dict(
-        eng.model, eng.opt, options=full_sd)
+    weights, opt_state = get_state_dict(eng.model, eng.opt, options=full_sd)
     final = Path(eng.cfg.output_dir) / f"checkpoint-{eng.step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     if rank_world()[0] == 0:
