@@ -1410,17 +1410,13 @@ def set_expandable_segments(on: bool) -> None:
     set_alloc_conf(with_conf_flag(current_alloc_conf(), EXPANDABLE_SEGMENTS, on))
 
 
-_WARNED = set()
-
-
 def eprint(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+@functools.cache
 def warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        eprint(message)
+    eprint(message)
 
 
 # ---- THE LEAN LOG-PROBS: micro-batches, one [chunk, V] block of logits at a time ----
