@@ -1682,14 +1682,12 @@ def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant
     of θ's names and dtypes: {"bad": how many differ, "compared": how many, "coverage": θ's
     elements' share compared}. toy/gpu_check.py --vllm checks FP8 bytes."""
     [(engine, cols)] = llm.apply_model(_received_digests_in_worker)
-    sizes = {}                      # a DTensor's numel is the global one
-    for n, t in named_tensors:
-        sizes[fused_name(n)] = sizes.get(fused_name(n), 0) + t.numel()
     pushed = digests((fused_name(n), t) for n, t in pushed_tensors(   # all of θ: gather's collectives, every rank
         named_tensors, rollout_quant, llm.llm_engine.vllm_config.model_config.dtype, gather, cols))
     same = {n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt}
     return {"bad": sum(engine[n][0] != pushed[n][0] for n in same), "compared": len(same),
-            "coverage": sum(sizes.get(n, 0) for n in same) / sum(sizes.values())}
+            "coverage": sum(t.numel() for n, t in named_tensors if fused_name(n) in same)   # DTensor: global numel
+                        / sum(t.numel() for _, t in named_tensors)}
 
 
 class TrainEngine(LLMEngine):
