@@ -2387,10 +2387,6 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: TrainConfig) -> list[dict]:
     return rows
 
 
-def eval_metrics(eng: TrainEngine, eval_sets: dict) -> dict:
-    return {f"eval/{r['dataset']}/pass@1": r["pass@1"] for r in evaluate(eng.llm, eng.tokenizer, eval_sets, eng.cfg)}
-
-
 def markdown_table(rows: list[dict]) -> str:
     keys = list(rows[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -2627,7 +2623,8 @@ def train(cfg: TrainConfig) -> None:
         m["step2/t_post_0"], m["step2/t_post_0_se"] = gap0 if m["step"] == first else (math.nan,) * 2
         m["perf/tokens_per_s"] = m["rollout/response_len"] * cfg.batch_size / m["time/step"]
         if eval_sets and eng.step % cfg.eval_every == 0:
-            m.update(eval_metrics(eng, eval_sets))
+            for r in evaluate(eng.llm, eng.tokenizer, eval_sets, cfg):
+                m[f"eval/{r['dataset']}/pass@1"] = r["pass@1"]
         if rank0:                               # before the checkpoint: a resume cuts the lines past it
             log_metrics(metrics, m, progress(eng.step, cfg.steps, first, start))
             for key, value in m.items() if writer else ():
