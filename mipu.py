@@ -2229,8 +2229,8 @@ def remove_run_temp(path: Path) -> None:
     assert RUN_TEMP.fullmatch(path.name), path
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)                   # rmtree follows no symlink inside
-    elif path.is_symlink() or path.exists():
-        path.unlink()
+    else:
+        path.unlink(missing_ok=True)
 
 
 def claim_output_dir(cfg: TrainConfig):
