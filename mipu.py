@@ -1290,8 +1290,7 @@ from multiprocessing.connection import wait as wait_readable  # poll(2): no sele
 from pathlib import Path
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -1411,17 +1410,13 @@ def set_expandable_segments(on: bool) -> None:
     set_alloc_conf(with_conf_flag(current_alloc_conf(), EXPANDABLE_SEGMENTS, on))
 
 
-_WARNED = set()
-
-
 def eprint(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+@functools.cache
 def warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        eprint(message)
+    eprint(message)
 
 
 # ---- THE LEAN LOG-PROBS: micro-batches, one [chunk, V] block of logits at a time ----
@@ -1687,14 +1682,12 @@ def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant
     of θ's names and dtypes: {"bad": how many differ, "compared": how many, "coverage": θ's
     elements' share compared}. toy/gpu_check.py --vllm checks FP8 bytes."""
     [(engine, cols)] = llm.apply_model(_received_digests_in_worker)
-    sizes = {}                      # a DTensor's numel is the global one
-    for n, t in named_tensors:
-        sizes[fused_name(n)] = sizes.get(fused_name(n), 0) + t.numel()
     pushed = digests((fused_name(n), t) for n, t in pushed_tensors(   # all of θ: gather's collectives, every rank
         named_tensors, rollout_quant, llm.llm_engine.vllm_config.model_config.dtype, gather, cols))
     same = {n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt}
     return {"bad": sum(engine[n][0] != pushed[n][0] for n in same), "compared": len(same),
-            "coverage": sum(sizes.get(n, 0) for n in same) / sum(sizes.values())}
+            "coverage": sum(t.numel() for n, t in named_tensors if fused_name(n) in same)   # DTensor: global numel
+                        / sum(t.numel() for _, t in named_tensors)}
 
 
 class TrainEngine(LLMEngine):
@@ -2187,8 +2180,7 @@ def save_checkpoint(eng: TrainEngine) -> Path:
     """Atomic: a temp dir renamed to checkpoint-<step> (the commit point), older ones deleted after. Under torchrun
     rank 0 writes the full weights and optimizer state: any number of ranks resumes."""
     full_sd = StateDictOptions(full_state_dict=True, cpu_offload=True)       # collectives: every rank calls them
-    weights, opt_state = get_model_state_dict(eng.model, options=full_sd), get_optimizer_state_dict(
-        eng.model, eng.opt, options=full_sd)
+    weights, opt_state = get_state_dict(eng.model, eng.opt, options=full_sd)
     final = Path(eng.cfg.output_dir) / f"checkpoint-{eng.step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     if rank_world()[0] == 0:
@@ -2237,8 +2229,8 @@ def remove_run_temp(path: Path) -> None:
     assert RUN_TEMP.fullmatch(path.name), path
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)                   # rmtree follows no symlink inside
-    elif path.is_symlink() or path.exists():
-        path.unlink()
+    else:
+        path.unlink(missing_ok=True)
 
 
 def claim_output_dir(cfg: TrainConfig):
@@ -2393,10 +2385,6 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: TrainConfig) -> list[dict]:
         correct, n = all_reduce([sum(r or 0.0 for r in rewards), len(samples)])
         rows.append({"dataset": name, "problems": len(data), "samples": cfg.eval_samples, "pass@1": correct / n})
     return rows
-
-
-def eval_metrics(eng: TrainEngine, eval_sets: dict) -> dict:
-    return {f"eval/{r['dataset']}/pass@1": r["pass@1"] for r in evaluate(eng.llm, eng.tokenizer, eval_sets, eng.cfg)}
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -2635,7 +2623,8 @@ def train(cfg: TrainConfig) -> None:
         m["step2/t_post_0"], m["step2/t_post_0_se"] = gap0 if m["step"] == first else (math.nan,) * 2
         m["perf/tokens_per_s"] = m["rollout/response_len"] * cfg.batch_size / m["time/step"]
         if eval_sets and eng.step % cfg.eval_every == 0:
-            m.update(eval_metrics(eng, eval_sets))
+            for r in evaluate(eng.llm, eng.tokenizer, eval_sets, cfg):
+                m[f"eval/{r['dataset']}/pass@1"] = r["pass@1"]
         if rank0:                               # before the checkpoint: a resume cuts the lines past it
             log_metrics(metrics, m, progress(eng.step, cfg.steps, first, start))
             for key, value in m.items() if writer else ():

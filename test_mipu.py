@@ -1756,7 +1756,7 @@ def test_startup_gap_warns_exactly_when_the_paper_rule_rejects_theta_0(llm, mode
     monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)
 
     def run(name: str, c: float, *extra) -> tuple[float, float, list]:
-        monkeypatch.setattr(mipu, "_WARNED", set())
+        mipu.warn_once.cache_clear()
         capsys.readouterr()
         line = _train_lines(model_dir, tmp_path / name, "--steps", "1", "--c", repr(c), *extra)[0]
         warned = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning: T_post(θ_0)")]
@@ -3067,7 +3067,7 @@ def test_clone_state_checks_cuda_host_register(monkeypatch, capsys, rc):
                                    cudaHostUnregister=lambda ptr: calls.append(("unreg", ptr)) or 0,
                                    cudaGetErrorString=lambda code: "out of memory")
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    monkeypatch.setattr(mipu, "_WARNED", set())
+    mipu.warn_once.cache_clear()
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     alloc = functools.partial(mipu.host_buffer, pin=True)              # TrainEngine.snapshot's, for a GPU model
