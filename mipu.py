@@ -45,7 +45,9 @@ DEVIATIONS FROM THE PAPER, and why
   - Step 1 weights and clips per token (token-level TIS, as verl and most LLM trainers) where the
     paper writes ρ_i = w_i · r_i per response: a product over hundreds of tokens' ratios explodes
     or vanishes, and one clipped token then no longer silences the whole response.
-  - FP8 rollouts on a CPU are simulated (--rollout-quant fp8-sim, `fp8_sim_amax`).
+  - A CPU has no FP8 kernels: --rollout-quant fp8-sim rounds the synced linear weights through
+    float8_e4m3fn, one scale per fused layer as vLLM's GPU fp8 (`fp8_sim_amax`); FP8's per-token
+    activations are not simulated.
   - The toy (TOY ENGINE) replaces the LLM by a small policy, so that J is exact.
 
 IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
@@ -54,9 +56,11 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
    2. The token mean (`policy_loss`, `step1_update`): policy_loss averages a micro-batch's
       tokens, step1_update weights it by its share of the mini-batch's tokens: the gradient is the
       token mean over the mini-batch (and over all ranks).
-   3. Both ratios use π_k as the training engine recomputes it (`mipu_step` phase 0); μ_k's
-      log-probs are vLLM's own, after temperature (`make_sampler`: processed_logprobs), and the
-      trainer divides its logits by the same T.
+   3. Both ratios use π_k as the training engine computes it: recomputed (`mipu_step` phase 0),
+      or where Step 1 is one optimizer step from θ_k over the batch (one epoch, mini-batch ≥
+      batch, none held out) that step's own forward, detached (`step1_update`: r = 1 exactly, a
+      pass fewer); μ_k's log-probs are vLLM's own, after temperature (`make_sampler`:
+      processed_logprobs), and the trainer divides its logits by the same T.
    4. T̂_post (`gap_proxy`) is computed as −mean_i (ρ_i − 1) Â_i: equal to −mean_i ρ_i Â_i (Â sums
       to 0 in each group), and exactly 0 when π_{k+1} = μ_{k+1}: identical engines never reject by
       rounding. Ĝ_k (`surrogate_gain`) likewise.
@@ -308,11 +312,10 @@ def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: 
     loss = masked_mean(term * weight, mask)
     with torch.no_grad():
         clipped = ((ratio < 1 - clip_eps) & (a < 0)) | ((ratio > 1 + clip_eps) & (a > 0))
-        on = mask > 0
         metrics = {"loss": loss.item(),
                    "clip_frac": masked_mean(clipped.to(mask.dtype), mask).item(),
                    "weight_mean": masked_mean(weight, mask).item(),
-                   "weight_max": weight[on].max().item() if on.any() else 0.0,
+                   "weight_max": (weight * mask).max().item(),       # weights >= 0
                    "frac_truncated": masked_mean((w > w_max).to(mask.dtype), mask).item(),
                    "frac_masked": masked_mean(outside.to(mask.dtype), mask).item()}
     return loss, metrics
@@ -352,7 +355,6 @@ def mismatch_metrics(logp_train, logp_sampler, mask, band: tuple = (0.5, 2.0)) -
     """How far π is from the sampler μ on tokens from μ. k1, k3: Schulman's KL estimators
     ("Approximating KL Divergence", 2020); seq_ess: Kish's effective sample size over B."""
     mask = mask.to(logp_train.dtype)
-    on = mask > 0
     d = logp_train - logp_sampler                                               # log π/μ, [B, T]
     seq_log_w = (d * mask).sum(1)                                               # log Π_t π/μ, [B]
     log_ess = 2 * torch.logsumexp(seq_log_w, 0) - torch.logsumexp(2 * seq_log_w, 0)
@@ -365,8 +367,8 @@ def mismatch_metrics(logp_train, logp_sampler, mask, band: tuple = (0.5, 2.0)) -
             # E_μ[π/μ − 1 − log π/μ] ≥ 0, KL(μ‖π) unbiased
             "k3": masked_mean(torch.exp(d) - 1 - d, mask).item(),
             "abs_dlogp_mean": masked_mean(d.abs(), mask).item(),
-            "abs_dlogp_max": d.abs()[on].max().item() if on.any() else 0.0,
-            "abs_dp_max": dp[on].max().item() if on.any() else 0.0,
+            "abs_dlogp_max": (d.abs() * mask).max().item(),
+            "abs_dp_max": (dp * mask).max().item(),
             # tokens with π/μ outside `band` (MIS's trust band)
             "frac_outside_band": masked_mean(outside.to(mask.dtype), mask).item(),
             # (Σw)²/(B Σw²) of sequence ratios
@@ -401,18 +403,19 @@ def mipu_step(eng: Engine) -> dict:
     """MIPU iteration k = eng.step (the docstring's phases 0-4); returns the step's metrics."""
     cfg, k, lap = eng.cfg, eng.step, Laps()
     loss_kind, accept_kind = METHOD_SPEC[cfg.method]
-    # ---- 0. rollout: y ~ μ_k, rewards, group advantages; π_k recomputed
+    # ---- 0. rollout: y ~ μ_k, rewards, group advantages; log π_k [B, T]: the batch's own, None
+    # where Step 1's one optimizer step covers the batch (implementation detail 3), or recomputed
     ro = eng.rollout()
     lap("rollout")
-    # log π_k, [B, T], unless the batch came with it (one sampled in the last Step 2)
-    logp_old = eng.logp(ro) if ro.logp_train is None else ro.logp_train
+    held = holdout_size(cfg, eng.world)
+    fold = cfg.epochs == 1 and not held and cfg.mini_batch_size // eng.world >= len(ro.mask)
+    logp_old = ro.logp_train if ro.logp_train is not None or fold else eng.logp(ro)
     lap("recompute")
     # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, if this method can roll back)
     if accept_kind != "always":
         eng.snapshot()
-    held = holdout_size(cfg, eng.world)
     lr = set_lr(eng.opt, cfg, eng.base_lr, k)
-    step1 = step1_update(eng, ro, logp_old, held, loss_kind)
+    step1, logp_old = step1_update(eng, ro, logp_old, held, loss_kind)
     finite = step1["step1/finite"] == 1.0
     lap("update")
     # ---- 2. sync θ_{k+1} into the inference engine: μ_{k+1} (never a non-finite θ)
@@ -447,11 +450,13 @@ def mipu_step(eng: Engine) -> dict:
         "step2/rejections": eng.rejections, "lr": lr, **eng.metrics(), **lap.times()})
 
 
-def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor, held_out: int,
-                 loss_kind: str) -> dict:
-    """Step 1: mini-batches × epochs of the loss from θ_k, in micro-batches; returns metrics. A
-    non-finite loss or gradient stops it (step1/finite = 0: rejected)."""
-    cfg, stats, grad_norms, finite = eng.cfg, [], [], True
+def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor | None, held_out: int,
+                 loss_kind: str) -> tuple[dict, torch.Tensor]:
+    """Step 1: mini-batches × epochs of the loss from θ_k, in micro-batches; returns metrics and
+    log π_k (if None: the forwards at θ_k give it). A non-finite loss or gradient stops it
+    (step1/finite = 0: rejected)."""
+    cfg, stats, grad_norms, fold = eng.cfg, [], [], logp_old is None
+    logp_old, finite = torch.zeros_like(ro.logp_sampler) if fold else logp_old, True
     eng.begin_update()
     gen = eng.generator("minibatch")
     for idx in step1_minibatches(len(ro.mask), held_out, cfg, gen, eng.world):
@@ -460,9 +465,12 @@ def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor, held_out: int
         n_tokens = max(eng.mean(ro.mask[idx].sum().item()), 1.0)
         for micro in idx.split(eng.micro_batch):
             mb = ro.select(micro, eng.device)
-            loss, s = policy_loss(eng.logp(mb, grad=True), logp_old[micro].to(eng.device),
-                                  mb.logp_sampler, mb.adv, mb.mask, loss_kind, cfg.clip_eps,
-                                  cfg.w_max, cfg.mis_low, cfg.mis_high)
+            logp = eng.logp(mb, grad=True)
+            if fold:                                            # θ_k's: r = 1 exactly
+                logp_old[micro] = logp.detach().cpu()
+            loss, s = policy_loss(logp, logp_old[micro].to(eng.device), mb.logp_sampler, mb.adv,
+                                  mb.mask, loss_kind, cfg.clip_eps, cfg.w_max, cfg.mis_low,
+                                  cfg.mis_high)
             (loss * (mb.mask.sum() / n_tokens)).backward()      # token mean over the mini-batch
             stats.append(s)
         grad_norms.append(eng.clip_grad())
@@ -473,7 +481,7 @@ def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor, held_out: int
         eng.opt.step()
     finite = eng.end_update(finite)                             # θ_{k+1} finite too (an overflow)?
     return {**mean_metrics(stats, "step1"), "step1/grad_norm": float(np.mean(grad_norms)),
-            "step1/finite": float(finite)}
+            "step1/finite": float(finite)}, logp_old
 
 
 def step2_estimates(eng: Engine, ro: Rollout, held: int) -> tuple[dict, tuple[float, float, float]]:
@@ -720,9 +728,7 @@ class ToyPolicy(torch.nn.Module):
             h = hp[:, None, None] + ht[None, :, None] + hv[None, None]  # [P, H, V+1, d]
         else:
             h = hp[prompt][:, None] + ht[None] + hv[prev]  # [B, H, d]
-        out = torch.tanh(h) @ w2
-        if scale != 1.0:
-            out = out * scale
+        out = torch.tanh(h) @ w2 * scale                 # x 1.0: exact
         # dynamic: per-row scale; static: fixed, saturating; tail: static, of the logits below
         # the row's top (a low-precision normalizer: the top exact, rare tokens coarse, mu >> pi)
         if engine and self.logit_fp8 != "off":
@@ -847,7 +853,8 @@ class ToyEngine(Engine):
         prompt, tokens, logp_mu = toy_sample(self.tables[1], prompts, G, gen)
         rewards = toy_reward(self.targets, prompt, tokens, self.cfg.toy_tolerance)
         return Rollout(prompt, tokens, logp_mu, torch.ones_like(logp_mu), rewards,
-                       group_advantages(rewards, G), torch.zeros_like(rewards))
+                       group_advantages(rewards, G), torch.zeros_like(rewards),
+                       toy_token_logp(self.tables[0], prompt, tokens))      # log π: its table's
 
     def rollout(self) -> Rollout:
         order = torch.randperm(self.cfg.toy_prompts, generator=self.gen)
@@ -1019,10 +1026,8 @@ def fused_name(name: str) -> str:
 
 
 def fp8_sim_amax(named_tensors: list[tuple[str, torch.Tensor]], whole=lambda t: t) -> dict:
-    """--rollout-quant fp8-sim (a CPU has no FP8 kernels): the sync rounds the weights vLLM's fp8
-    quantizes (2-D, not embeddings or lm_head) through float8_e4m3fn, one scale per fused layer as
-    vLLM's GPU fp8_per_tensor (its per-token activations are not simulated). Returns {fused layer:
-    absmax} (`whole`: a shard's max made global)."""
+    """fp8-sim's {fused layer: absmax} of the weights vLLM's fp8 quantizes (2-D, not embeddings or
+    lm_head); `whole`: a shard's max made global."""
     amax = {}
     for name, t in named_tensors:
         if t.dim() == 2 and "embed" not in name and "lm_head" not in name:

@@ -1999,6 +1999,37 @@ def _fixed_batch(tokenizer) -> tuple[mipu.Rollout, torch.Tensor]:
                         torch.zeros(16))
 
 
+def test_folded_recompute_is_step1s_own_forward(llm, model_dir, tokenizer, tmp_path, restore, monkeypatch):
+    """One optimizer step over the batch (mini-batch = batch, one epoch): log π_k is Step 1's own forward, detached
+    (r = 1 exactly) and mipu_step runs no separate recompute; against the recomputing path from the same θ_k the
+    log-probs, the step's metrics and θ_{k+1} agree to float32 rounding (other micro-batch compositions). Two
+    optimizer steps a batch still recompute."""
+    pairs, real_loss = [], mipu.policy_loss
+    monkeypatch.setattr(mipu, "policy_loss", lambda logp, old, *a: pairs.append((logp.detach(), old)) or real_loss(
+        logp, old, *a))
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="tis", mini_batch_size=16, micro_batch_size=4),
+                             llm=llm)
+    ro, snap = _fixed_batch(tokenizer), mipu.copy_state(run.model, run.opt)
+    folded, logp_folded = mipu.step1_update(run, ro, None, 0, "tis")
+    assert len(pairs) == 4 and all(torch.equal(a, b) for a, b in pairs)                     # r = 1 exactly
+    theta_folded = [p.detach().clone() for p in run.model.parameters()]
+    mipu.restore_state(run.model, run.opt, snap)
+    pairs.clear()
+    recomputed, logp_old = mipu.step1_update(run, ro, run.logp(ro), 0, "tis")
+    ratio = torch.cat([(a - b)[b != 0].exp() for a, b in pairs])
+    assert (ratio - 1).abs().max() < 1e-5 and (logp_folded - logp_old).abs().max() < 1e-5
+    assert recomputed == pytest.approx(folded, rel=1e-4, abs=1e-6)
+    diff = torch.cat([(a - p.detach()).abs().flatten() for a, p in zip(theta_folded, run.model.parameters())])
+    assert diff.max() < 1e-5 and (diff > 1e-7).float().mean() < 1e-3, (diff.max(), (diff > 1e-7).sum())
+    calls, real_logp = [], run.logp
+    run.logp = lambda r, grad=False: calls.append(grad) or real_logp(r, grad)
+    for mini_batch, recomputes in ((16, 0), (8, 1)):
+        calls.clear()
+        run.cfg.mini_batch_size = mini_batch
+        mipu.mipu_step(run)                                     # tis: no Step 2
+        assert calls.count(False) == recomputes, (mini_batch, calls)
+
+
 def _local_state(run) -> list[torch.Tensor]:
     """This rank's shards of θ and of the AdamW state, as plain tensors."""
     local = [v.to_local() if isinstance(v, DTensor) else v for v in run.model.state_dict().values()]
