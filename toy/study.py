@@ -406,7 +406,7 @@ def run_job(job: tuple) -> dict:
     """One toy run (cfg dict, α), reduced to the per-step series the tables need."""
     t0 = time.time()
     torch.set_num_threads(1)
-    h = mipu.toy_run(mipu.Config(**job[0]).validate(), job[1])
+    h = list(mipu.toy_steps(mipu.Config(**job[0]).validate(), job[1]))
     series = {k: [m[k] for m in h[1:]] for k in ("mismatch/k3", "mismatch/abs_dlogp_mean", "step2/accepted",
                                                   "exact/cand_J_pi", "step2/g_k")}
     return {"key": job_key(job), "J_mu": [m["exact/J_mu"] for m in h], "wall": time.time() - t0, **series}
