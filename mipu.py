@@ -55,11 +55,12 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
    2. The token mean (`policy_loss`, `step1_update`): policy_loss averages a micro-batch's
       tokens, step1_update weights it by its share of the mini-batch's tokens: the gradient is the
       token mean over the mini-batch (and over all ranks).
-   3. Both ratios use π_k as the training engine computes it: recomputed (`mipu_step` phase 0),
-      or where Step 1 is one optimizer step from θ_k over the batch (one epoch, mini-batch ≥
-      batch, none held out) that step's own forward, detached (`step1_update`: r = 1 exactly, a
-      pass fewer); μ_k's log-probs are vLLM's own, after temperature (`make_sampler`:
-      processed_logprobs), and the trainer divides its logits by the same T.
+   3. Both ratios use π_k from the training engine: the batch's own (the toy's table), Step 1's
+      forward where its one optimizer step from θ_k covers the batch (one epoch, mini-batch ≥
+      batch, none held out: `step1_update`, r = 1 exactly, a pass fewer; train mode, so dropout
+      must be 0, as TRL's disable_dropout), else recomputed (`mipu_step` phase 0); μ_k's log-probs
+      are vLLM's own, after temperature (`make_sampler`: processed_logprobs), and the trainer
+      divides its logits by the same T.
    4. T̂_post (`gap_proxy`) is computed as −mean_i (ρ_i − 1) Â_i: equal to −mean_i ρ_i Â_i (Â sums
       to 0 in each group), and exactly 0 when π_{k+1} = μ_{k+1}: identical engines never reject by
       rounding. Ĝ_k (`surrogate_gain`) likewise.
@@ -396,13 +397,15 @@ def mipu_step(eng: Engine) -> dict:
     """MIPU iteration k = eng.step (the docstring's phases 0-4); returns the step's metrics."""
     cfg, k, lap = eng.cfg, eng.step, Laps()
     loss_kind, accept_kind = METHOD_SPEC[cfg.method]
-    # ---- 0. rollout: y ~ μ_k, rewards, group advantages; log π_k [B, T]: the batch's own, None
-    # where Step 1's one optimizer step covers the batch (implementation detail 3), or recomputed
+    # ---- 0. rollout: y ~ μ_k, rewards, group advantages; log π_k [B, T] (implementation detail 3;
+    # None: Step 1's forward gives it)
     ro = eng.rollout()
     lap("rollout")
     held = holdout_size(cfg, eng.world)
-    fold = cfg.epochs == 1 and not held and cfg.mini_batch_size // eng.world >= len(ro.mask)
-    logp_old = ro.logp_train if ro.logp_train is not None or fold else eng.logp(ro)
+    own_forward = cfg.epochs == 1 and not held and cfg.mini_batch_size // eng.world >= len(ro.mask)
+    logp_old = ro.logp_train
+    if logp_old is None and not own_forward:
+        logp_old = eng.logp(ro)
     lap("recompute")
     # ---- 1. Step 1: candidate θ_{k+1} from θ_k (snapshot first, if this method can roll back)
     if accept_kind != "always":
@@ -447,8 +450,9 @@ def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor | None, held_o
     """Step 1: mini-batches × epochs of the loss from θ_k, in micro-batches; returns metrics and
     log π_k (if None: the forwards at θ_k give it). A non-finite loss or gradient stops it
     (step1/finite = 0: rejected)."""
-    cfg, stats, grad_norms, fold = eng.cfg, [], [], logp_old is None
-    logp_old, finite = torch.zeros_like(ro.logp_sampler) if fold else logp_old, True
+    cfg, stats, grad_norms, finite = eng.cfg, [], [], True
+    fold = logp_old is None
+    logp_old = torch.zeros_like(ro.logp_sampler) if fold else logp_old
     eng.begin_update()
     gen = eng.generator("minibatch")
     for idx in step1_minibatches(len(ro.mask), held_out, cfg, gen, eng.world):
@@ -843,7 +847,7 @@ class ToyEngine(Engine):
         rewards = toy_reward(self.targets, prompt, tokens, self.cfg.toy_tolerance)
         return Rollout(prompt, tokens, logp_mu, torch.ones_like(logp_mu), rewards,
                        group_advantages(rewards, G), torch.zeros_like(rewards),
-                       toy_token_logp(self.tables[0], prompt, tokens))      # log π: its table's
+                       toy_token_logp(self.tables[0], prompt, tokens))      # log π_k: no fold
 
     def rollout(self) -> Rollout:
         order = torch.randperm(self.cfg.toy_prompts, generator=self.gen)
@@ -1026,8 +1030,12 @@ def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], quant: str 
     public llm.apply_model."""
     model_config = llm.llm_engine.vllm_config.model_config
     amax = fp8_sim_amax(named_tensors) if quant == "fp8-sim" else {}
-    weights = [(n, (fp8_roundtrip(t.detach(), False, amax[fused_name(n)]) if fused_name(n) in amax
-                    else t.detach()).to(model_config.dtype)) for n, t in named_tensors]
+    weights = []
+    for name, t in named_tensors:
+        t = t.detach()
+        if fused_name(name) in amax:
+            t = fp8_roundtrip(t, per_row=False, amax=amax[fused_name(name)])
+        weights.append((name, t.to(model_config.dtype)))
     load = functools.partial(_reload_in_worker, weights=weights, model_config=model_config)
     llm.apply_model(load)
 

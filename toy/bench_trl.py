@@ -16,7 +16,8 @@ optimizer step per generation batch (TRL: generation batch = mini-batch, num_ite
 lr 1e-6 constant, clip 0.2, grad-norm clip 1, beta 0, token-mean loss over the batch (TRL's loss_type "dapo"),
 group-normalised advantages (TRL: std ddof=1, ours ddof=0: a constant rescale), the same prompt token ids (a
 model with a chat template: TRL gets conversational prompts and renders them with --enable-thinking as ours; one
-without: the plain text; checked on the first rows before timing, else an error), the reward (mipu.math_reward; 0 for a response cut by max tokens, as ours),
+without: the plain text; checked on the first rows before timing, else an error), the reward (mipu.math_reward;
+0 for a response cut by max tokens, as ours),
 vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with VLLM_CPU_KVCACHE_SPACE=1 GiB and processed logprobs.
 Differs (TRL has no option for these): TRL's vLLM gets no enforce_eager (on CPU vLLM then torch.compiles the
 model with inductor, no CUDA graphs), dtype "auto" (vLLM CPU downcasts the float32 checkpoint to bfloat16, as
@@ -24,7 +25,8 @@ our default --rollout-dtype), prefix caching on, max_num_batched_tokens 4096, en
 seeds, and 64 requests of n=1 (the prompts repeated 8 times; ours: 8 requests of n=8); TRL syncs with
 model.load_weights per tensor (ours: one layerwise reload plus a sync probe, a trainer forward and a vLLM
 prompt-logprob pass), recomputes the old log-probs only for its vLLM importance-sampling correction
-(--trl-is-correction, TRL's default: on, a sequence mask; ours always recomputes them, weight 1), computes
+(--trl-is-correction, TRL's default: on, a sequence mask; ours takes them from Step 1's own forward where one
+optimizer step covers the batch, as here, else recomputes them), computes
 entropies in the loss forward, and shuffles the prompts with its own sampler.
 
 The one workaround (TRL cannot sync on CPU): vLLM's CPU linear layers repack their weights after loading and
@@ -122,9 +124,10 @@ def bench_trl(args: dict) -> dict:
     eos = {tokenizer.eos_token_id}
 
     def reward(completions, completion_ids, answer, **_):          # = mipu.sample_reward on vLLM's output
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]   # chat: the assistant's turn
         return [0.0 if (len(ids) >= cfg.max_new_tokens and ids[-1] not in eos and not cfg.score_truncated)
                 else mipu.math_reward(text, ans, cfg.answer_format == "boxed", cfg.reward_timeout)
-                for text, ids, ans in zip(completions, completion_ids, answer)]
+                for text, ids, ans in zip(texts, completion_ids, answer)]
     rows = mipu.load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
     chat = bool(getattr(tokenizer, "chat_template", None))      # as mipu.chat_prompt: the template if there is one
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"] + cfg.prompt_suffix}] if chat else

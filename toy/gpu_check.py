@@ -184,7 +184,7 @@ def fp8_digest_gap(llm, named: list) -> dict:
     fused = {}
     for name, t in mipu.pushed_tensors(named, "fp8", llm.llm_engine.vllm_config.model_config.dtype):
         if fp8_quantized(name, t):
-            fused.setdefault(mipu._fused_name(name), []).append(t)
+            fused.setdefault(mipu.fused_name(name), []).append(t)
     ours = {}
     for name, parts in fused.items():
         whole = torch.cat(parts)                                  # vLLM's fused layer: one amax, one scale

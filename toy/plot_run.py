@@ -107,7 +107,7 @@ def running_mean(y: np.ndarray, n: int = WINDOW) -> np.ndarray:
     return np.convolve(y, np.ones(n), "full")[:len(y)] / np.minimum(np.arange(1, len(y) + 1), n)
 
 
-def eval_key(ms: list[dict]) -> str | None:
+def eval_key(ms: list[dict]) -> str | None:     # the first --eval-data set, by name
     return min((k for m in ms for k in m if k.startswith("eval/")), default=None)
 
 
@@ -130,7 +130,7 @@ def run_summary(name: str, ms: list[dict]) -> dict:
                 f"collapsed ({label})": "yes" if collapsed(x, y) else "no"}
     for key, label in (("mismatch/k3", "k3"), ("mismatch/seq_ess", "ESS"), ("step1/grad_norm", "grad norm")):
         y = series(ms, key)[1]
-        row[f"{label} start / end"] = f"{y[:WINDOW].mean():.3g} / {y[-WINDOW:].mean():.3g}" if len(y) else "-"
+        row[f"{label} start / end"] = f"{np.nanmean(y[:WINDOW]):.3g} / {np.nanmean(y[-WINDOW:]):.3g}" if len(y) else "-"
     return row
 
 
@@ -143,7 +143,7 @@ def plot_compare(paths: list[Path], out: Path) -> list[dict]:
     rows = []
     for path in paths:
         ms = read_metrics(path)
-        name = path.parent.name if path.suffix == ".jsonl" and path.name == "metrics.jsonl" else path.stem
+        name = path.parent.name if path.name == "metrics.jsonl" else path.stem if path.suffix == ".jsonl" else path.name
         rows.append(run_summary(name, ms))
         if eval_key(ms):
             axes[0].plot(*series(ms, eval_key(ms)), marker=".", label=name)
@@ -161,6 +161,8 @@ def plot_compare(paths: list[Path], out: Path) -> list[dict]:
 
 
 def plot_command(args: argparse.Namespace) -> None:
+    if args.compare and args.run_dir:
+        raise mipu.MIPUError("give RUN_DIR or --compare RUN_DIR..., not both")
     if args.compare:
         rows = plot_compare(args.compare, args.out or Path("compare.png"))
         print(mipu.markdown_table(rows))
