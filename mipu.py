@@ -2435,8 +2435,7 @@ class TrainConfig(Config):
     sync_share: float = _train(0.5, "sync failed: vLLM's log-probs of the probe moved < sync_share x the trainer's "
                                "(the slope + t SE; 1 synced, 0 stale; 0.5: halfway)")
 
-    # field -> (CPU, GPU) value of "auto" (Config's train_dtype too): the CPU's exact and fast to start, the GPU's
-    # speed and memory
+    # field -> (CPU, GPU) value of "auto" (train_dtype's: Config's): a fast start on CPU, speed and memory on GPU
     AUTO = {"grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"), "vllm_compile": ("off", "on")}
 
     def __post_init__(self):
