@@ -107,8 +107,12 @@ def running_mean(y: np.ndarray, n: int = WINDOW) -> np.ndarray:
     return np.convolve(y, np.ones(n), "full")[:len(y)] / np.minimum(np.arange(1, len(y) + 1), n)
 
 
-def eval_key(ms: list[dict]) -> str | None:     # the first --eval-data set, by name
-    return min((k for m in ms for k in m if k.startswith("eval/")), default=None)
+def curves(ms: list[dict]) -> dict:
+    """label -> (steps, values): the held-out pass@1 (the first --eval-data set, by name; empty without one) and the
+    WINDOW-step mean batch reward."""
+    key = min((k for m in ms for k in m if k.startswith("eval/")), default=None)
+    x, r = series(ms, "rollout/reward")
+    return {"pass@1": series(ms, key) if key else (np.array([]), np.array([])), "reward": (x, running_mean(r))}
 
 
 def collapsed(x: np.ndarray, y: np.ndarray) -> bool:
@@ -116,14 +120,11 @@ def collapsed(x: np.ndarray, y: np.ndarray) -> bool:
     return bool(len(y)) and bool((y[x > x[-1] - COLLAPSE_TAIL] < COLLAPSE_SHARE * y.max()).all())
 
 
-def run_summary(name: str, ms: list[dict]) -> dict:
-    """One search-log row: best/final held-out pass@1 and 10-step mean reward, collapsed or not, and k3, ESS and
-    the gradient norm over the first and last WINDOW steps."""
+def run_summary(name: str, ms: list[dict], run_curves: dict) -> dict:
+    """One search-log row: best/final of `curves`' two, collapsed or not, and k3, ESS and the gradient norm over
+    the first and last WINDOW steps."""
     row = {"run": name, "steps": len(ms)}
-    curves = {"pass@1": series(ms, eval_key(ms)) if eval_key(ms) else (np.array([]), np.array([]))}
-    x, r = series(ms, "rollout/reward")
-    curves["reward"] = (x, running_mean(r))
-    for label, (x, y) in curves.items():
+    for label, (x, y) in run_curves.items():
         best = int(np.argmax(y)) if len(y) else None
         row |= {f"best {label}": f"{y[best]:.3f} (step {x[best]})" if len(y) else "-",
                 f"final {label}": f"{y[-1]:.3f}" if len(y) else "-",
@@ -144,11 +145,11 @@ def plot_compare(paths: list[Path], out: Path) -> list[dict]:
     for path in paths:
         ms = read_metrics(path)
         name = path.parent.name if path.name == "metrics.jsonl" else path.stem if path.suffix == ".jsonl" else path.name
-        rows.append(run_summary(name, ms))
-        if eval_key(ms):
-            axes[0].plot(*series(ms, eval_key(ms)), marker=".", label=name)
-        x, r = series(ms, "rollout/reward")
-        axes[1].plot(x, running_mean(r), label=name)
+        run_curves = curves(ms)
+        rows.append(run_summary(name, ms, run_curves))
+        for ax, (x, y) in zip(axes, run_curves.values()):
+            if len(x):
+                ax.plot(x, y, marker="." if len(x) < 50 else None, label=name)
     for ax, title in zip(axes, ("held-out pass@1 (--eval-data)", f"batch reward, {WINDOW}-step mean")):
         ax.set_title(title)
         ax.set_xlabel("step")
