@@ -1647,6 +1647,17 @@ def test_short_probe_responses_do_not_stop_a_healthy_run(llm, model_dir, tmp_pat
     assert sum(not math.isnan(s) for s in shares) >= 3, shares
 
 
+def test_bench_probe_steps_reports_each_steps_probe(llm, model_dir, tmp_path, restore, monkeypatch, capsys):
+    """toy.bench --probe-steps: start-up, T̂_post(θ_0), then a probe after every step: vLLM moved with the trainer."""
+    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)
+    bench.bench_probe_steps(llm_cfg(model_dir, tmp_path, method="mipu", c=1e9), 3, llm=llm)
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| off |")).split("|")
+    assert not math.isnan(float(row[3].split("±")[0]))                          # T̂_post(θ_0) measured
+    betas = [float(b) for b in row[-2].split()]
+    assert len(betas) == 3 and all(0.8 < b < 1.25 for b in betas if not math.isnan(b)) and any(
+        not math.isnan(b) for b in betas), betas
+
+
 def test_the_probe_keeps_its_reference_until_the_trainer_moved(llm, model_dir, tmp_path, restore, monkeypatch):
     """Moves below SYNC_GAP_FLOOR between probes add up: the reference stays until the trainer's log-probs moved
     past the floor, then the probe compares (β logged) and takes a fresh reference; the trainer's θ is left as it

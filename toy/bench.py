@@ -3,7 +3,8 @@
 Runs grpo and mipu variants interleaved step by step in one process on one vLLM engine and
 prints median seconds per phase, the rollout wrapper against a bare LLM.generate, the sync check's
 parts (probe, digests) against the push, and the wall time of the toy demo; the report also goes to
-<--output-dir>/bench.md. --syncs N times train's sync phase alone (any --model, e.g. SmolLM2).
+<--output-dir>/bench.md. --syncs N times train's sync phase alone (any --model, e.g. SmolLM2); --probe-steps N
+runs N steps of --method with the sync probe after each, for --vllm-compile off against on.
 """
 import argparse
 import dataclasses
@@ -31,6 +32,8 @@ def bench(args: dict) -> None:
     cfg = mipu.config_from(args, "train")
     if args["syncs"]:
         return bench_syncs(mipu.setup_llm_run(cfg), args["syncs"])
+    if args["probe_steps"]:
+        return bench_probe_steps(cfg, args["probe_steps"])
     llm = mipu.make_sampler(cfg, **mipu.vllm_args(cfg))
     runs = {label: mipu.setup_llm_run(dataclasses.replace(cfg, val_prompts=cfg.prompts_per_step, **kw), llm=llm)
             for label, kw in BENCH_VARIANTS.items()}
@@ -127,12 +130,37 @@ def bench_syncs(run: mipu.TrainEngine, n: int) -> None:
           f"{np.median(probes):.3f} s of {len(probes)}")
 
 
+def bench_probe_steps(cfg: mipu.TrainConfig, n: int, llm=None) -> None:
+    """What --vllm-compile costs and changes, run once per setting: start-up (the engine, its compile included), the
+    start-up line's T̂_post(θ_0), then n steps, each followed by check_probe (untimed: does a reload reach the compiled
+    model? β: vLLM's share of the trainer's move), with k3 and seconds per step."""
+    t0 = time.perf_counter()
+    run = mipu.setup_llm_run(cfg, llm=llm)
+    startup = time.perf_counter() - t0
+    t_post, se = mipu.startup_gap(run)
+    ms, probes = [], []
+    for _ in range(n):
+        ms.append(mipu.mipu_step(run))
+        with torch.no_grad():
+            probes.append(run.check_probe())
+    col = lambda k: [m[k] for m in ms]
+    print(mipu.markdown_table([{
+        "vllm-compile": cfg.vllm_compile, "start-up s": f"{startup:.1f}", "T_post(θ_0) ± SE": f"{t_post:.5f} ± {se:.5f}",
+        "step 1 s": f"{ms[0]['time/step']:.2f}", "median step s (2..n)": f"{np.median(col('time/step')[1:]):.2f}",
+        "median rollout s": f"{np.median(col('time/rollout')):.2f}",
+        "k3 step 1, median": f"{ms[0]['mismatch/k3']:.5f}, {np.median(col('mismatch/k3')):.5f}",
+        "probe gap max": f"{max(g for g, _ in probes):.5f}",
+        "β per step": " ".join(f"{b:.2f}" for _, b in probes)}]))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m toy.bench", description=__doc__.split("\n")[0])
     mipu.add_config_flags(parser, mipu.SUBCOMMANDS["train"][0])
     parser.add_argument("--bench-toy", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the toy demo (python -m toy.demo with its defaults)")
     parser.add_argument("--syncs", type=int, default=0, help="only time N of train's syncs (bench_syncs); no steps")
+    parser.add_argument("--probe-steps", type=int, default=0,
+                        help="only run N steps of --method, the probe after each (bench_probe_steps)")
     return mipu.report_errors(bench, vars(parser.parse_args()))
 
 
