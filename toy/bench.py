@@ -132,8 +132,9 @@ def bench_syncs(run: mipu.TrainEngine, n: int) -> None:
 
 def bench_probe_steps(cfg: mipu.TrainConfig, n: int, llm=None) -> None:
     """What --vllm-compile costs and changes, run once per setting: start-up (the engine, its compile included), the
-    start-up line's T̂_post(θ_0), then n steps, each followed by check_probe (untimed: does a reload reach the compiled
-    model? β: vLLM's share of the trainer's move), with k3 and seconds per step."""
+    start-up line's T̂_post(θ_0), then n >= 2 steps, each followed by check_probe (untimed: does a reload reach the
+    compiled model? β: vLLM's share of the trainer's move since the last compared probe; after step 0 NaN, as that
+    step's sync probed: PROBE_EVERY), with k3 and seconds per step (--gap-batch next: sampling is in gap_check)."""
     t0 = time.perf_counter()
     run = mipu.setup_llm_run(cfg, llm=llm)
     startup = time.perf_counter() - t0
@@ -146,11 +147,10 @@ def bench_probe_steps(cfg: mipu.TrainConfig, n: int, llm=None) -> None:
     col = lambda k: [m[k] for m in ms]
     print(mipu.markdown_table([{
         "vllm-compile": cfg.vllm_compile, "start-up s": f"{startup:.1f}", "T_post(θ_0) ± SE": f"{t_post:.5f} ± {se:.5f}",
-        "step 1 s": f"{ms[0]['time/step']:.2f}", "median step s (2..n)": f"{np.median(col('time/step')[1:]):.2f}",
-        "median rollout s": f"{np.median(col('time/rollout')):.2f}",
-        "k3 step 1, median": f"{ms[0]['mismatch/k3']:.5f}, {np.median(col('mismatch/k3')):.5f}",
+        "first step s": f"{ms[0]['time/step']:.2f}", "median of the others s": f"{np.median(col('time/step')[1:]):.2f}",
+        "k3 first step, median": f"{ms[0]['mismatch/k3']:.5f}, {np.median(col('mismatch/k3')):.5f}",
         "probe gap max": f"{max(g for g, _ in probes):.5f}",
-        "β per step": " ".join(f"{b:.2f}" for _, b in probes)}]))
+        "β after each step (NaN: not compared)": " ".join(f"{b:.2f}" for _, b in probes)}]))
 
 
 def main() -> int:
