@@ -3667,8 +3667,9 @@ def test_each_architecture_syncs_under_fp8_sim_and_a_stale_sync_is_caught(arch, 
 
 def test_real_demo_pairs_each_problem_before_and_after(llm, model_dir, tmp_path, restore, monkeypatch):
     """toy.real_demo on the tiny model (the session's engine): a table row per method and seed; per problem, the pass
-    rate before and after each run in the jsonl; each row's pass@1 and paired difference are those of the jsonl;
-    random-rollback-tis runs at mipu's rejection rate (no --reject-rate given)."""
+    rate before and after each run in the jsonl; each row's pass@1 and paired difference are those of the jsonl, as
+    is the first arm's paired lead over each other; random-rollback-tis runs at mipu's rejection rate (no --reject-rate
+    given)."""
     monkeypatch.setattr(mipu, "make_sampler", lambda cfg, **engine_args: llm)
     out, test_rows = tmp_path / "demo", (HERE / "toy" / "data" / "arith_test.jsonl").read_text().splitlines()
     assert real_demo.main(["--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL),
@@ -3677,9 +3678,14 @@ def test_real_demo_pairs_each_problem_before_and_after(llm, model_dir, tmp_path,
                            "--num-generations", "4", "--val-prompts", "4", "--mini-batch-size", "16",
                            "--max-new-tokens", "6", "--eval-samples", "2", "--learning-rate", "1e-3", "--out", str(out),
                            "--output-dir", str(tmp_path / "runs")]) == 0
-    rows = [r.split(" | ") for r in out.with_suffix(".md").read_text().splitlines() if r.startswith(("| grpo", "| mipu",
-                                                                                                   "| random"))]
+    table, _, vs = out.with_suffix(".md").read_text().partition("against each other arm")
+    rows = [r.split(" | ") for r in table.splitlines() if r.startswith(("| grpo", "| mipu", "| random"))]
     per = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
+    vs = [r.split(" | ") for r in vs.splitlines() if r.startswith("| ")]
+    assert [r[0] for r in vs] == ["| against", "| mipu", "| random-rollback-tis"]
+    for row, other in zip(vs[1:], per[2:]):
+        diff = np.array(per[1]["pass"]) - np.array(other["pass"])    # grpo, the first arm, minus the others
+        assert row[1].startswith(f"{diff.mean():+.3f} [") and row[2] == f"{diff.mean():+.3f}"
     assert [p["run"] for p in per] == ["before", "grpo lr 0.001 seed 3", "mipu lr 0.001 seed 3",
                                        "random-rollback-tis lr 0.001 seed 3"] and len(rows) == 3
     assert all(len(p["pass"]) == len(test_rows) and set(p["pass"]) <= {0.0, 0.5, 1.0} for p in per)

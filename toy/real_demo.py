@@ -5,7 +5,8 @@ SmolLM2-135M-Instruct under fp8-sim rollouts learns two-digit sums: each method 
 problem by problem: each problem's after-minus-before pass rate, its mean over problems with a 95% interval
 (mean ± 1.96 sd / sqrt(problems)). Answers "does each method improve the model", not which is best (20 seeds).
 With --tune, the LR is chosen instead: tis at each of --lrs on --seeds, scored on --val-data (not --eval-data).
-Table to <--out>.md, per-problem pass rates to <--out>.jsonl, each run's metrics under --output-dir.
+Table to <--out>.md (with the first method's lead over each other, paired per problem, seed by seed), per-problem
+pass rates to <--out>.jsonl, each run's metrics under --output-dir.
 With --gap, the inference gap of one engine pair at θ = --model instead: Step 2's T̂_post over --gap-batches
 batches at θ and after one Step-1 update of --method (tis); at θ pass@1 of μ (vLLM) and of π (the trainer's own
 samples), paired per problem. A row appended to <--out>.md (default toy/results/real_gap), the per-problem pass rates
@@ -198,7 +199,7 @@ def real_demo(args: dict, argv: list) -> None:
     scored = mipu.load_prompts(base, mipu.load_pretrained("AutoTokenizer", base.model),
                                base.val_data if tune else base.eval_data)
     llm, eval_seed = mipu.make_sampler(base, **mipu.vllm_args(base)), 12345   # one engine; one eval seed: paired
-    rows, before, t0 = [], None, time.time()
+    rows, before, afters, t0 = [], None, {}, time.time()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".jsonl").write_text("")
     for seed in seeds:
@@ -221,6 +222,7 @@ def real_demo(args: dict, argv: list) -> None:
                 mipu.log_metrics(Path(cfg.output_dir) / "metrics.jsonl", ms[-1])
             after = pass_rates(run, scored, eval_seed)
             keep(out, {"run": f"{method} lr {lr:g} seed {seed}", "pass": after})
+            afters[method, lr, seed] = after
             if step2 == "gap":          # within (0, 1), as --reject-rate must be
                 rejected = float(np.clip(1 - np.mean([m["step2/accepted"] for m in ms]), 0.01, 0.99))
             rows.append({"method": method, "LR": f"{lr:g}", "seed": seed, "pass@1 before": f"{np.mean(before):.3f}",
@@ -239,8 +241,25 @@ def real_demo(args: dict, argv: list) -> None:
                   f"problems x {base.eval_samples} samples at temperature {base.eval_temperature}, sampled with seed "
                   f"{eval_seed} before and after; interval: mean ± 1.96 sd/sqrt(n) of the per-problem differences). "
                   f"Wall {time.time() - t0:.0f} s.\n\n{mipu.markdown_table(rows)}\n")
+            if len(arms) > 1 and not tune:
+                md += f"\n{arms[0][0]} against each other arm on the same seed, paired per problem:\n\n" \
+                      f"{mipu.markdown_table(versus(afters, arms, seeds))}\n"
             out.with_suffix(".md").write_text(md)
     print(md)
+
+
+def versus(afters: dict, arms: list, seeds: list) -> list[dict]:
+    """The first arm minus each other, paired per problem on each seed that both ran (one before, one eval seed: the
+    same problems and samples' seeds), the mean over those seeds and on how many the first arm was ahead."""
+    rows = []
+    for arm in arms[1:]:
+        done = [s for s in seeds if (*arms[0], s) in afters and (*arm, s) in afters]
+        diffs = [np.mean(np.subtract(afters[(*arms[0], s)], afters[(*arm, s)])) for s in done]
+        rows.append({"against": arm[0], **{f"seed {s}": paired(afters[(*arm, s)], afters[(*arms[0], s)])
+                                           if s in done else "-" for s in seeds},
+                     "mean over seeds": f"{np.mean(diffs):+.3f}" if done else "-",
+                     "seeds ahead": f"{sum(d > 0 for d in diffs)} of {len(done)}"})
+    return rows
 
 
 def keep(out: Path, line: dict) -> None:
