@@ -8,6 +8,7 @@ runs N steps of --method with the sync probe after each, for --vllm-compile off 
 """
 import argparse
 import dataclasses
+import math
 import subprocess
 import sys
 import time
@@ -133,17 +134,18 @@ def bench_syncs(run: mipu.TrainEngine, n: int) -> None:
 def bench_probe_steps(cfg: mipu.TrainConfig, n: int, llm=None) -> None:
     """What --vllm-compile costs and changes, run once per setting: start-up (the engine, its compile included), the
     start-up line's T̂_post(θ_0), then n >= 2 steps, each followed by check_probe (untimed: does a reload reach the
-    compiled model? β: vLLM's share of the trainer's move since the last compared probe; after step 0 NaN, as that
-    step's sync probed: PROBE_EVERY), with k3 and seconds per step (--gap-batch next: sampling is in gap_check)."""
+    compiled model? β: vLLM's share of the trainer's move since the last compared probe; a step whose sync probed
+    (PROBE_EVERY) reports that probe), with k3 and seconds per step (--gap-batch next: sampling is in gap_check)."""
     t0 = time.perf_counter()
     run = mipu.setup_llm_run(cfg, llm=llm)
     startup = time.perf_counter() - t0
     t_post, se = mipu.startup_gap(run)
     ms, probes = [], []
     for _ in range(n):
-        ms.append(mipu.mipu_step(run))
+        ms.append(m := mipu.mipu_step(run))
+        gap = m.get("sync/probe_mean_abs_dlogp", math.nan)     # this step's sync probed: a second probe sees no move
         with torch.no_grad():
-            probes.append(run.check_probe())
+            probes.append(run.check_probe() if math.isnan(gap) else (gap, m["sync/probe_share"]))
     col = lambda k: [m[k] for m in ms]
     print(mipu.markdown_table([{
         "vllm-compile": cfg.vllm_compile, "start-up s": f"{startup:.1f}", "T_post(θ_0) ± SE": f"{t_post:.5f} ± {se:.5f}",
