@@ -1676,6 +1676,23 @@ def test_the_probe_keeps_its_reference_until_the_trainer_moved(llm, model_dir, t
     assert all(torch.equal(a, b) for a, b in zip(theta, run.model.parameters()))
 
 
+def test_the_probe_compares_only_past_the_engines_gap(llm, model_dir, tmp_path, restore, monkeypatch):
+    """Within the engines' standing gap a move is their rounding's as much as θ's (both engines jitter: SmolLM2 with
+    bf16 engines, a rollback's one step, β 0.15): a stale vLLM (θ moved, not pushed) is not compared while the
+    reference's gap (made 1.0 here) exceeds the move, and caught once the gap is the engines' own."""
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)
+    ref, gen = run.probe_ref, torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in run.model.parameters():
+            p.add_(0.05 * p.std().nan_to_num() * torch.randn(p.shape, generator=gen))
+    with monkeypatch.context() as m:
+        m.setattr(mipu, "probe_gap", lambda lp: 1.0)
+        m.setattr(mipu, "PROBE_GAP_MAX", math.inf)
+        assert math.isnan(run.check_probe()[1]) and run.probe_ref is ref       # not compared: the reference stays
+    with pytest.raises(mipu.MIPUError, match="the probe moved"):
+        run.check_probe()
+
+
 def test_a_checkpoint_from_before_the_pooled_probe_resumes(llm, model_dir, tmp_path, restore):
     """A checkpoint whose trainer state holds the old single-response `probe_last` (and no `probe_ref`) resumes
     with the start-up's probe as its reference."""
