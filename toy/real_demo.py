@@ -52,6 +52,7 @@ def demo_config(args: dict, **more) -> mipu.Config:
     cfg = dataclasses.replace(cfg, **{k: v for k, v in demo.items() if k in args["defaults"]})
     if args["tiny"] and not (Path(cfg.model) / "config.json").exists():
         build_tiny_model(cfg.model, seed=0)
+    mipu.check_flags(cfg, "train")                              # the flags' errors, before any engine
     if args["sft_steps"]:
         out = args["sft_out"] or f"{cfg.model}-sft"
         cfg = dataclasses.replace(cfg, model=sft_warm_start(cfg, args["sft_steps"], out))
@@ -62,15 +63,15 @@ def sft_warm_start(cfg: mipu.Config, steps: int, out: str) -> str:
     """Supervised warm start: cross-entropy on prompt -> answer + EOS, so the model solves some problems before RL.
     Saves to `out` and returns it."""
     rows = mipu.load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
-    model, tokenizer = mipu.load_trainer(cfg.model, "float32", cfg.device), mipu.load_pretrained("AutoTokenizer",
-                                                                                                  cfg.model)
+    model = mipu.load_trainer(cfg.model, dataclasses.replace(cfg, train_dtype="float32", grad_checkpointing="off"))
+    tokenizer = mipu.load_pretrained("AutoTokenizer", cfg.model)
     prompts = mipu.prompts_of(tokenizer, rows, cfg)             # the prompts RL will sample from
     answers = [tokenizer.encode(r["answer"], add_special_tokens=False) + [tokenizer.eos_token_id] for r in rows]
     opt, gen = torch.optim.AdamW(model.parameters(), lr=SFT_LR), torch.Generator().manual_seed(cfg.seed)
     for it in range(steps):
         idx = torch.randint(len(rows), (SFT_BATCH,), generator=gen).tolist()
-        logp, mask = mipu.lean_token_logprobs(model, [prompts[i] for i in idx], [answers[i] for i in idx], 1.0,
-                                              SFT_BATCH)
+        logp, mask = mipu.token_logprobs(model, [prompts[i] for i in idx], [answers[i] for i in idx], 1.0,
+                                         SFT_BATCH, cfg.logprob_chunk)
         loss = -mipu.masked_mean(logp, mask)
         opt.zero_grad()
         loss.backward()
@@ -87,10 +88,9 @@ def pass_rates(run: mipu.TrainEngine, rows: list, seed: int) -> list[float]:
     cfg = run.cfg
     samples = mipu.generate(run.llm, mipu.prompts_of(run.tokenizer, rows, cfg), cfg.eval_samples,
                             cfg.max_new_tokens, cfg.eval_temperature, seed)
-    score = mipu.worker_score(cfg)
     hits = np.zeros(len(rows))
     for s in samples:
-        hits[s["prompt_idx"]] += mipu.sample_reward(s, rows[s["prompt_idx"]]["answer"], cfg, score) or 0.0
+        hits[s["prompt_idx"]] += mipu.sample_reward(s, rows[s["prompt_idx"]]["answer"], cfg, run.score) or 0.0
     return (hits / cfg.eval_samples).tolist()
 
 
@@ -114,7 +114,7 @@ def trainer_pass_rates(run: mipu.TrainEngine, rows: list, seed: int) -> list[flo
     gen = transformers.GenerationConfig(do_sample=True, temperature=cfg.eval_temperature, top_k=0, top_p=1.0,
                                         max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, pad_token_id=pad)
     stops = set(eos if isinstance(eos, list) else [eos])
-    prompts, score = mipu.prompts_of(tok, rows, cfg), mipu.worker_score(cfg)
+    prompts, score = mipu.prompts_of(tok, rows, cfg), run.score
     jobs, hits = [i for i in range(len(rows)) for _ in range(cfg.eval_samples)], np.zeros(len(rows))
     torch.manual_seed(seed)
     for at in range(0, len(jobs), GEN_BATCH):
@@ -211,7 +211,8 @@ def real_demo(args: dict, argv: list) -> None:
                                       accept_rule=base.accept_rule if step2 == "gap" else "paper",
                                       output_dir=f"{base.output_dir}/{method}-lr{lr:g}-s{seed}")
             run = mipu.setup_llm_run(cfg, llm=llm)                 # θ_0 from the model folder, synced to μ
-            gap0 = mipu.probe_gap(run.probe_ref[2])               # the probe's start-up gap
+            lp = run.probe_ref[2]                                  # the probe's start-up gap: mean |vLLM - trainer|
+            gap0 = (lp[0] - lp[1]).abs().mean().item()
             if before is None:
                 before = pass_rates(run, scored, eval_seed)
                 keep(out, {"run": "before", "pass": before})
@@ -223,6 +224,7 @@ def real_demo(args: dict, argv: list) -> None:
             after = pass_rates(run, scored, eval_seed)
             keep(out, {"run": f"{method} lr {lr:g} seed {seed}", "pass": after})
             afters[method, lr, seed] = after
+            least_share = np.nanmin([m.get("sync/probe_share", np.nan) for m in ms] + [np.inf])   # steps that probed
             if step2 == "gap":          # within (0, 1), as --reject-rate must be
                 rejected = float(np.clip(1 - np.mean([m["step2/accepted"] for m in ms]), 0.01, 0.99))
             rows.append({"method": method, "LR": f"{lr:g}", "seed": seed, "pass@1 before": f"{np.mean(before):.3f}",
@@ -231,8 +233,7 @@ def real_demo(args: dict, argv: list) -> None:
                                                            f"{np.mean([m['rollout/reward'] for m in ms[-5:]]):.3f}",
                          "accepted": f"{np.mean([m['step2/accepted'] for m in ms]):.2f}",
                          "mean k3": f"{np.mean([m['mismatch/k3'] for m in ms]):.4f}",
-                         "sync probe: start-up gap, least share": f"{gap0:.3f}, "
-                                                                 f"{np.nanmin([m['sync/probe_share'] for m in ms] + [np.inf]):.2f}",
+                         "sync probe: start-up gap, least share": f"{gap0:.3f}, {least_share:.2f}",
                          "wall (s)": f"{time.time() - t:.0f}"})
             which = base.val_data if tune else base.eval_data       # the table so far, rewritten after each run
             md = (f"Generated by `python -m toy.real_demo {' '.join(argv)}` ({Path(base.model).name}, rollouts "

@@ -107,19 +107,26 @@ def g_mu(cfg: mipu.Config, targets, lp_mu_k, lp_mu_new, n_prompts: int, gen: tor
 
 class GmuEngine(mipu.ToyEngine):
     """The Ĝ^μ rule (ours): Step 2's batch is val_prompts × G fresh samples of μ_k, drawn from a generator of its
-    own, and the rule compares Ĝ^μ on it with c, in place of T̂_post (step2/t_post then holds Ĝ^μ)."""
+    own, and the rule compares Ĝ^μ on it with c, in place of T̂_post (step2/stat then holds Ĝ^μ; step2/t_post is
+    T̂_post on that batch). mipu.verdict's oracle branch compares exact_terms()'s sum with −c (c_se 0): the engine
+    takes that branch, with (Ĝ^μ, 0) as its terms."""
 
     def __init__(self, cfg: mipu.Config, alpha: float):
         super().__init__(cfg, alpha)
+        self.cfg = dataclasses.replace(cfg, accept_rule="oracle", c_se=0.0)   # the branch, not the exact J
         self.rule_gen = torch.Generator().manual_seed(cfg.seed + RULE_STREAM)
+        self.val = None
 
     def acceptance_rollout(self) -> mipu.Rollout:          # after the sync: self.prev holds θ_k's tables
         prompt, tokens, logp_k, rewards, adv = mu_k_sample(self.cfg, self.targets, self.prev[0][1],
                                                            self.cfg.val_prompts, self.rule_gen)
-        return mipu.Rollout(prompt, tokens, logp_k, torch.ones_like(logp_k), rewards, adv, torch.zeros_like(rewards))
+        self.val = mipu.Rollout(prompt, tokens, logp_k, torch.ones_like(logp_k), rewards, adv,
+                                torch.zeros_like(rewards))
+        return self.val
 
-    def accept_inputs(self, t_post: float, g_k: float, val: mipu.Rollout) -> tuple[float, float, float]:
-        return g_mu_of(self.tables[1], val.prompt_ids, val.completion_ids, val.logp_sampler, val.adv), g_k, self.cfg.c
+    def exact_terms(self) -> tuple[float, float]:          # Ĝ^μ of μ_{k+1} on the acceptance batch, and −0.0:
+        val = self.val                                     # x + (−0.0) is x, bit for bit (−0.0 too)
+        return g_mu_of(self.tables[1], val.prompt_ids, val.completion_ids, val.logp_sampler, val.adv), -0.0
 
 
 def study_run(job: tuple) -> dict:
@@ -168,7 +175,7 @@ def check_configs(arms: dict, base: dict, seeds: list[int]) -> None:
     """Every run's Config is valid (one MIPUError line), before any run starts."""
     for over, _ in arms.values():
         for s in (seeds[0], seeds[-1]):
-            mipu.Config(**{**base, **over, "seed": s}).validate()
+            mipu.Config(**{**base, **over, "seed": s})
 
 
 # ---- statistics and tables
@@ -406,7 +413,7 @@ def run_job(job: tuple) -> dict:
     """One toy run (cfg dict, α), reduced to the per-step series the tables need."""
     t0 = time.time()
     torch.set_num_threads(1)
-    h = list(mipu.toy_steps(mipu.Config(**job[0]).validate(), job[1]))
+    h = list(mipu.toy_steps(mipu.Config(**job[0]), job[1]))
     series = {k: [m[k] for m in h[1:]] for k in ("mismatch/k3", "mismatch/abs_dlogp_mean", "step2/accepted",
                                                   "exact/cand_J_pi", "step2/g_k")}
     return {"key": job_key(job), "J_mu": [m["exact/J_mu"] for m in h], "wall": time.time() - t0, **series}

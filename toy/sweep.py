@@ -57,7 +57,7 @@ def sweep(preset: str, lrs: list[float], horizons: list[int], seeds: list[int], 
     keys = [(method, lr, s) for method in methods for lr in lrs for s in seeds]
     jobs = [({**base, "method": method, "toy_lr": lr, "seed": s}, base["toy_mismatch"]) for method, lr, s in keys]
     for cfg_dict, _ in jobs[:1] + jobs[-1:]:
-        mipu.Config(**cfg_dict).validate()
+        mipu.Config(**cfg_dict)
     pool = demo.make_pool(workers)
     runs = dict(zip(keys, pool.map(sweep_run, jobs, chunksize=1) if pool else [sweep_run(j) for j in jobs]))
     if pool:

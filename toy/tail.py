@@ -71,7 +71,7 @@ def tail(n_seeds: int, steps: int, first_seed: int, workers: int, path: Path, co
     lrs, seeds = study.METHOD_LRS[PRESET], list(range(first_seed, first_seed + n_seeds))
     jobs = [{**base, "method": m, "toy_lr": lrs[m], "seed": s} for m in METHODS for s in seeds]
     for job in jobs:
-        mipu.Config(**job).validate()
+        mipu.Config(**job)
     pool = demo.make_pool(workers)
     runs = np.array(pool.map(tail_run, jobs, chunksize=1) if pool else [tail_run(j) for j in jobs])
     if pool:
