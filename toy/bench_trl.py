@@ -23,22 +23,21 @@ Differs (TRL has no option for these): TRL's vLLM gets no enforce_eager (on CPU 
 model with inductor, no CUDA graphs), dtype "auto" (vLLM CPU downcasts the float32 checkpoint to bfloat16, as
 our default --rollout-dtype), prefix caching on, max_num_batched_tokens 4096, engine seed 0 and no per-request
 seeds, and 64 requests of n=1 (the prompts repeated 8 times; ours: 8 requests of n=8); TRL syncs with
-model.load_weights per tensor (ours: one layerwise reload plus a sync probe, a trainer forward and a vLLM
-prompt-logprob pass), recomputes the old log-probs only for its vLLM importance-sampling correction
-(--trl-is-correction, TRL's default: on, a sequence mask; ours takes them from Step 1's own forward where one
-optimizer step covers the batch, as here, else recomputes them), computes
-entropies in the loss forward, and shuffles the prompts with its own sampler.
+model.load_weights per tensor (ours: one layerwise reload, digested as sent and as received, plus at start-up and
+every PROBE_EVERY-th step the sync probe, a trainer forward and a vLLM prompt-logprob pass), recomputes the old
+log-probs only for its vLLM importance-sampling correction (--trl-is-correction, TRL's default: on, a sequence mask;
+ours takes them from Step 1's own forward where one optimizer step covers the batch, as here, else recomputes them),
+computes entropies in the loss forward, and shuffles the prompts with its own sampler.
 
 The one workaround (TRL cannot sync on CPU): vLLM's CPU linear layers repack their weights after loading and
 drop the loadable `weight` (dispatch_cpu_unquantized_gemm), so TRL's bare `model.load_weights` fails on the
 first linear ("'Parameter' object has no attribute 'weight_loader'"). cpu_sync_weights loads TRL's parameters
-(VLLMGeneration._iter_named_params, then reset_prefix_cache) through mipu._reload_in_worker: vLLM's layerwise
-reload, which re-runs that repacking, and the tied lm_head's re-processing, as mipu.sync_weights does. Nothing else
+(VLLMGeneration._iter_named_params, then reset_prefix_cache) through mipu.sync_weights, as ours: vLLM's layerwise
+reload (mipu.reload_in_worker), which re-runs that repacking, and the tied lm_head's re-processing. Nothing else
 in TRL is changed: the phase times come from wrappers around the trainer's own calls.
 """
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import statistics
@@ -73,9 +72,9 @@ def grpo_cfg(args: dict) -> mipu.Config:
 
 
 def bench_ours(args: dict) -> dict:
-    """Our grpo step (the phases of mipu_step); sync = reload + probe, rollout = generate + rewards."""
+    """Our grpo step (the phases of mipu_step); sync = reload + the sync check, rollout = generate + rewards."""
     cfg = grpo_cfg(args)
-    cfg.validate("train")
+    mipu.check_flags(cfg, "train")
     t0 = time.perf_counter()
     run = mipu.setup_llm_run(cfg)
     startup = time.perf_counter() - t0
@@ -101,10 +100,8 @@ class Timed:
 
 def cpu_sync_weights(vg) -> None:
     """TRL's colocate sync (VLLMGeneration.sync_weights: its parameters, then reset_prefix_cache), the weights loaded
-    through mipu's worker function: vLLM's layerwise reload plus the tied-lm_head re-processing (see the docstring)."""
-    model_config = vg.llm.llm_engine.vllm_config.model_config
-    weights = list(vg._iter_named_params())
-    vg.llm.apply_model(functools.partial(mipu._reload_in_worker, weights=weights, model_config=model_config))
+    by mipu.sync_weights: vLLM's layerwise reload plus the tied-lm_head re-processing (see the docstring)."""
+    mipu.sync_weights(vg.llm, vg._iter_named_params())
     vg.llm.reset_prefix_cache()
 
 

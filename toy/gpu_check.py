@@ -6,10 +6,11 @@ For the Qwen3-1.7B and Qwen3-4B shapes (random weights from the architecture: to
 fresh process, at the recipe's micro-batch (4 responses of 256 + 4096 tokens): the trainer's recompute (no-grad
 log-probs, mipu.token_logprobs under the trainer's autocast), one Step-1 update (mipu.policy_loss backward + AdamW
 step), the rollback snapshot (mipu.snapshot_state: one host buffer, allocated once, refilled in place) and the
-rollback (mipu.restore_state, checked bit for bit). Measured: seconds, TFLOP/s against the GPU's dense bf16 peak (PEAK_BF16_TFLOPS), torch's
-allocated and reserved peaks, this process's GPU memory outside torch (NVML's count for this process: not what other
-processes hold); next to toy.memory_plan's terms (estimated). Prints the versions of torch, CUDA and transformers and
-one markdown table on stdout (a GPU job usually returns only the folder it names: --out FILE writes it there too).
+rollback (mipu.restore_state, checked bit for bit). Measured: seconds, TFLOP/s against the GPU's dense bf16 peak
+(PEAK_BF16_TFLOPS), torch's allocated and reserved peaks, this process's GPU memory outside torch (NVML's count for
+this process: not what other processes hold); next to toy.memory_plan's terms (estimated). Prints the versions of
+torch, CUDA and transformers and one markdown table on stdout (a GPU job usually returns only the folder it names:
+--out FILE writes it there too).
 
 `--vllm` (a GPU with vLLM's CUDA build): one more child, Qwen3-1.7B's shape (random weights saved to a temporary
 folder) in vLLM at auto's share beside its trainer, with the recipe's FP8 rollouts (--rollout-quant fp8): greedy
@@ -134,7 +135,8 @@ def measure(shape: str, device: str, size: dict) -> dict:
     awake, step1 = memory_plan.trainer_phases(plan, cfg)
     return {"shape": shape, "seconds": {k: t[0] for k, t in phases.items()},
             "peaks": {k: t[1] for k, t in phases.items()}, "at_rest": at_rest, "flops": flops,
-            "snapshot_bytes": snapshot[2].nbytes, "changed": changed, "exact": exact, "dtype": cfg.train_dtype, "checkpointing": cfg.grad_checkpointing,
+            "snapshot_bytes": snapshot[2].nbytes, "changed": changed, "exact": exact, "dtype": cfg.train_dtype,
+            "checkpointing": cfg.grad_checkpointing,
             "precision": torch.get_float32_matmul_precision(),
             "plan": {"at_rest": plan["weights"] + plan["optimizer"], "recompute": awake["recompute"], "update": step1,
                      "snapshot": plan["snapshot_host"], "outside_torch": plan["cuda_context"]}}
