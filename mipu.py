@@ -941,9 +941,6 @@ def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
     # tokens dies by SIGILL. Ask first, by a private torch API, as vLLM's own benchmark does
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         torch.cpu._init_amx()
-    # vLLM 0.32's reload warns "<layer>: Failed to load weights" at every sync for each layer sent
-    # none: rotary caches, a tied lm_head (`train`'s sync check finds one that truly missed them)
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
     from vllm import LLM
 
     gpu = torch.cuda.is_available()
@@ -962,7 +959,12 @@ def make_sampler(cfg: Config, **engine_args) -> "vllm.LLM":
         enable_chunked_prefill=None if gpu else False,
     )
     args.update(engine_args)
-    return LLM(**args)
+    llm = LLM(**args)
+    # vLLM 0.32's reload warns "<layer>: Failed to load weights" at every sync for each layer sent
+    # none: rotary caches, a tied lm_head (`train`'s sync check finds one that truly missed them).
+    # After LLM(): its first engine's logging config resets the level of vLLM's loggers
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    return llm
 
 
 def generate(llm, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
@@ -1036,10 +1038,10 @@ def pushed_weights(named_tensors: list[tuple[str, torch.Tensor]], quant: str, dt
     rank's shard), fp8-sim rounded through FP8 (one absmax a fused vLLM layer), in vLLM's dtype."""
     amax = fp8_sim_amax(named_tensors) if quant == "fp8-sim" else {}
     for name, t in named_tensors:
-        t = gather(t.detach())
-        if fused_name(name) in amax:                    # elementwise, given the layer's amax
-            t = fp8_roundtrip(t, per_row=False, amax=amax[fused_name(name)])
-        yield name, t.to(dtype)
+        t = t.detach()
+        if fused_name(name) in amax:      # elementwise given the layer's amax (on a DTensor: whole)
+            t = fp8_roundtrip(gather(t), per_row=False, amax=amax[fused_name(name)])
+        yield name, gather(t.to(dtype))   # cast first: vLLM's dtype, half fp32's bytes to gather
 
 
 def sync_weights(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -1558,11 +1560,11 @@ class TrainEngine(LLMEngine):
     def sync(self) -> dict:
         """LLMEngine's, then the check: digests every time, the probe at start-up and every PROBE_EVERY-th step."""
         self.sent = {}
-        super().sync()
+        pushed = super().sync()
         with torch.no_grad():
             d = self.check_digests()
             probe = self.check_probe() if self.step % PROBE_EVERY == 0 or not self.probe_ref else {}
-        return {**d, **probe}
+        return {**pushed, **d, **probe}
 
     def check_digests(self) -> dict:
         self.cols += 1
