@@ -1618,7 +1618,7 @@ class TrainEngine(LLMEngine):
         moved, share, lp = math.nan, math.nan, None
         if self.probe_ref:
             lp = self.probe_logprobs(*self.probe_ref[:2])
-            moved, share = probe_moved(self.probe_ref[2], lp)
+            moved, share = probe_moved(self.probe_ref[2], lp, SYNC_GAP_FLOOR)   # the floor as below
             moved = all_reduce(moved, "min")                  # the ranks agree: compared where all moved
             share = all_reduce(share, "min") if moved >= SYNC_GAP_FLOOR else math.nan
             self.idle_probes = self.idle_probes + 1 if math.isnan(share) else 0
@@ -1629,9 +1629,9 @@ class TrainEngine(LLMEngine):
                 raise self.sync_failed(f"the probe's log-probs moved {share:.3g} x the trainer's ({moved:.3g}) < "
                                        "--sync-share: vLLM computes with other weights than it received")
         if not math.isnan(share) or not self.probe_ref:
-            self.probe_ref = (*self.probe(),)
-            lp = self.probe_logprobs(*self.probe_ref)
-            self.probe_ref += (lp,)
+            prompt, completions = self.probe()
+            lp = self.probe_logprobs(prompt, completions)
+            self.probe_ref = (prompt, completions, lp)
         gap = all_reduce((lp[0] - lp[1]).abs().mean().item() if lp.isfinite().all() else math.inf, "max")
         if gap == math.inf:
             raise MIPUError("the sync probe's log-probs are not finite: NaN or inf in the weights")
