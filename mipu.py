@@ -237,6 +237,8 @@ class Config:
     rollout_quant: str = flag("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = "
                                       "rounded through FP8 at each sync (a CPU's stand-in)",
                               ("none", "fp8", "fp8-sim"))
+    fp8_sim_dose: float = flag(1.0, "fp8-sim's rounding error x this: vLLM gets θ + α(fp8(θ) − θ) "
+                                    "(1: fp8-sim; 0: none; RESULTS' dose study)")
     train_dtype: str = auto("float32 = exact; bf16-mixed = fp32 weights + AdamW, bf16 autocast "
                             "(as TRL/verl); bfloat16 = pure bf16: less memory, tiny updates round "
                             "away", ("auto", "float32", "bf16-mixed", "bfloat16"))
@@ -1033,14 +1035,16 @@ def fp8_sim_amax(named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
 
 
 def pushed_weights(named_tensors: list[tuple[str, torch.Tensor]], quant: str, dtype: torch.dtype,
-                   gather=whole) -> Iterator[tuple[str, torch.Tensor]]:
+                   gather=whole, dose: float = 1.0) -> Iterator[tuple[str, torch.Tensor]]:
     """θ as vLLM receives it, a tensor at a time: HF names, made whole by `gather` (`local`: this
-    rank's shard), fp8-sim rounded through FP8 (one absmax a fused vLLM layer), in vLLM's dtype."""
+    rank's shard), fp8-sim rounded through FP8 (one absmax a fused vLLM layer; its error x `dose`),
+    in vLLM's dtype."""
     amax = fp8_sim_amax(named_tensors) if quant == "fp8-sim" else {}
     for name, t in named_tensors:
         t = t.detach()
         if fused_name(name) in amax:      # elementwise given the layer's amax (on a DTensor: whole)
-            t = fp8_roundtrip(gather(t), per_row=False, amax=amax[fused_name(name)])
+            t, r = gather(t), fp8_roundtrip(gather(t), per_row=False, amax=amax[fused_name(name)])
+            t = r if dose == 1 else t + dose * (r - t)      # dose 1 bit for bit fp8-sim's
         yield name, gather(t.to(dtype))   # cast first: vLLM's dtype, half fp32's bytes to gather
 
 
@@ -1336,7 +1340,7 @@ class LLMEngine(Engine):
     def pushed(self, gather=whole) -> Iterator[tuple[str, torch.Tensor]]:
         dtype = self.llm.llm_engine.vllm_config.model_config.dtype
         return pushed_weights(list(self.model.named_parameters()), self.cfg.rollout_quant, dtype,
-                              gather)
+                              gather, self.cfg.fp8_sim_dose)
 
     def sync(self) -> dict:
         sync_weights(self.llm, self.pushed())
@@ -2201,6 +2205,7 @@ def check_flags(cfg: TrainConfig, command: str) -> None:
         (not gpu and cfg.device == "cuda", "--device cuda but no GPU is visible"),
         (not gpu and cfg.rollout_quant == "fp8", "--rollout-quant fp8 needs a GPU (vLLM's FP8 kernels are CUDA-only; "
                                                  "fp8-sim simulates them on CPU)"),
+        (cfg.fp8_sim_dose != 1 and cfg.rollout_quant != "fp8-sim", "--fp8-sim-dose needs --rollout-quant fp8-sim"),
         (not gpu and cfg.vllm_sleep == "on", "--vllm-sleep on needs a GPU (vLLM's sleep mode is CUDA-only)"),
         (not cfg.model, f"{command} needs --model"),
         (train and not cfg.train_data, "train needs --train-data"),
@@ -2388,12 +2393,13 @@ def eval_command(cfg: TrainConfig) -> None:
     llm = make_sampler(cfg, **vllm_args(cfg))
     if cfg.rollout_quant == "fp8-sim":               # no sync before the first rollouts: FP8 weights now
         named = [item for f in files for item in load_file(f).items()]
-        sync_weights(llm, pushed_weights(named, "fp8-sim", llm.llm_engine.vllm_config.model_config.dtype))
+        sync_weights(llm, pushed_weights(named, "fp8-sim", llm.llm_engine.vllm_config.model_config.dtype,
+                                         dose=cfg.fp8_sim_dose))
     print(markdown_table(evaluate(llm, load_pretrained("AutoTokenizer", cfg.model), eval_sets, cfg)))
 
 
 FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
-EVAL_FLAGS = ("model", "max_new_tokens", "rollout_dtype", "rollout_quant", "device", "gpu_memory_utilization",
+EVAL_FLAGS = ("model", "max_new_tokens", "rollout_dtype", "rollout_quant", "fp8_sim_dose", "device", "gpu_memory_utilization",
               "vllm_compile", "max_model_len", "enable_thinking", "prompt_suffix", "answer_format", "score_truncated",
               "eval_data", "prompt_key", "answer_key", "eval_samples", "eval_temperature", "drop_long_prompts",
               "reward_timeout", "reward_memory")

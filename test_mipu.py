@@ -1049,6 +1049,22 @@ def test_fp8_sim_scale_per_fused_vllm_layer():
     torch.testing.assert_close(mipu.fp8_roundtrip(small, per_row=False), small, rtol=0.07, atol=0)
 
 
+def test_fp8_sim_dose_scales_the_pushed_rounding_error():
+    """--fp8-sim-dose α: vLLM gets θ + α(fp8(θ) − θ) on the layers fp8-sim rounds; α 1 is fp8-sim bit for bit, α 0
+    pushes θ unchanged, embeddings never round."""
+    torch.manual_seed(0)
+    named = [("model.layers.0.mlp.down_proj.weight", torch.randn(8, 16)), ("model.embed_tokens.weight", torch.randn(4, 8))]
+    def push(quant, dose=1.0):
+        return dict(mipu.pushed_weights(named, quant, torch.float32, dose=dose))
+    theta, fp8 = push("none"), push("fp8-sim")
+    layer, embed = (n for n, _ in named)
+    assert torch.equal(fp8[embed], theta[embed]) and not torch.equal(fp8[layer], theta[layer])
+    assert all(torch.equal(push("fp8-sim", 0.0)[n], theta[n]) for n in theta)
+    err = fp8[layer] - theta[layer]
+    for dose in (2.0, 6.0):
+        torch.testing.assert_close(push("fp8-sim", dose)[layer] - theta[layer], dose * err, rtol=1e-5, atol=1e-6)
+
+
 def test_bf16_mixed_keeps_fp32_master_and_computes_in_bf16(model_dir, trainer, prompt_ids):
     model = mipu.load_trainer(model_dir, mipu.Config(train_dtype="bf16-mixed"))
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -3480,6 +3496,7 @@ def test_step_flops_count_the_head_once_with_checkpointing():
     (dict(report_to=","), "--report-to takes tensorboard, wandb"),
     (dict(report_to="tensorboard,"), "--report-to takes tensorboard, wandb"),
     (dict(prompt_key="q", answer_key="q"), "--prompt-key and --answer-key must differ"),
+    (dict(fp8_sim_dose=2.0), "--fp8-sim-dose needs --rollout-quant fp8-sim"),
 ])
 def test_bad_config(model_dir, kw, message):
     """train's flags as the command line builds them (config_from: TrainConfig's own checks, then check_flags)."""
