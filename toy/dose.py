@@ -1,0 +1,141 @@
+"""SmolLM2 under a dose of FP8 error (RESULTS "SmolLM2 under a dose of FP8 error"): `--fp8-sim-dose α` pushes
+θ + α(fp8(θ) − θ) to vLLM, so the engines' mismatch grows with α. Two commands, each run one at a time:
+
+    python -m toy.dose calibrate --alphas 0,1,2,3,4,6   # μ's pass@1 at θ_0 and k3 / ESS against α
+    python -m toy.dose run --alpha 2 --method grpo --seed 21   # one search run (the collapse search's settings)
+
+calibrate: for each α, `mipu.py eval` (all 256 sums_val problems × 4 samples at θ_0) and a 4-step grpo run (its
+k3 and sequence ESS averaged over the 4 steps); a row per α to toy/results/dose/calibration.md as each lands, then
+toy/results/dose_calibration.png. run: `mipu.py train` with the collapse search's flags (the answer-only suffix, 24
+tokens, 8 × 8, held-out eval every 10 steps) and two optimizer steps a batch (mini-batch 32); its metrics copied to
+toy/results/dose/NAME.jsonl every 30 s; stopped (Ctrl-C: at the next step) once the held-out curve is `collapsed`
+(toy.plot_run's rule: its last 20 steps below half its best, i.e. 10 steps after a second low evaluation).
+Any other `mipu.py train` flag passes through after `--`.
+"""
+import argparse
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from toy.plot_run import collapsed, curves, read_metrics, series
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "results" / "dose"
+DATA = HERE / "data"
+# The collapse search's task (RESULTS "SmolLM2: looking for the paper's collapse"), fp8-sim at a dose
+COMMON = ["--model", str(HERE / "models" / "smollm2-135m-instruct"), "--answer-format", "last-number",
+          "--prompt-suffix", " Answer with the number only.", "--max-new-tokens", "24", "--vllm-compile", "off",
+          "--rollout-quant", "fp8-sim"]
+TRAIN = ["--train-data", str(DATA / "sums_train.jsonl"), "--val-data", str(DATA / "sums_val.jsonl"),
+         "--prompts-per-step", "8", "--val-prompts", "8", "--learning-rate", "3e-5", "--mini-batch-size", "32"]
+CALIBRATION_SEED = 20   # no other table uses it
+
+
+def mipu_cli(*args: str) -> list[str]:
+    return [sys.executable, str(HERE.parent / "mipu.py"), *args]
+
+
+def watch(cmd: list[str], run_dir: Path, copy_to: Path, stop_on_collapse: bool) -> int:
+    """Run `cmd` (a train), copying run_dir/metrics.jsonl to copy_to every 30 s and at the end; Ctrl-C it (it stops
+    at its next step, checkpointed) once its held-out curve is collapsed, if asked."""
+    print(" ".join(cmd), flush=True)
+    proc, stopped = subprocess.Popen(cmd), False
+    while True:
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            rc = None
+        if (run_dir / "metrics.jsonl").is_file():
+            shutil.copyfile(run_dir / "metrics.jsonl", copy_to)
+            x, y = curves(read_metrics(copy_to))["pass@1"]
+            if stop_on_collapse and not stopped and len(y) > 2 and collapsed(x, y):
+                print(f"collapsed by step {x[-1]}: stopping", flush=True)
+                proc.send_signal(signal.SIGINT)
+                stopped = True
+        if rc is not None:
+            return rc
+
+
+def calibrate(args) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    table = OUT / "calibration.md"
+    table.write_text("| α | pass@1 at θ_0 (256 × 4) | k3 (4 steps) | seq ESS (4 steps) |\n|---|---|---|---|\n")
+    rows = []
+    for alpha in args.alphas.split(","):
+        dose = ["--fp8-sim-dose", alpha]
+        ev = subprocess.run(mipu_cli("eval", *COMMON, *dose, "--eval-data", str(DATA / "sums_val.jsonl"),
+                                     "--eval-samples", "4", "--seed", str(CALIBRATION_SEED)),
+                            capture_output=True, text=True)
+        if ev.returncode:
+            sys.exit(ev.stderr[-2000:])
+        pass1 = float([line for line in ev.stdout.splitlines() if line.startswith("| sums_val")][0].split("|")[-2])
+        run_dir = Path(args.runs) / f"calib_a{alpha}"
+        copy = OUT / f"calib_a{alpha}.jsonl"
+        if watch(mipu_cli("train", *COMMON, *TRAIN, *dose, "--method", "grpo", "--steps", "4", "--seed",
+                          str(CALIBRATION_SEED), "--save-every", "4", "--output-dir", str(run_dir), "--overwrite"),
+                 run_dir, copy, stop_on_collapse=False):
+            sys.exit(f"the calibration run at α {alpha} failed")
+        ms = read_metrics(copy)
+        k3, ess = (float(np.mean(series(ms, k)[1])) for k in ("mismatch/k3", "mismatch/seq_ess"))
+        rows.append((float(alpha), pass1, k3, ess))
+        with table.open("a") as f:
+            f.write(f"| {alpha} | {pass1:.3f} | {k3:.4f} | {ess:.3f} |\n")
+    plot_calibration(rows, HERE / "results" / "dose_calibration.png")
+
+
+def plot_calibration(rows: list[tuple], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    a, pass1, k3, ess = map(np.array, zip(*rows))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, y, title in zip(axes, (pass1, k3, ess), ("μ's pass@1 at θ_0", "k3 KL(μ‖π), 4 steps",
+                                                     "sequence ESS, 4 steps")):
+        ax.plot(a, y, marker="o")
+        ax.set_title(title)
+        ax.set_xlabel("dose α (fp8-sim's error × α)")
+    axes[1].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    print(f"wrote {out}")
+
+
+def run(args, extra: list[str]) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    name = args.name or f"{args.method}_a{args.alpha}_s{args.seed}"
+    run_dir = Path(args.runs) / name
+    rc = watch(mipu_cli("train", *COMMON, *TRAIN, "--fp8-sim-dose", args.alpha, "--method", args.method,
+                        "--seed", str(args.seed), "--steps", str(args.steps), "--eval-every", "10",
+                        "--eval-data", str(DATA / "sums_val.jsonl"), "--eval-samples", "1", "--save-every", "10",
+                        "--output-dir", str(run_dir), *extra), run_dir, OUT / f"{name}.jsonl", stop_on_collapse=True)
+    sys.exit(rc)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("calibrate")
+    c.add_argument("--alphas", default="0,1,2,3,4,6")
+    r = sub.add_parser("run")
+    r.add_argument("--alpha", required=True)
+    r.add_argument("--method", default="grpo")
+    r.add_argument("--seed", type=int, required=True)
+    r.add_argument("--steps", type=int, default=100)
+    r.add_argument("--name", default="", help="results name (default METHOD_aALPHA_sSEED)")
+    for q in (c, r):
+        q.add_argument("--runs", default="runs/dose", help="the train runs' output dirs go under this")
+    args, extra = p.parse_known_args()
+    if args.command == "calibrate":
+        calibrate(args)
+    else:
+        run(args, [x for x in extra if x != "--"])
+
+
+if __name__ == "__main__":
+    main()
