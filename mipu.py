@@ -272,6 +272,8 @@ class Config:
         if self.accept_rule != "paper" and step2 != "gap":
             raise MIPUError(f"--accept-rule {self.accept_rule} only applies to methods with Step 2 "
                             "(step2, mipu)")
+        if self.c_se and step2 != "gap":
+            raise MIPUError("--c-se only applies to methods with Step 2 (step2, mipu)")
         if self.accept_rule == "target" and not 1 <= self.target_holdout < self.prompts_per_step:
             raise MIPUError("--target-holdout must be in [1, prompts_per_step) for --accept-rule "
                             "target")
@@ -564,13 +566,14 @@ def step1_minibatches(n: int, held_out: int, cfg: Config, gen: torch.Generator,
 # samples and scores its share of whole prompt groups. In one process these are x itself.
 
 def all_reduce(x: float, op: str = "mean") -> float:
-    """x's mean, min or max over the ranks: every rank gets the same number (and takes the same
-    branch on it)."""
+    """x's mean, sum, min or max over the ranks: every rank gets the same number (and takes the
+    same branch on it)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:   # vLLM makes a group of one
         return x
     t = torch.tensor([float(x)], dtype=torch.float64,
                      device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    ops = {"mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    ops = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
+           "max": dist.ReduceOp.MAX}
     dist.all_reduce(t, ops[op])
     return t.item() / (dist.get_world_size() if op == "mean" else 1)
 
@@ -1229,6 +1232,8 @@ def prompts_of(tokenizer, rows: list, cfg: Config) -> list[list[int]]:
             for r in rows]
 
 
+# ---- the engine pair as `train` runs it on one device ----
+
 class LLMEngine(Engine):
     """The engine pair of LLM ENGINE above, as `train` runs it on one device; rows: [{"prompt",
     "answer"}]. Run:
@@ -1418,10 +1423,11 @@ def load_sharded_trainer(model_path: str, cfg: TrainConfig) -> torch.nn.Module:
 
 
 def global_metrics(m: dict) -> dict:
-    """The ranks' step records as one: means, but the max of each "*_max" key."""
+    """The ranks' step records as one: means, but the max of each "*_max" key and the sum of a count of misses."""
     if rank_world()[1] == 1:
         return m
-    return {k: all_reduce(v, "max" if k.endswith("_max") else "mean") if k != "step" else v for k, v in m.items()}
+    op = {k: "max" if k.endswith("_max") else "sum" if k.endswith("_timeouts") else "mean" for k in m}
+    return {k: all_reduce(v, op[k]) if k != "step" else v for k, v in m.items()}
 
 
 def eprint(message: str) -> None:
@@ -1527,6 +1533,8 @@ def probe_moved(before: torch.Tensor, now: torch.Tensor, floor: float = SYNC_GAP
     dv, dh = (now - before).double().abs().mean(1).tolist()
     return dh, dv / dh if dh >= floor else math.nan
 
+
+# ---- TRAINENGINE: the reference's engine plus ranks, the reward worker and the sync check ----
 
 class TrainEngine(LLMEngine):
     """LLMEngine as `train` runs it: torchrun's ranks, the sandboxed reward, the sync check."""
@@ -1773,6 +1781,8 @@ def load_rows(source: str, prompt_key: str, answer_key: str) -> list[dict]:
         raise MIPUError(f"dataset {source!r} is empty")
     return rows
 
+
+# ---- the reward worker: math_verify in a process of its own, bounded in time and memory ----
 
 # plain numbers compare exactly in-process (math_verify's floats cannot hold big integers; ~1 ms faster)
 _PLAIN_NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?:/[0-9]+)?")
