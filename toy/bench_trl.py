@@ -27,7 +27,8 @@ model.load_weights per tensor (ours: one layerwise reload, digested as sent and 
 every PROBE_EVERY-th step the sync probe, a trainer forward and a vLLM prompt-logprob pass), recomputes the old
 log-probs only for its vLLM importance-sampling correction (--trl-is-correction, TRL's default: on, a sequence mask;
 ours takes them from Step 1's own forward where one optimizer step covers the batch, as here, else recomputes them),
-computes entropies in the loss forward, and shuffles the prompts with its own sampler.
+computes entropies in the loss forward. TRL's sampler takes the rows unshuffled, in the order ours draws them: both
+sides sample the same prompts at each step (each engine its own samples of them).
 
 The one workaround (TRL cannot sync on CPU): vLLM's CPU linear layers repack their weights after loading and
 drop the loadable `weight` (dispatch_cpu_unquantized_gemm), so TRL's bare `model.load_weights` fails on the
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import mipu
 
@@ -126,13 +128,17 @@ def bench_trl(args: dict) -> dict:
                 else mipu.math_reward(text, ans, cfg.answer_format == "boxed", cfg.reward_timeout)
                 for text, ids, ans in zip(texts, completion_ids, answer)]
     rows = mipu.load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
+    # in the order ours draws them (its first pass: step 0's "shuffle" stream), TRL's sampler unshuffled: at every
+    # step both sides sample the same 8 prompts
+    order = torch.randperm(len(rows), generator=mipu.Engine.generator(SimpleNamespace(cfg=cfg, step=0), "shuffle"))
+    rows = [rows[i] for i in order.tolist()]
     chat = bool(getattr(tokenizer, "chat_template", None))      # as mipu.chat_prompt: the template if there is one
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"] + cfg.prompt_suffix}] if chat else
                                r["prompt"] + cfg.prompt_suffix, "answer": r["answer"]} for r in rows])
     total = args["warmup_steps"] + cfg.steps
     targs = GRPOConfig(
         output_dir=cfg.output_dir, use_cpu=True, bf16=False, fp16=False, seed=cfg.seed, report_to="none",
-        logging_steps=1, save_strategy="no", max_steps=total, disable_tqdm=True,
+        logging_steps=1, save_strategy="no", max_steps=total, disable_tqdm=True, shuffle_dataset=False,
         per_device_train_batch_size=cfg.micro_batch_size, gradient_accumulation_steps=cfg.batch_size // cfg.micro_batch_size,
         steps_per_generation=cfg.batch_size // cfg.micro_batch_size, num_iterations=cfg.epochs,
         num_generations=cfg.num_generations, max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature,
