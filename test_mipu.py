@@ -3826,6 +3826,19 @@ def test_plot_run_compare_flags_a_collapse(tmp_path):
     assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("evals, stopped", [([0.5, 0.6, 0.2, 0.1, 0.1], True), ([0.5, 0.6, 0.2, 0.6, 0.7], False)])
+def test_dose_run_stops_a_collapsed_run_only(tmp_path, evals, stopped):
+    """toy.dose's watch copies a run's metrics as they land and Ctrl-Cs it once its held-out curve is collapsed
+    (toy.plot_run's rule: the last 20 steps below half the best); a dip that recovers runs to its end."""
+    from toy.dose import watch
+    lines = "".join(json.dumps({"step": 10 * i + 9, "rollout/reward": 0.5, "eval/v/pass@1": p}) + "\n"
+                    for i, p in enumerate(evals))
+    run = ("import signal, sys, time\nsignal.signal(signal.SIGINT, lambda *a: sys.exit(130))\n"
+           f"open({str(tmp_path / 'metrics.jsonl')!r}, 'w').write({lines!r})\ntime.sleep(5)\n")
+    rc = watch([sys.executable, "-c", run], tmp_path, tmp_path / "copy.jsonl", stop_on_collapse=True, poll=0.2)
+    assert rc == (130 if stopped else 0) and (tmp_path / "copy.jsonl").read_text() == lines
+
+
 @pytest.mark.parametrize("make_file, extra, message", [
     ('{"prompt": "1+1=", "answer": "2"}\n{oops\n', [], "bad.jsonl:2: malformed JSON"),
     ('{"question": "1+1=", "answer": "2"}\n', [], "bad.jsonl:1: missing key 'prompt'"),

@@ -41,14 +41,14 @@ def mipu_cli(*args: str) -> list[str]:
     return [sys.executable, str(HERE.parent / "mipu.py"), *args]
 
 
-def watch(cmd: list[str], run_dir: Path, copy_to: Path, stop_on_collapse: bool) -> int:
-    """Run `cmd` (a train), copying run_dir/metrics.jsonl to copy_to every 30 s and at the end; Ctrl-C it (it stops
-    at its next step, checkpointed) once its held-out curve is collapsed, if asked."""
+def watch(cmd: list[str], run_dir: Path, copy_to: Path, stop_on_collapse: bool, poll: float = 30) -> int:
+    """Run `cmd` (a train), copying run_dir/metrics.jsonl to copy_to every `poll` s and at the end; Ctrl-C it (it
+    stops at its next step, checkpointed) once its held-out curve is collapsed, if asked. Its exit code."""
     print(" ".join(cmd), flush=True)
     proc, stopped = subprocess.Popen(cmd), False
     while True:
         try:
-            rc = proc.wait(timeout=30)
+            rc = proc.wait(timeout=poll)
         except subprocess.TimeoutExpired:
             rc = None
         if (run_dir / "metrics.jsonl").is_file():
