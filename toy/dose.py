@@ -64,9 +64,9 @@ def watch(cmd: list[str], run_dir: Path, copy_to: Path, stop_on_collapse: bool, 
 
 def calibrate(args) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    table = OUT / "calibration.md"
-    table.write_text("| α | pass@1 at θ_0 (256 × 4) | k3 (4 steps) | seq ESS (4 steps) |\n|---|---|---|---|\n")
-    rows = []
+    table = OUT / "calibration.md"      # a row per α as it lands; a later call adds its α's rows
+    if not table.exists():
+        table.write_text("| α | pass@1 at θ_0 (256 × 4) | k3 (4 steps) | seq ESS (4 steps) |\n|---|---|---|---|\n")
     for alpha in args.alphas.split(","):
         dose = ["--fp8-sim-dose", alpha]
         ev = subprocess.run(mipu_cli("eval", *COMMON, *dose, "--eval-data", str(DATA / "sums_val.jsonl"),
@@ -83,9 +83,9 @@ def calibrate(args) -> None:
             sys.exit(f"the calibration run at α {alpha} failed")
         ms = read_metrics(copy)
         k3, ess = (float(np.mean(series(ms, k)[1])) for k in ("mismatch/k3", "mismatch/seq_ess"))
-        rows.append((float(alpha), pass1, k3, ess))
         with table.open("a") as f:
             f.write(f"| {alpha} | {pass1:.3f} | {k3:.4f} | {ess:.3f} |\n")
+    rows = sorted(tuple(map(float, line.split("|")[1:5])) for line in table.read_text().splitlines()[2:])
     plot_calibration(rows, HERE / "results" / "dose_calibration.png")
 
 
