@@ -2,7 +2,7 @@
 θ + α(fp8(θ) − θ) to vLLM, so the engines' mismatch grows with α. Two commands, each run one at a time:
 
     python -m toy.dose calibrate --alphas 0,1,2,3,4,6   # μ's pass@1 at θ_0 and k3 / ESS against α
-    python -m toy.dose run --alpha 2 --method grpo --seed 21   # one search run (the collapse search's settings)
+    python -m toy.dose run --alpha 1 --method step2 --seed 21 -- --c 1e9   # one search run
 
 calibrate: for each α, `mipu.py eval` (all 256 sums_val problems × 4 samples at θ_0) and a 4-step grpo run (its
 k3 and sequence ESS averaged over the 4 steps); a row per α to toy/results/dose/calibration.md as each lands, then
@@ -10,7 +10,8 @@ toy/results/dose_calibration.png. run: `mipu.py train` with the collapse search'
 tokens, 8 × 8, held-out eval every 10 steps) and two optimizer steps a batch (mini-batch 32); its metrics copied to
 toy/results/dose/NAME.jsonl every 30 s; stopped (Ctrl-C: at the next step) once the held-out curve is `collapsed`
 (toy.plot_run's rule: its last 20 steps below half its best, i.e. 10 steps after a second low evaluation).
-Any other `mipu.py train` flag passes through after `--`.
+Any other `mipu.py train` flag passes through after `--`. `--method step2 -- --c 1e9` is grpo's update with Step 2
+measured and every candidate kept: grpo's run, with T̂_post logged at each step (the mechanism), at Step 2's cost.
 """
 import argparse
 import json
