@@ -2409,10 +2409,10 @@ def eval_command(cfg: TrainConfig) -> None:
 
 
 FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
-EVAL_FLAGS = ("model", "max_new_tokens", "rollout_dtype", "rollout_quant", "fp8_sim_dose", "device", "gpu_memory_utilization",
-              "vllm_compile", "max_model_len", "enable_thinking", "prompt_suffix", "answer_format", "score_truncated",
-              "eval_data", "prompt_key", "answer_key", "eval_samples", "eval_temperature", "drop_long_prompts",
-              "reward_timeout", "reward_memory")
+EVAL_FLAGS = ("model", "max_new_tokens", "rollout_dtype", "rollout_quant", "fp8_sim_dose", "device",
+              "gpu_memory_utilization", "vllm_compile", "max_model_len", "enable_thinking", "prompt_suffix",
+              "answer_format", "score_truncated", "eval_data", "prompt_key", "answer_key", "eval_samples",
+              "eval_temperature", "drop_long_prompts", "reward_timeout", "reward_memory")
 SUBCOMMANDS = {   # name -> (the Config fields it takes as flags, help, function)
     "toy": (FIELDS[:FIELDS.index("model")], "one toy-simulator run on the CPU (every method's demo: python -m "
             "toy.demo)", toy_command),
