@@ -68,7 +68,7 @@ def calibrate(args) -> None:
     table = OUT / "calibration.md"      # a row per α as it lands; a later call adds its α's rows
     if not table.exists():
         table.write_text("| α | pass@1 at θ_0 (256 × 4) | k3 (4 steps) | seq ESS (4 steps) |\n|---|---|---|---|\n")
-    for alpha in args.alphas.split(","):
+    for alpha in filter(None, args.alphas.split(",")):      # --alphas "": the figure again, from the table
         dose = ["--fp8-sim-dose", alpha]
         ev = subprocess.run(mipu_cli("eval", *COMMON, *dose, "--eval-data", str(DATA / "sums_val.jsonl"),
                                      "--eval-samples", "4"),
@@ -101,6 +101,10 @@ def plot_calibration(rows: list[tuple], out: Path) -> None:
         ax.plot(a, y, marker="o")
         ax.set_title(title)
         ax.set_xlabel("dose α (fp8-sim's error × α)")
+    axes[0].axhline(pass1[a == 0].mean() / 2, ls="--", color="gray", label="half of α = 0's (α_hi's rule)")
+    axes[2].axhline(0.1, ls="--", color="gray", label="0.1 (α_hi's rule)")
+    for ax in axes[[0, 2]]:
+        ax.legend(fontsize=8)
     axes[1].set_yscale("log")
     fig.tight_layout()
     fig.savefig(out, dpi=80)
