@@ -2157,7 +2157,8 @@ def test_digests_of_a_fused_layer_are_its_parts_in_any_layout(monkeypatch):
     attn = torch.nn.ModuleDict({n: torch.nn.Linear(40, rows, bias=False) for n, rows in (("q_proj", 8), ("k_proj", 4),
                                                                                          ("v_proj", 4))})
     eng = object.__new__(mipu.TrainEngine)
-    eng.model, eng.cfg, eng.sent, eng.cols = torch.nn.ModuleDict({"attn": attn}), ns(rollout_quant="none"), {}, 21
+    eng.model, eng.sent, eng.cols = torch.nn.ModuleDict({"attn": attn}), {}, 21
+    eng.cfg = ns(rollout_quant="none", fp8_sim_dose=1.0)
     eng.llm = ns(llm_engine=ns(vllm_config=ns(model_config=ns(dtype=torch.bfloat16))))
     q, k, v = (t for _, t in eng.pushed())
     fused = torch.cat([v, q, k]).flip(0)
