@@ -237,8 +237,8 @@ class Config:
     rollout_quant: str = flag("none", "rollout weights: fp8 = vLLM's (GPU only); fp8-sim = "
                                       "rounded through FP8 at each sync (a CPU's stand-in)",
                               ("none", "fp8", "fp8-sim"))
-    fp8_sim_dose: float = flag(1.0, "fp8-sim's rounding error x this: vLLM gets θ + α(fp8(θ) − θ) "
-                                    "(1: fp8-sim; 0: none; RESULTS' dose study)")
+    fp8_sim_dose: float = flag(1.0, "fp8-sim's error x this: vLLM gets θ + α(fp8(θ) − θ) (1: "
+                                    "fp8-sim; 0: none; RESULTS' dose study)")
     train_dtype: str = auto("float32 = exact; bf16-mixed = fp32 weights + AdamW, bf16 autocast "
                             "(as TRL/verl); bfloat16 = pure bf16: less memory, tiny updates round "
                             "away", ("auto", "float32", "bf16-mixed", "bfloat16"))
@@ -1046,8 +1046,9 @@ def pushed_weights(named_tensors: list[tuple[str, torch.Tensor]], quant: str, dt
     for name, t in named_tensors:
         t = t.detach()
         if fused_name(name) in amax:      # elementwise given the layer's amax (on a DTensor: whole)
-            t, r = gather(t), fp8_roundtrip(gather(t), per_row=False, amax=amax[fused_name(name)])
-            t = r if dose == 1 else t + dose * (r - t)      # dose 1 bit for bit fp8-sim's
+            t = gather(t)
+            r = fp8_roundtrip(t, per_row=False, amax=amax[fused_name(name)])
+            t = r if dose == 1 else t.float() + dose * (r.float() - t.float())   # 1: fp8-sim's bits
         yield name, gather(t.to(dtype))   # cast first: vLLM's dtype, half fp32's bytes to gather
 
 

@@ -127,15 +127,17 @@ def bench_trl(args: dict) -> dict:
         return [0.0 if (len(ids) >= cfg.max_new_tokens and ids[-1] not in eos and not cfg.score_truncated)
                 else mipu.math_reward(text, ans, cfg.answer_format == "boxed", cfg.reward_timeout)
                 for text, ids, ans in zip(texts, completion_ids, answer)]
-    rows = mipu.load_rows(cfg.train_data, cfg.prompt_key, cfg.answer_key)
+    rows = mipu.load_prompts(cfg, tokenizer, cfg.train_data)      # as setup_llm_run loads them
+    total = args["warmup_steps"] + cfg.steps
+    if total * cfg.prompts_per_step > len(rows):
+        raise mipu.MIPUError("the steps must fit one pass over --train-data (ours reshuffles at the next, TRL not)")
     # in the order ours draws them (its first pass: step 0's "shuffle" stream), TRL's sampler unshuffled: at every
-    # step both sides sample the same 8 prompts
+    # step both sides sample the same prompts
     order = torch.randperm(len(rows), generator=mipu.Engine.generator(SimpleNamespace(cfg=cfg, step=0), "shuffle"))
     rows = [rows[i] for i in order.tolist()]
     chat = bool(getattr(tokenizer, "chat_template", None))      # as mipu.chat_prompt: the template if there is one
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"] + cfg.prompt_suffix}] if chat else
                                r["prompt"] + cfg.prompt_suffix, "answer": r["answer"]} for r in rows])
-    total = args["warmup_steps"] + cfg.steps
     targs = GRPOConfig(
         output_dir=cfg.output_dir, use_cpu=True, bf16=False, fp16=False, seed=cfg.seed, report_to="none",
         logging_steps=1, save_strategy="no", max_steps=total, disable_tqdm=True, shuffle_dataset=False,

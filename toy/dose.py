@@ -9,21 +9,20 @@ k3 and sequence ESS averaged over the 4 steps); a row per α to toy/results/dose
 toy/results/dose_calibration.png. run: `mipu.py train` with the collapse search's flags (the answer-only suffix, 24
 tokens, 8 × 8, held-out eval every 10 steps) and two optimizer steps a batch (mini-batch 32); its metrics copied to
 toy/results/dose/NAME.jsonl every 30 s; stopped (Ctrl-C: at the next step) once the held-out curve is `collapsed`
-(toy.plot_run's rule: its last 20 steps below half its best, i.e. 10 steps after a second low evaluation).
+(toy.plot_run's rule: its last 20 steps below half its best, i.e. at the second low evaluation in a row).
 Any other `mipu.py train` flag passes through after `--`. `--method step2 -- --c 1e9` is grpo's update with Step 2
 measured and every candidate kept: grpo's run, with T̂_post logged at each step (the mechanism), at Step 2's cost.
 """
 import argparse
-import json
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
+import mipu
 from toy.plot_run import collapsed, curves, read_metrics, series
 
 HERE = Path(__file__).resolve().parent
@@ -47,23 +46,32 @@ def watch(cmd: list[str], run_dir: Path, copy_to: Path, stop_on_collapse: bool, 
     stops at its next step, checkpointed) once its held-out curve is collapsed, if asked. Its exit code."""
     print(" ".join(cmd), flush=True)
     proc, stopped = subprocess.Popen(cmd), False
-    while True:
-        try:
-            rc = proc.wait(timeout=poll)
-        except subprocess.TimeoutExpired:
-            rc = None
-        if (run_dir / "metrics.jsonl").is_file():
-            shutil.copyfile(run_dir / "metrics.jsonl", copy_to)
-            x, y = curves(read_metrics(copy_to))["pass@1"]
-            if stop_on_collapse and not stopped and len(y) > 2 and collapsed(x, y):
-                print(f"collapsed by step {x[-1]}: stopping", flush=True)
-                proc.send_signal(signal.SIGINT)
-                stopped = True
-        if rc is not None:
-            return rc
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=poll)
+            except subprocess.TimeoutExpired:
+                rc = None
+            if (run_dir / "metrics.jsonl").is_file():
+                shutil.copyfile(run_dir / "metrics.jsonl", copy_to)
+                try:
+                    x, y = curves(read_metrics(copy_to))["pass@1"]
+                except mipu.MIPUError:          # empty, or a line half written: the next poll reads it whole
+                    x, y = [], []
+                if stop_on_collapse and not stopped and len(y) > 2 and collapsed(x, y):
+                    print(f"collapsed by step {x[-1]}: stopping", flush=True)
+                    proc.send_signal(signal.SIGINT)
+                    stopped = True
+            if rc is not None:
+                return rc
+    finally:                                    # this script stopped (Ctrl-C, an error): not the run unwatched
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait()
 
 
 def calibrate(args) -> None:
+    """Each α of --alphas: eval's pass@1 at θ_0 and a 4-step run's mean k3 and ESS, a row of calibration.md each."""
     OUT.mkdir(parents=True, exist_ok=True)
     table = OUT / "calibration.md"      # a row per α as it lands; a later call adds its α's rows
     if not table.exists():
@@ -74,14 +82,14 @@ def calibrate(args) -> None:
                                      "--eval-samples", "4"),
                             capture_output=True, text=True)
         if ev.returncode:
-            sys.exit(ev.stderr[-2000:])
+            raise mipu.MIPUError(f"eval at α {alpha} failed: {ev.stderr.strip().splitlines()[-1:]}")
         pass1 = float([line for line in ev.stdout.splitlines() if line.startswith("| sums_val")][0].split("|")[-2])
         run_dir = Path(args.runs) / f"calib_a{alpha}"
         copy = OUT / f"calib_a{alpha}.jsonl"
         if watch(mipu_cli("train", *COMMON, *TRAIN, *dose, "--method", "grpo", "--steps", "4", "--seed",
                           str(CALIBRATION_SEED), "--save-every", "4", "--output-dir", str(run_dir), "--overwrite"),
                  run_dir, copy, stop_on_collapse=False):
-            sys.exit(f"the calibration run at α {alpha} failed")
+            raise mipu.MIPUError(f"the calibration run at α {alpha} failed")
         ms = read_metrics(copy)
         k3, ess = (float(np.mean(series(ms, k)[1])) for k in ("mismatch/k3", "mismatch/seq_ess"))
         with table.open("a") as f:
@@ -91,6 +99,7 @@ def calibrate(args) -> None:
 
 
 def plot_calibration(rows: list[tuple], out: Path) -> None:
+    """pass@1, k3 (log scale) and the sequence ESS against α, with α_hi's rule's lines; rows: (α, pass@1, k3, ESS)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -112,6 +121,7 @@ def plot_calibration(rows: list[tuple], out: Path) -> None:
 
 
 def run(args, extra: list[str]) -> None:
+    """One search run, watched (see the module docstring); its exit code."""
     OUT.mkdir(parents=True, exist_ok=True)
     name = args.name or f"{args.method}_a{args.alpha}_s{args.seed}"
     run_dir = Path(args.runs) / name
@@ -119,28 +129,29 @@ def run(args, extra: list[str]) -> None:
                         "--seed", str(args.seed), "--steps", str(args.steps), "--eval-every", "10",
                         "--eval-data", str(DATA / "sums_val.jsonl"), "--eval-samples", "1", "--save-every", "10",
                         "--output-dir", str(run_dir), *extra), run_dir, OUT / f"{name}.jsonl", stop_on_collapse=True)
-    sys.exit(rc)
+    if rc:
+        raise mipu.MIPUError(f"the run {name} exited with code {rc}")
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("calibrate")
-    c.add_argument("--alphas", default="0,1,2,3,4,6")
+    c.add_argument("--alphas", default="0,1,2,3,4,6", help="comma-separated doses (the issue's; \"\": redraw the "
+                                                          "figure only)")
     r = sub.add_parser("run")
-    r.add_argument("--alpha", required=True)
-    r.add_argument("--method", default="grpo")
-    r.add_argument("--seed", type=int, required=True)
-    r.add_argument("--steps", type=int, default=100)
+    r.add_argument("--alpha", required=True, help="the dose, --fp8-sim-dose")
+    r.add_argument("--method", default="grpo", help="train's --method (step2 with -- --c 1e9: grpo, T_post logged)")
+    r.add_argument("--seed", type=int, required=True, help="train's --seed (fresh seeds: 21 and up)")
+    r.add_argument("--steps", type=int, default=100, help="at most (the issue's 100)")
     r.add_argument("--name", default="", help="results name (default METHOD_aALPHA_sSEED)")
     for q in (c, r):
         q.add_argument("--runs", default="runs/dose", help="the train runs' output dirs go under this")
     args, extra = p.parse_known_args()
     if args.command == "calibrate":
-        calibrate(args)
-    else:
-        run(args, [x for x in extra if x != "--"])
+        return mipu.report_errors(calibrate, args)
+    return mipu.report_errors(run, args, [x for x in extra if x != "--"])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

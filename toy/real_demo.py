@@ -209,6 +209,7 @@ def real_demo(args: dict, argv: list) -> None:
             cfg = dataclasses.replace(base, method=method, learning_rate=lr, seed=seed,
                                       reject_rate=rejected if step2 == "random" else 0.0,
                                       accept_rule=base.accept_rule if step2 == "gap" else "paper",
+                                      c_se=base.c_se if step2 == "gap" else 0.0,
                                       output_dir=f"{base.output_dir}/{method}-lr{lr:g}-s{seed}")
             run = mipu.setup_llm_run(cfg, llm=llm)                 # θ_0 from the model folder, synced to μ
             lp = run.probe_ref[2]                                  # the probe's start-up gap: mean |vLLM - trainer|
