@@ -144,9 +144,9 @@ def test_file_sizes():
     reference, >= 8,000 in the harness; no top-level name defined both above and below the banner. `-s` prints the
     table of parts that toy/REFERENCE.md shows."""
     source = (HERE / "mipu.py").read_text()
-    size = _file_sizes(source)
-    print(size, "\n| part | characters |\n|---|---:|", *(f"| {p} | {n:,} |" for p, n in _part_sizes(source)), sep="\n")
-    assert sum(n for _, n in _part_sizes(source)) == size["file"]
+    size, parts = _file_sizes(source), _part_sizes(source)
+    print(size, "\n| part | characters |\n|---|---:|", *(f"| {p} | {n:,} |" for p, n in parts), sep="\n")
+    assert sum(n for _, n in parts) == size["file"]
     tree = ast.parse(source)
     above = set().union(*[_top_level_names(n) for n in tree.body if n.lineno < size["banner"]])
     below = set().union(*[_top_level_names(n) for n in tree.body if n.lineno > size["banner"]])

@@ -121,7 +121,7 @@ def plot_calibration(rows: list[tuple], out: Path) -> None:
 
 
 def run(args, extra: list[str]) -> None:
-    """One search run, watched (see the module docstring); its exit code."""
+    """One search run, watched (see the module docstring); an error if it exits with other than 0."""
     OUT.mkdir(parents=True, exist_ok=True)
     name = args.name or f"{args.method}_a{args.alpha}_s{args.seed}"
     run_dir = Path(args.runs) / name
@@ -136,10 +136,10 @@ def run(args, extra: list[str]) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("calibrate")
+    c = sub.add_parser("calibrate", allow_abbrev=False)   # `--alpha` would abbreviate `--alphas`
     c.add_argument("--alphas", default="0,1,2,3,4,6", help="comma-separated doses (the issue's; \"\": redraw the "
                                                           "figure only)")
-    r = sub.add_parser("run")
+    r = sub.add_parser("run", allow_abbrev=False)
     r.add_argument("--alpha", required=True, help="the dose, --fp8-sim-dose")
     r.add_argument("--method", default="grpo", help="train's --method (step2 with -- --c 1e9: grpo, T_post logged)")
     r.add_argument("--seed", type=int, required=True, help="train's --seed (fresh seeds: 21 and up)")
@@ -148,6 +148,8 @@ def main() -> int:
     for q in (c, r):
         q.add_argument("--runs", default="runs/dose", help="the train runs' output dirs go under this")
     args, extra = p.parse_known_args()
+    if args.command == "calibrate" and extra:       # only `run` passes flags on to train
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "calibrate":
         return mipu.report_errors(calibrate, args)
     return mipu.report_errors(run, args, [x for x in extra if x != "--"])
