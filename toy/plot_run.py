@@ -6,9 +6,9 @@ mismatch k3 before/after the update, T_post with accepted/rejected steps, the ac
 the seconds per phase of a step. Copy metrics.jsonl off a remote GPU machine and plot it here.
 
 Did runs collapse? `python -m toy.plot_run --compare RUN_DIR_OR_JSONL... --out PNG` draws their held-out
-pass@1 and 10-step mean batch reward against step in one figure, and prints a markdown row per run: best and
-final of both, whether it collapsed (COLLAPSE_SHARE), and k3, the sequence ESS and the gradient norm over its
-first and last 10 steps.
+pass@1 and the 10-step means of the batch reward, k3, ESS, T_post and acceptance against step in one figure,
+and prints a markdown row per run: best and final of pass@1 and batch reward, whether each collapsed
+(COLLAPSE_SHARE), and k3, the sequence ESS and the gradient norm over its first and last 10 steps.
 """
 import argparse
 import json
@@ -136,25 +136,37 @@ def run_summary(name: str, ms: list[dict], run_curves: dict) -> dict:
 
 
 def plot_compare(paths: list[Path], out: Path) -> list[dict]:
-    """The runs' held-out pass@1 and 10-step mean batch reward against step, in one PNG; their summary rows."""
+    """The runs against step in one PNG: held-out pass@1, and the WINDOW-step means of the batch reward, k3, the
+    sequence ESS and T_post (x: a rejected candidate, at its own T_post); their summary rows."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    axes = axes.ravel()
     rows = []
     for path in paths:
         ms = read_metrics(path)
         name = path.parent.name if path.name == "metrics.jsonl" else path.stem if path.suffix == ".jsonl" else path.name
         run_curves = curves(ms)
         rows.append(run_summary(name, ms, run_curves))
-        for ax, (x, y) in zip(axes, run_curves.values()):
-            if len(x):
+        means = [(x, running_mean(y) if len(y) else y) for x, y in (series(ms, k) for k in ("mismatch/k3", "mismatch/seq_ess",
+                                                                           "step2/t_post", "step2/accepted"))]
+        for ax, (x, y) in zip(axes, [*run_curves.values(), *means]):
+            if len(x) and not np.isnan(y).all():
                 ax.plot(x, y, marker="." if len(x) < 50 else None, label=name)
-    for ax, title in zip(axes, ("held-out pass@1 (--eval-data)", f"batch reward, {WINDOW}-step mean")):
-        ax.set_title(title)
+        x, t_post = series(ms, "step2/t_post")
+        rejected = series(ms, "step2/accepted")[1] == 0
+        if rejected.any():
+            axes[4].scatter(x[rejected], np.nan_to_num(t_post[rejected]), marker="x", s=12,
+                            color=axes[4].lines[-1].get_color())
+    titles = ("held-out pass@1 (--eval-data)", "batch reward", "k3 KL(mu||pi) before the update", "sequence ESS",
+              "T_post (Step 2; x = rejected)", "acceptance rate")
+    for ax, title in zip(axes, titles):
+        ax.set_title(title if ax is axes[0] else f"{title}, {WINDOW}-step mean")
         ax.set_xlabel("step")
         if ax.lines:
             ax.legend(fontsize=7)
+    axes[4].axhline(0, color="gray", lw=0.5)
     fig.tight_layout()
     fig.savefig(out, dpi=80)
     plt.close(fig)
