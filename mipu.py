@@ -2386,6 +2386,8 @@ def train(cfg: TrainConfig) -> None:
             dist.destroy_process_group()
     if lock:
         lock.close()
+    if STOP.is_set():         # a Ctrl-C eaten in the last step: the run is whole, but the user is told, and 130
+        raise KeyboardInterrupt
     if nonfinite == NONFINITE_STOP_STEPS:
         raise MIPUError(f"steps {eng.step - nonfinite}-{eng.step - 1}: {nonfinite} candidates in a row were non-finite "
                         "(NaN/inf loss, gradient or weights) and rolled back; the run cannot train from this state "

@@ -3707,10 +3707,12 @@ def stop_cleared():
     mipu.STOP.clear()
 
 
+@pytest.mark.parametrize("at_step", [1, 4])
 def test_ctrl_c_that_python_drops_still_stops_train(llm, model_dir, tmp_path, restore, monkeypatch, capsys,
-                                                     stop_cleared):
+                                                     stop_cleared, at_step):
     """A Ctrl-C that lands in a finalizer (__del__), where Python cannot raise it (a run once went on 70 steps):
-    `train` still stops at the next step, with the one line and 130, its checkpoints whole."""
+    `train` still stops at the next step, with the one line and 130, its checkpoints whole; in the last step (4 of
+    5) the run ends as it would have, and still says so and exits 130, not 0."""
     class Finalizer:
         def __del__(self):
             os.kill(os.getpid(), signal.SIGINT)
@@ -3719,7 +3721,7 @@ def test_ctrl_c_that_python_drops_still_stops_train(llm, model_dir, tmp_path, re
     end_update = mipu.TrainEngine.end_update
 
     def end_update_and_finalize(self, finite):
-        if self.step == 1:
+        if self.step == at_step:
             Finalizer()
         return end_update(self, finite)
 
@@ -3739,9 +3741,11 @@ def test_ctrl_c_that_python_drops_still_stops_train(llm, model_dir, tmp_path, re
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert rc == 130 and errors == [
         "error: interrupted (Ctrl-C); saved checkpoints are intact (`train --resume` continues)"]
-    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]   # step 1 ended
-    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-000002"] and not list(out.glob(".tmp-*"))
-    assert mipu.read_trainer_state(out / "checkpoint-000002")["step"] == 2
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(at_step + 1))                                        # the step it landed in ended
+    saved = f"checkpoint-{at_step + 1:06d}"
+    assert [p.name for p in out.glob("checkpoint-*")] == [saved] and not list(out.glob(".tmp-*"))
+    assert mipu.read_trainer_state(out / saved)["step"] == at_step + 1
 
 
 def test_cli_train_compiled_vllm_syncs(model_dir, tmp_path):
