@@ -3831,6 +3831,26 @@ def test_plot_run_compare_flags_a_collapse(tmp_path):
     assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_dose_mechanism_finds_a_t_post_that_foretells_the_reward(tmp_path):
+    """toy.dose mechanism: T_post that sets the next batch's reward change correlates near 1 at lag 1, one drawn apart
+    from it near 0; stretch means as given; a run without T_post is one error."""
+    from toy.dose import mechanism
+    rng = np.random.default_rng(0)
+    t = rng.normal(0, 1e-3, 100)
+    foretells = np.concatenate([[0.3], 0.3 + np.cumsum(100 * t[:-1])])          # reward[k+1] - reward[k] = 100 t[k]
+    for name, reward in (("foretells", foretells), ("apart", rng.uniform(0, 1, 100))):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(
+            {"step": k, "rollout/reward": reward[k], "step2/t_post": t[k]}) + "\n" for k in range(100)))
+    rows = mechanism([tmp_path / "foretells.jsonl", tmp_path / "apart.jsonl"])
+    r1 = [float(row["r(T̂_post, Δreward), lag 1"].split()[0]) for row in rows]
+    assert r1[0] > 0.99 and abs(r1[1]) < 0.3, r1
+    assert rows[0]["T̂_post, steps 0-9"].startswith(f"{t[:10].mean():+.4f} ± ")
+    assert rows[0]["T̂_post, steps 50-99"].startswith(f"{t[50:].mean():+.4f} ± ")
+    (tmp_path / "grpo.jsonl").write_text(json.dumps({"step": 0, "rollout/reward": 0.5}) + "\n")
+    with pytest.raises(mipu.MIPUError, match="without T_post"):
+        mechanism([tmp_path / "grpo.jsonl"])
+
+
 @pytest.mark.parametrize("evals, stopped", [([0.5, 0.6, 0.2, 0.1, 0.1], True), ([0.5, 0.6, 0.2, 0.6, 0.7], False)])
 def test_dose_run_stops_a_collapsed_run_only(tmp_path, evals, stopped):
     """toy.dose's watch copies a run's metrics as they land and Ctrl-Cs it once its held-out curve is collapsed

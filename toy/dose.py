@@ -3,6 +3,7 @@
 
     python -m toy.dose calibrate --alphas 0,1,2,3,4,6   # μ's pass@1 at θ_0 and k3 / ESS against α
     python -m toy.dose run --alpha 1 --method step2 --seed 21 -- --c 1e9   # one search run
+    python -m toy.dose mechanism toy/results/dose/step2_*.jsonl             # does T̂_post foretell the reward?
 
 calibrate: for each α, `mipu.py eval` (all 256 sums_val problems × 4 samples at θ_0) and a 4-step grpo run (its
 k3 and sequence ESS averaged over the 4 steps); a row per α to toy/results/dose/calibration.md as each lands, then
@@ -12,6 +13,9 @@ toy/results/dose/NAME.jsonl every 30 s; stopped (Ctrl-C: at the next step) once 
 (toy.plot_run's rule: its last 20 steps below half its best, i.e. at the second low evaluation in a row).
 Any other `mipu.py train` flag passes through after `--`. `--method step2 -- --c 1e9` is grpo's update with Step 2
 measured and every candidate kept: grpo's run, with T̂_post logged at each step (the mechanism), at Step 2's cost.
+mechanism: a row per run: T̂_post's mean over three stretches of steps, and its correlation with the batch reward's
+change after the step (the mean of the next LAG batches' minus the last LAG's, these included), a 95 % interval
+(Fisher's z; at lag 10 neighbouring changes share batches, so that interval is too narrow).
 """
 import argparse
 import shutil
@@ -133,6 +137,31 @@ def run(args, extra: list[str]) -> None:
         raise mipu.MIPUError(f"the run {name} exited with code {rc}")
 
 
+STRETCHES, LAGS = ((0, 10), (10, 50), (50, None)), (1, 10)    # the start, the climb, the rest; a step and a stretch
+
+
+def mechanism(paths: list[Path]) -> list[dict]:
+    """A row per Step-2 run (see the module docstring)."""
+    rows = []
+    for path in paths:
+        ms = read_metrics(path)
+        t, reward = series(ms, "step2/t_post")[1], series(ms, "rollout/reward")[1]
+        if not len(t) == len(reward) == len(ms) or np.isnan(t).any():
+            raise mipu.MIPUError(f"{path}: a step without T_post (not a Step-2 run?)")
+        row = {"run": path.stem}
+        for a, b in STRETCHES:
+            x = t[a:b]
+            row[f"T̂_post, steps {a}-{(b or len(t)) - 1}"] = f"{x.mean():+.4f} ± {x.std(ddof=1) / np.sqrt(len(x)):.4f}"
+        for lag in LAGS:
+            k = np.arange(lag - 1, len(t) - lag)
+            change = [reward[i + 1:i + 1 + lag].mean() - reward[i + 1 - lag:i + 1].mean() for i in k]
+            r, half = np.corrcoef(t[k], change)[0, 1], 1.96 / np.sqrt(len(k) - 3)     # Fisher's z interval
+            lo, hi = np.tanh(np.arctanh(r) - half), np.tanh(np.arctanh(r) + half)
+            row[f"r(T̂_post, Δreward), lag {lag}"] = f"{r:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+        rows.append(row)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -145,13 +174,17 @@ def main() -> int:
     r.add_argument("--seed", type=int, required=True, help="train's --seed (fresh seeds: 21 and up)")
     r.add_argument("--steps", type=int, default=100, help="at most (the issue's 100)")
     r.add_argument("--name", default="", help="results name (default METHOD_aALPHA_sSEED)")
+    m = sub.add_parser("mechanism", allow_abbrev=False)
+    m.add_argument("files", type=Path, nargs="+", help="Step-2 runs' metrics (toy/results/dose/*.jsonl)")
     for q in (c, r):
         q.add_argument("--runs", default="runs/dose", help="the train runs' output dirs go under this")
     args, extra = p.parse_known_args()
-    if args.command == "calibrate" and extra:       # only `run` passes flags on to train
+    if args.command != "run" and extra:             # only `run` passes flags on to train
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "calibrate":
         return mipu.report_errors(calibrate, args)
+    if args.command == "mechanism":
+        return mipu.report_errors(lambda: print(mipu.markdown_table(mechanism(args.files))))
     return mipu.report_errors(run, args, [x for x in extra if x != "--"])
 
 
