@@ -103,7 +103,8 @@ def calibrate(args) -> None:
 
 
 def plot_calibration(rows: list[tuple], out: Path) -> None:
-    """pass@1, k3 (log scale) and the sequence ESS against α, with α_hi's rule's lines; rows: (α, pass@1, k3, ESS)."""
+    """pass@1, k3 (log scale) and the sequence ESS against α, with α_hi's rule's lines; rows: (α, pass@1, k3,
+    ESS)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -151,7 +152,8 @@ def mechanism(paths: list[Path]) -> list[dict]:
         row = {"run": path.stem}
         for a, b in STRETCHES:
             x = t[a:b]
-            row[f"T̂_post, steps {a}-{(b or len(t)) - 1}"] = f"{x.mean():+.4f} ± {x.std(ddof=1) / np.sqrt(len(x)):.4f}"
+            se = x.std(ddof=1) / np.sqrt(len(x))
+            row[f"T̂_post, steps {a}-{(b or len(t)) - 1}"] = f"{x.mean():+.4f} ± {se:.4f}"
         for lag in LAGS:
             k = np.arange(lag - 1, len(t) - lag)
             change = [reward[i + 1:i + 1 + lag].mean() - reward[i + 1 - lag:i + 1].mean() for i in k]

@@ -103,7 +103,9 @@ def plot_run(run_dir: Path, out: Path) -> Path:
 
 
 def running_mean(y: np.ndarray, n: int = WINDOW) -> np.ndarray:
-    """Mean of the last n values at each point (fewer at the start)."""
+    """Mean of the last n values at each point (fewer at the start); a run without the key: empty."""
+    if not len(y):                      # np.convolve refuses an empty array
+        return y
     return np.convolve(y, np.ones(n), "full")[:len(y)] / np.minimum(np.arange(1, len(y) + 1), n)
 
 
@@ -149,7 +151,7 @@ def plot_compare(paths: list[Path], out: Path) -> list[dict]:
         name = path.parent.name if path.name == "metrics.jsonl" else path.stem if path.suffix == ".jsonl" else path.name
         run_curves = curves(ms)
         rows.append(run_summary(name, ms, run_curves))
-        means = [(x, running_mean(y) if len(y) else y) for x, y in (series(ms, k) for k in ("mismatch/k3", "mismatch/seq_ess",
+        means = [(x, running_mean(y)) for x, y in (series(ms, k) for k in ("mismatch/k3", "mismatch/seq_ess",
                                                                            "step2/t_post", "step2/accepted"))]
         for ax, (x, y) in zip(axes, [*run_curves.values(), *means]):
             if len(x) and not np.isnan(y).all():
